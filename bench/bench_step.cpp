@@ -1,0 +1,514 @@
+// bench_step: times tessel's training step, the way runtime/trainer.cpp takes it.
+//
+// One step = zero_grad, forward_backward (grad_scale 1/(B*T)), global grad-norm clip (sum of
+// squares, scale when the factor is below 1), AdamW per parameter view (weight decay on the views
+// that ask for it). Warm-up steps first, then timed steps; each phase is timed separately, and
+// every backend op is timed through a forwarding backend (one clock read per op call: ~20 µs per
+// step, far below the noise) so that the report says where the time goes.
+//
+// With --gemm-peak it also measures, after the steps, the SGEMM rate of every GEMM provider on
+// the model's own GEMM shapes (forward NT, backward-input NN and backward-weight TN of every
+// linear layer, called exactly as kernels/cpu/linear.cpp calls them): the best of those is the
+// peak that tessel's effective matmul rate is compared with. Peak RSS is read before that, so
+// the GEMM buffers do not count.
+//
+// Human-readable lines go to stderr; stdout gets one JSON object (scripts/bench combines them).
+#include <sys/resource.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tessel/core/error.h"
+#include "tessel/kernels/backend.h"
+#include "tessel/kernels/gemm.h"
+#include "tessel/model/model_config.h"
+#include "tessel/model/transformer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tessel::kernels::Backend;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double mean(const std::vector<double>& v) {
+  return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size());
+}
+
+// Forwards every call to `inner`, adding its wall time to a per-op total. The CPU backends run
+// ops synchronously, so the time around a call is the op's time.
+class TimedBackend final : public Backend {
+ public:
+  explicit TimedBackend(Backend& inner) : in_(inner) {}
+
+  std::map<std::string, double> totals_ms;  // op -> accumulated milliseconds
+  bool enabled = false;
+
+  std::string_view name() const override { return in_.name(); }
+  tessel::kernels::DeviceKind device() const override { return in_.device(); }
+  bool supports(tessel::kernels::Op op) const override { return in_.supports(op); }
+  void* allocate(size_t bytes) override { return in_.allocate(bytes); }
+  void deallocate(void* p) override { in_.deallocate(p); }
+  void copy_from_host(void* d, const void* s, size_t n) override {
+    timed("copy", [&] { in_.copy_from_host(d, s, n); });
+  }
+  void copy_to_host(void* d, const void* s, size_t n) override {
+    timed("copy", [&] { in_.copy_to_host(d, s, n); });
+  }
+  void memset_zero(void* d, size_t n) override {
+    timed(n >= kBigMemset ? "memset_zero(grads)" : "memset_zero(scratch)",
+          [&] { in_.memset_zero(d, n); });
+  }
+  tessel::kernels::Stream& stream() override { return in_.stream(); }
+  void synchronize() override { in_.synchronize(); }
+
+  void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                         int B, int T, int C, int vs, int vr) override {
+    timed("embedding_fwd", [&] { in_.embedding_forward(out, tokens, wte, wpe, B, T, C, vs, vr); });
+  }
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                          int B, int T, int C, int vs, int vr) override {
+    timed("embedding_bwd",
+          [&] { in_.embedding_backward(dwte, dwpe, dout, tokens, B, T, C, vs, vr); });
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
+                         const float* b, int N, int C, float eps) override {
+    timed("layernorm_fwd", [&] { in_.layernorm_forward(out, mean, rstd, inp, w, b, N, C, eps); });
+  }
+  void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+                          const float* w, const float* mean, const float* rstd, int N,
+                          int C) override {
+    timed("layernorm_bwd",
+          [&] { in_.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, C); });
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int N, int C,
+                       float eps) override {
+    timed("rmsnorm_fwd", [&] { in_.rmsnorm_forward(out, rstd, inp, w, N, C, eps); });
+  }
+  void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp,
+                        const float* w, const float* rstd, int N, int C) override {
+    timed("rmsnorm_bwd", [&] { in_.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, C); });
+  }
+  void linear_forward(float* out, const float* inp, const float* w, const float* b, int N, int IC,
+                      int OC) override {
+    timed(OC > kHeadWidth ? "lm_head_fwd (gemm)" : "linear_fwd (gemm+bias)",
+          [&] { in_.linear_forward(out, inp, w, b, N, IC, OC); });
+  }
+  void linear_backward_input(float* dinp, const float* dout, const float* w, int N, int IC,
+                             int OC) override {
+    timed(OC > kHeadWidth ? "lm_head_bwd_input (gemm)" : "linear_bwd_input (gemm)",
+          [&] { in_.linear_backward_input(dinp, dout, w, N, IC, OC); });
+  }
+  void linear_backward_weight(float* dw, float* db, const float* dout, const float* inp, int N,
+                              int IC, int OC) override {
+    timed(OC > kHeadWidth ? "lm_head_bwd_weight (gemm)" : "linear_bwd_weight (gemm+dbias)",
+          [&] { in_.linear_backward_weight(dw, db, dout, inp, N, IC, OC); });
+  }
+  void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
+                         int B, int T, int Hq, int Hkv, int D, int64_t qs, int64_t kvs) override {
+    timed("attention_fwd",
+          [&] { in_.attention_forward(out, probs, q, k, v, B, T, Hq, Hkv, D, qs, kvs); });
+  }
+  void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* probs,
+                          const float* q, const float* k, const float* v, int B, int T, int Hq,
+                          int Hkv, int D, int64_t qs, int64_t kvs) override {
+    timed("attention_bwd", [&] {
+      in_.attention_backward(dq, dk, dv, dout, probs, q, k, v, B, T, Hq, Hkv, D, qs, kvs);
+    });
+  }
+  void rope_forward(float* x, int B, int T, int H, int D, int64_t s, float theta) override {
+    timed("rope_fwd", [&] { in_.rope_forward(x, B, T, H, D, s, theta); });
+  }
+  void rope_backward(float* dx, int B, int T, int H, int D, int64_t s, float theta) override {
+    timed("rope_bwd", [&] { in_.rope_backward(dx, B, T, H, D, s, theta); });
+  }
+  void gelu_forward(float* out, const float* inp, int64_t n) override {
+    timed("gelu_fwd", [&] { in_.gelu_forward(out, inp, n); });
+  }
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
+    timed("gelu_bwd", [&] { in_.gelu_backward(dinp, inp, dout, n); });
+  }
+  void swiglu_forward(float* out, const float* g, const float* u, int64_t n) override {
+    timed("swiglu_fwd", [&] { in_.swiglu_forward(out, g, u, n); });
+  }
+  void swiglu_backward(float* dg, float* du, const float* dout, const float* g, const float* u,
+                       int64_t n) override {
+    timed("swiglu_bwd", [&] { in_.swiglu_backward(dg, du, dout, g, u, n); });
+  }
+  void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
+    timed("residual_fwd", [&] { in_.residual_forward(out, a, b, n); });
+  }
+  void residual_backward(float* da, float* db, const float* dout, int64_t n) override {
+    timed("residual_bwd", [&] { in_.residual_backward(da, db, dout, n); });
+  }
+  tessel::kernels::CrossEntropyResult cross_entropy(float* dlogits, float* losses,
+                                                    const float* logits, const int32_t* targets,
+                                                    int N, int V, int Vp, int ignore_index,
+                                                    float grad_scale) override {
+    tessel::kernels::CrossEntropyResult r;
+    timed("cross_entropy", [&] {
+      r = in_.cross_entropy(dlogits, losses, logits, targets, N, V, Vp, ignore_index, grad_scale);
+    });
+    return r;
+  }
+  void adamw_update(float* p, const float* g, float* m, float* v, int64_t n,
+                    const tessel::kernels::AdamWConfig& cfg) override {
+    timed("adamw_update", [&] { in_.adamw_update(p, g, m, v, n, cfg); });
+  }
+  double sum_of_squares(const float* x, int64_t n) override {
+    double r = 0;
+    timed("sum_of_squares", [&] { r = in_.sum_of_squares(x, n); });
+    return r;
+  }
+  void scale(float* x, int64_t n, float f) override {
+    timed("scale", [&] { in_.scale(x, n, f); });
+  }
+
+ private:
+  // Widths above this are the LM head (vocabulary-wide); memsets at least this big are the
+  // gradient buffer (zero_grad), smaller ones the backward scratch.
+  static constexpr int kHeadWidth = 16384;
+  static constexpr size_t kBigMemset = size_t(64) << 20;
+
+  template <typename F>
+  void timed(const char* op, F&& f) {
+    if (!enabled) {
+      f();
+      return;
+    }
+    const auto t0 = Clock::now();
+    f();
+    totals_ms[op] += ms_since(t0);
+  }
+
+  Backend& in_;
+};
+
+struct GemmShape {
+  const char* what;
+  bool ta, tb;
+  int M, N, K;
+  float beta;
+};
+
+// Every GEMM one training step issues, in the forms kernels/cpu/linear.cpp uses.
+std::vector<GemmShape> model_gemm_shapes(const tessel::model::ModelConfig& c, int rows) {
+  const int C = c.n_embd, F = c.ffn_hidden, Vp = c.padded_vocab();
+  struct Lin {
+    const char* name;
+    int IC, OC;
+    bool bias;
+  };
+  const Lin lins[] = {{"c_attn", C, 3 * C, true},
+                      {"attn.c_proj", C, C, true},
+                      {"c_fc", C, F, true},
+                      {"mlp.c_proj", F, C, true},
+                      {"lm_head", C, Vp, false}};
+  std::vector<GemmShape> out;
+  for (const Lin& l : lins) {
+    out.push_back({l.name, false, true, rows, l.OC, l.IC, l.bias ? 1.0f : 0.0f});  // forward
+    out.push_back({l.name, false, false, rows, l.IC, l.OC, 1.0f});                 // d input
+    out.push_back({l.name, true, false, l.OC, l.IC, rows, 1.0f});                  // d weight
+  }
+  return out;
+}
+
+struct GemmPeak {
+  double gflops = 0;
+  std::string provider, shape;
+  nlohmann::json table = nlohmann::json::array();
+};
+
+// Best-of-repeats GFLOP/s of every (provider, shape); each shape runs >= 3 times and >= 60 ms.
+GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
+  namespace k = tessel::kernels;
+  const std::string original = k::gemm_provider();
+  const auto shapes = model_gemm_shapes(cfg, rows);
+  size_t a_max = 0, b_max = 0, c_max = 0;
+  for (const auto& s : shapes) {
+    a_max = std::max(a_max, size_t(s.M) * size_t(s.K));
+    b_max = std::max(b_max, size_t(s.K) * size_t(s.N));
+    c_max = std::max(c_max, size_t(s.M) * size_t(s.N));
+  }
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  std::vector<float> A(a_max), B(b_max), Cm(c_max, 0.0f);
+  for (float& x : A) x = nd(rng);
+  for (float& x : B) x = nd(rng);
+
+  GemmPeak peak;
+  std::fprintf(stderr, "  sgemm on the model's shapes (best of repeats, GFLOP/s):\n");
+  std::fprintf(stderr, "    %-12s %-3s %6s %6s %6s", "layer", "op", "M", "N", "K");
+  for (const auto& p : k::gemm_providers()) std::fprintf(stderr, " %9s", p.c_str());
+  std::fprintf(stderr, "\n");
+  for (const auto& s : shapes) {
+    const int lda = s.ta ? s.M : s.K, ldb = s.tb ? s.K : s.N, ldc = s.N;
+    const double flop = 2.0 * s.M * s.N * double(s.K);
+    const char* form = s.ta ? "TN" : (s.tb ? "NT" : "NN");
+    std::fprintf(stderr, "    %-12s %-3s %6d %6d %6d", s.what, form, s.M, s.N, s.K);
+    nlohmann::json row = {{"layer", s.what}, {"form", form}, {"M", s.M}, {"N", s.N}, {"K", s.K}};
+    for (const auto& p : k::gemm_providers()) {
+      k::set_gemm_provider(p);
+      auto run = [&] {
+        k::sgemm(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), lda, B.data(), ldb, s.beta, Cm.data(),
+                 ldc);
+      };
+      run();  // warm-up (packing buffers, thread start)
+      double best = 1e30, spent = 0;
+      for (int rep = 0; rep < 3 || spent < 60.0; ++rep) {
+        const auto t0 = Clock::now();
+        run();
+        const double ms = ms_since(t0);
+        best = std::min(best, ms);
+        spent += ms;
+        if (rep >= 50) break;
+      }
+      const double gf = flop / (best * 1e6);
+      std::fprintf(stderr, " %9.1f", gf);
+      row[p] = gf;
+      if (gf > peak.gflops) {
+        peak.gflops = gf;
+        peak.provider = p;
+        peak.shape = std::string(s.what) + " " + form + " " + std::to_string(s.M) + "x" +
+                     std::to_string(s.N) + "x" + std::to_string(s.K);
+      }
+    }
+    std::fprintf(stderr, "\n");
+    peak.table.push_back(row);
+  }
+  k::set_gemm_provider(original);
+  return peak;
+}
+
+// Matmul FLOPs of one training step: 6 per (token, weight-matrix element) for every linear layer
+// and the LM head (forward 2, backward 4), plus attention's QK^T and PV over the full T x T
+// (forward 4 B T^2 C per layer, backward twice that) -- the usual 6N + 12 L C T per token.
+// The head counts the real vocabulary, not the padding.
+double step_matmul_flops(const tessel::model::ModelConfig& c, int B, int T) {
+  const double N = double(B) * T, C = c.n_embd, F = c.ffn_hidden, L = c.n_layer;
+  const double block_weights = 3 * C * C + C * C + 2 * C * F;
+  const double head_weights = C * c.vocab_size;
+  const double linear = 6.0 * N * (L * block_weights + head_weights);
+  const double attention = 12.0 * L * double(B) * T * T * C;
+  return linear + attention;
+}
+
+tessel::model::ModelConfig bench_config(const std::string& name) {
+  using tessel::model::ModelConfig;
+  if (name == "gpt2-small-bench") {
+    // The issue's small configuration: L=4, C=256, 4 heads, GPT-2 vocabulary and positions.
+    ModelConfig c = ModelConfig::preset("gpt2-124m");
+    c.name = name;
+    c.n_layer = 4;
+    c.n_embd = 256;
+    c.n_head = c.n_kv_head = 4;
+    c.ffn_hidden = 4 * 256;
+    c.validate();
+    return c;
+  }
+  return ModelConfig::preset(name);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Times tessel's training step (see bench/README.md)"};
+  std::string model = "gpt2-124m";
+  std::string backend_name = "cpu";
+  int B = 4, T = 64, warmup = 3, steps = 10;
+  bool gemm_peak = false;
+  uint64_t seed = 1234;
+  app.add_option("--model", model, "model preset, or gpt2-small-bench (L=4, C=256, 4 heads)");
+  app.add_option("--backend", backend_name, "kernel backend");
+  app.add_option("--batch", B, "B");
+  app.add_option("--seq", T, "T");
+  app.add_option("--warmup", warmup, "untimed steps first");
+  app.add_option("--steps", steps, "timed steps");
+  app.add_option("--seed", seed, "init and token seed");
+  app.add_flag("--gemm-peak", gemm_peak, "also measure SGEMM on the model's shapes");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    namespace k = tessel::kernels;
+    const tessel::model::ModelConfig cfg = bench_config(model);
+    auto inner = k::make_backend(backend_name);
+    TimedBackend backend(*inner);
+    tessel::model::Transformer net(cfg, backend, B, T);
+    net.init(seed);
+
+    const int N = B * T;
+    std::mt19937 rng{uint32_t(seed)};
+    std::uniform_int_distribution<int32_t> tok(0, cfg.vocab_size - 1);
+    std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+    for (auto& t : tokens) t = tok(rng);
+    for (auto& t : targets) t = tok(rng);
+
+    // Adam moments: allocated and touched once, like the trainer's.
+    const int64_t P = net.num_params();
+    auto* m = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
+    auto* v = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
+    backend.memset_zero(m, size_t(P) * sizeof(float));
+    backend.memset_zero(v, size_t(P) * sizeof(float));
+    float* params = net.params().data<float>();
+    float* grads = net.grads().data<float>();
+
+    k::AdamWConfig opt;
+    opt.lr = 3e-4f;
+    opt.beta1 = 0.9f;
+    opt.beta2 = 0.95f;
+    opt.eps = 1e-8f;
+    const float weight_decay = 0.1f, max_norm = 1.0f;
+    const float grad_scale = 1.0f / float(N);
+
+    enum Phase { kZero, kForward, kBackward, kClip, kAdam, kNumPhases };
+    const char* phase_names[kNumPhases] = {"zero_grad", "forward", "backward", "clip", "adamw"};
+    std::array<std::vector<double>, kNumPhases> phase_ms;
+    std::vector<double> step_ms, losses, norms;
+    int clipped = 0;
+
+    for (int s = 0; s < warmup + steps; ++s) {
+      const bool timed = s >= warmup;
+      backend.enabled = timed;
+      std::array<double, kNumPhases> ph{};
+      const auto t_step = Clock::now();
+      auto t0 = Clock::now();
+      net.zero_grad();
+      backend.synchronize();
+      ph[kZero] = ms_since(t0);
+
+      t0 = Clock::now();
+      const auto r = net.forward_stage(tokens.data(), targets.data(), grad_scale);
+      backend.synchronize();
+      ph[kForward] = ms_since(t0);
+
+      t0 = Clock::now();
+      net.backward_stage();
+      backend.synchronize();
+      ph[kBackward] = ms_since(t0);
+
+      t0 = Clock::now();
+      const double norm = std::sqrt(backend.sum_of_squares(grads, P));
+      const float factor = k::clip_factor(norm, max_norm);
+      if (factor < 1.0f) backend.scale(grads, P, factor);
+      backend.synchronize();
+      ph[kClip] = ms_since(t0);
+
+      t0 = Clock::now();
+      opt.step = s + 1;
+      for (const auto& view : net.param_views()) {
+        opt.weight_decay = view.weight_decay ? weight_decay : 0.0f;
+        backend.adamw_update(params + view.offset, grads + view.offset, m + view.offset,
+                             v + view.offset, view.numel, opt);
+      }
+      backend.synchronize();
+      ph[kAdam] = ms_since(t0);
+      const double total = ms_since(t_step);
+
+      const double loss = r.loss_sum / double(std::max<int64_t>(r.valid, 1));
+      std::fprintf(stderr, "  %s step %2d: %8.1f ms  loss %.4f  grad norm %.3f\n",
+                   timed ? "timed " : "warmup", s, total, loss, norm);
+      if (!std::isfinite(loss)) {
+        std::fprintf(stderr, "bench_step: loss became %f at step %d\n", loss, s);
+        return 1;
+      }
+      if (timed) {
+        step_ms.push_back(total);
+        for (int p = 0; p < kNumPhases; ++p) phase_ms[size_t(p)].push_back(ph[size_t(p)]);
+        losses.push_back(loss);
+        norms.push_back(norm);
+        clipped += factor < 1.0f;
+      }
+    }
+    backend.enabled = false;
+
+    struct rusage ru {};
+    getrusage(RUSAGE_SELF, &ru);
+    const double peak_rss_mb = double(ru.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+
+    const double flops = step_matmul_flops(cfg, B, T);
+    const double ms_med = median(step_ms);
+    nlohmann::json out = {
+        {"side", "tessel"},
+        {"model", model},
+        {"backend", backend_name},
+        {"gemm_provider", k::gemm_provider()},
+        {"params", P},
+        {"B", B},
+        {"T", T},
+        {"steps", steps},
+        {"ms_median", ms_med},
+        {"ms_mean", mean(step_ms)},
+        {"ms_min", *std::min_element(step_ms.begin(), step_ms.end())},
+        {"step_gflop", flops / 1e9},
+        {"gflops", flops / (ms_med * 1e6)},
+        {"peak_rss_mb", peak_rss_mb},
+        {"first_loss", losses.front()},
+        {"last_loss", losses.back()},
+        {"clipped_steps", clipped},
+        {"activation_mb", double(net.activation_bytes()) / (1 << 20)},
+    };
+    std::fprintf(stderr, "tessel %s: median %.1f ms/step, mean %.1f, min %.1f; %.1f GFLOP/step -> %.1f GFLOP/s; peak RSS %.0f MB\n",
+                 model.c_str(), ms_med, mean(step_ms), out["ms_min"].get<double>(), flops / 1e9,
+                 flops / (ms_med * 1e6), peak_rss_mb);
+    std::fprintf(stderr, "  phases (median ms):");
+    nlohmann::json phases;
+    for (int p = 0; p < kNumPhases; ++p) {
+      const double med = median(phase_ms[size_t(p)]);
+      phases[phase_names[p]] = med;
+      std::fprintf(stderr, " %s %.1f", phase_names[p], med);
+    }
+    std::fprintf(stderr, "\n");
+    out["phases_ms"] = phases;
+
+    // Per-op totals, averaged per timed step, largest first.
+    std::vector<std::pair<double, std::string>> ops;
+    for (const auto& [op, total] : backend.totals_ms) ops.emplace_back(total / steps, op);
+    std::sort(ops.rbegin(), ops.rend());
+    nlohmann::json ops_json;
+    std::fprintf(stderr, "  ops (ms per step):\n");
+    for (const auto& [ms, op] : ops) {
+      ops_json[op] = ms;
+      std::fprintf(stderr, "    %-32s %8.2f  (%4.1f%%)\n", op.c_str(), ms, 100.0 * ms / ms_med);
+    }
+    out["ops_ms"] = ops_json;
+
+    if (gemm_peak) {
+      const GemmPeak gp = measure_gemm_peak(cfg, N);
+      out["gemm_peak_gflops"] = gp.gflops;
+      out["gemm_peak_provider"] = gp.provider;
+      out["gemm_peak_shape"] = gp.shape;
+      out["gemm_table"] = gp.table;
+      std::fprintf(stderr, "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
+                   gp.gflops, gp.provider.c_str(), gp.shape.c_str(),
+                   100.0 * flops / (ms_med * 1e6) / gp.gflops);
+    }
+    backend.deallocate(m);
+    backend.deallocate(v);
+    std::printf("%s\n", out.dump().c_str());
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_step: %s\n", e.what());
+    return 1;
+  }
+}

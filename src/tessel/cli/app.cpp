@@ -1,0 +1,114 @@
+#include "tessel/cli/app.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "tessel/core/error.h"
+#include "tessel/core/log.h"
+#include "tessel/data/tokenizer.h"
+#include "tessel/model/model_config.h"
+#include "tessel/runtime/trainer.h"
+
+namespace tessel::cli {
+
+namespace {
+
+// Parsed command-line values; outlives parsing so the chosen action can read them.
+struct Args {
+  std::string log_level = "info";
+  std::string config;
+  int64_t steps = 0;
+  std::vector<std::string> inputs;
+  std::string output;
+};
+
+void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
+  auto* cmd = app.add_subcommand("train", "train a model from a YAML config");
+  cmd->add_option("config", args.config, "YAML config file")->required();
+  cmd->add_option("--steps", args.steps, "override training.steps");
+  cmd->callback([&] {
+    action = [&] {
+      auto cfg = runtime::TrainConfig::load(args.config);
+      if (args.steps > 0) cfg.training.steps = args.steps;
+      runtime::Trainer trainer(cfg);
+      trainer.run();
+      return 0;
+    };
+  });
+}
+
+void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
+  auto* data = app.add_subcommand("data", "prepare training data");
+  data->require_subcommand(1);
+  auto* prepare = data->add_subcommand("prepare", "tokenize text files (byte-level) into a token file");
+  prepare->add_option("--input", args.inputs, "text files, one document each")->required();
+  prepare->add_option("--output", args.output, "token file to write")->required();
+  prepare->callback([&] {
+    action = [&] {
+      auto stats = data::prepare_dataset(args.inputs, args.output);
+      fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {})\n", args.output, stats.documents,
+                 stats.bytes, stats.tokens, data::ByteTokenizer::kVocabSize);
+      fmt::print("unigram entropy of the bytes: {:.3f} bits = {:.3f} nats per token\n",
+                 stats.entropy_bits, stats.entropy_nats);
+      return 0;
+    };
+  });
+}
+
+void add_presets(CLI::App& app, std::function<int()>& action) {
+  auto* cmd = app.add_subcommand("presets", "list the named model presets");
+  cmd->callback([&action] {
+    action = [] {
+      for (const auto& name : model::ModelConfig::preset_names()) {
+        auto c = model::ModelConfig::preset(name);
+        fmt::print("{:<12} {:<6} layers {:>3}  hidden {:>6}  heads {:>3}/{:<3}  vocab {:>6}  params {:.3g}\n",
+                   name, model::family_name(c.family), c.n_layer, c.n_embd, c.n_head, c.n_kv_head,
+                   c.vocab_size, double(c.num_params()));
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  CLI::App app{"tessel: elastic 3D-parallel transformer training"};
+  app.require_subcommand(1);
+  Args args;
+  app.add_option("--log-level", args.log_level, "trace, debug, info, warn, error or off");
+  std::function<int()> action;
+  add_train(app, args, action);
+  add_data(app, args, action);
+  add_presets(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  // Every expected failure is a tessel::Error: report it as one line and exit non-zero.
+  // Config mistakes exit 2 (like a usage error), everything else 1.
+  try {
+    set_log_level(args.log_level);
+    return action ? action() : 0;
+  } catch (const ConfigError& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "tessel: {}: {}\n", e.kind(), e.what());
+    return 2;
+  } catch (const Error& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "tessel: {}: {}\n", e.kind(), e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "tessel: out of memory: use a smaller model or micro-batch\n");
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "tessel: internal error: {}\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace tessel::cli

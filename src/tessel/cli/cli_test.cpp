@@ -1,0 +1,85 @@
+// Runs the `tessel` executable the way a user does and checks exit codes and messages.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "tessel/testing/testing.h"
+
+namespace tessel::cli {
+namespace {
+
+using tessel::testing::run_command;
+using tessel::testing::TempDir;
+namespace fs = std::filesystem;
+
+std::string bin() { return tessel::testing::tessel_binary().string(); }
+
+struct Result {
+  int status;
+  std::string output;
+};
+
+Result tessel(const std::string& args) {
+  Result r;
+  r.status = run_command(bin() + " " + args, &r.output);
+  return r;
+}
+
+TEST(Cli, PrepareThenTrainTinyModel) {
+  TempDir dir;
+  std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
+  std::ofstream(dir / "b.txt") << "the quick brown fox jumps over the lazy dog. " << std::string(2000, 'b');
+  auto r = tessel("data prepare --input " + (dir / "a.txt").string() + " " + (dir / "b.txt").string() +
+                  " --output " + (dir / "c.tok").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("2 documents"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("entropy"), std::string::npos) << r.output;
+  std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\n"
+                                << "data: {path: c.tok, seq_len: 16}\n"
+                                << "training: {steps: 3, global_batch: 4, micro_batch: 2}\n"
+                                << "output: {metrics: m.jsonl}\n";
+  r = tessel("train " + (dir / "t.yaml").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << r.output;
+  std::ifstream metrics(dir / "m.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line);) lines += line.find("\"loss\"") != std::string::npos;
+  EXPECT_EQ(lines, 3);
+}
+
+TEST(Cli, ConfigErrorsExitTwoWithOneLine) {
+  TempDir dir;
+  std::ofstream(dir / "bad.yaml") << "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {stepz: 1}\n";
+  auto r = tessel("train " + (dir / "bad.yaml").string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("tessel: config error:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("training.stepz"), std::string::npos) << r.output;
+  std::ofstream(dir / "bad2.yaml") << "model: {preset: gpt2-tiny\n";
+  r = tessel("train " + (dir / "bad2.yaml").string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("malformed YAML"), std::string::npos) << r.output;
+}
+
+TEST(Cli, MissingDataAndInputsAreIoErrors) {
+  TempDir dir;
+  std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\ndata: {path: nothere.tok}\n";
+  auto r = tessel("train " + (dir / "t.yaml").string());
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("nothere.tok"), std::string::npos) << r.output;
+  r = tessel("data prepare --input " + (dir / "missing.txt").string() + " --output " + (dir / "o.tok").string());
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "o.tok"));  // nothing that looks complete is left behind
+}
+
+TEST(Cli, UsageErrors) {
+  EXPECT_NE(tessel("").status, 0);
+  EXPECT_NE(tessel("frobnicate").status, 0);
+  auto r = tessel("presets");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.output.find("gpt3-175b"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace tessel::cli

@@ -1,0 +1,29 @@
+// Single-precision GEMM on row-major matrices, through a provider chosen at run time.
+//
+//   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C
+//
+// op(X) is X or its transpose. Providers: "onednn" (default; detects AVX-512 from CPUID on any
+// vendor) and "openblas". The environment variable TESSEL_GEMM picks one at start-up.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tessel::kernels {
+
+void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+           const float* B, int ldb, float beta, float* C, int ldc);
+
+// Throws ConfigError for an unknown name.
+void set_gemm_provider(std::string_view name);
+std::string gemm_provider();
+std::vector<std::string> gemm_providers();
+
+namespace ref {
+// Triple loop with double accumulation.
+void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+           const float* B, int ldb, float beta, float* C, int ldc);
+}  // namespace ref
+
+}  // namespace tessel::kernels

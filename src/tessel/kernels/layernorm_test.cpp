@@ -1,0 +1,153 @@
+#include "tessel/kernels/layernorm.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "tessel/testing/gradcheck.h"
+#include "tessel/testing/testing.h"
+
+namespace tessel::kernels {
+namespace {
+
+using testing::max_rel_error;
+using testing::random_normal;
+
+constexpr float kEps = 1e-5f;
+
+// Outputs and gradients are O(1), so errors are measured against max(|ref|, 1): float rounding
+// of O(1) terms (e.g. x - mean) is judged absolutely where a value happens to be near zero.
+constexpr double kFloor = 1.0;
+constexpr double kTol = 1e-5;
+
+struct Rows {
+  int N, C;
+};
+
+// Random rows with a common offset, so a one-pass E[x^2] - E[x]^2 variance would show.
+std::vector<float> offset_rows(int N, int C, uint64_t seed) {
+  auto x = random_normal(size_t(N) * C, seed);
+  for (size_t i = 0; i < x.size(); ++i) x[i] += 3.0f + float(i % 5);
+  return x;
+}
+
+TEST(Layernorm, CpuMatchesReference) {
+  // 64 x 768 crosses the kernels' parallel threshold; the others stay single-threaded.
+  for (auto [N, C] : {Rows{1, 1}, Rows{7, 3}, Rows{33, 67}, Rows{5, 768}, Rows{64, 768}}) {
+    for (bool with_bias : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C << " bias=" << with_bias);
+      const size_t NC = size_t(N) * C;
+      auto inp = offset_rows(N, C, 1);
+      auto weight = random_normal(C, 2);
+      auto bias = random_normal(C, 3);
+      const float* b = with_bias ? bias.data() : nullptr;
+      std::vector<float> out_r(NC), mean_r(N), rstd_r(N);
+      std::vector<float> out_c(NC), mean_c(N), rstd_c(N);
+      ref::layernorm_forward(out_r.data(), mean_r.data(), rstd_r.data(), inp.data(), weight.data(),
+                             b, N, C, kEps);
+      cpu::layernorm_forward(out_c.data(), mean_c.data(), rstd_c.data(), inp.data(), weight.data(),
+                             b, N, C, kEps);
+      EXPECT_LE(max_rel_error(out_c, out_r, kFloor), kTol);
+      EXPECT_LE(max_rel_error(mean_c, mean_r), 1e-6);
+      EXPECT_LE(max_rel_error(rstd_c, rstd_r), 1e-5);
+
+      // Pre-filled gradients: backward accumulates.
+      auto dout = random_normal(NC, 4);
+      auto dinp_r = random_normal(NC, 5), dw_r = random_normal(C, 6), db_r = random_normal(C, 7);
+      auto dinp_c = dinp_r, dw_c = dw_r, db_c = db_r;
+      ref::layernorm_backward(dinp_r.data(), dw_r.data(), with_bias ? db_r.data() : nullptr,
+                              dout.data(), inp.data(), weight.data(), mean_r.data(), rstd_r.data(),
+                              N, C);
+      cpu::layernorm_backward(dinp_c.data(), dw_c.data(), with_bias ? db_c.data() : nullptr,
+                              dout.data(), inp.data(), weight.data(), mean_r.data(), rstd_r.data(),
+                              N, C);
+      EXPECT_LE(max_rel_error(dinp_c, dinp_r, kFloor), kTol);
+      EXPECT_LE(max_rel_error(dw_c, dw_r, kFloor), kTol);
+      EXPECT_LE(max_rel_error(db_c, db_r, kFloor), kTol);
+      if (!with_bias) {
+        EXPECT_EQ(db_c, random_normal(C, 7)) << "dbias must be left alone without a bias";
+      }
+    }
+  }
+}
+
+// dweight/dbias sum over rows in a fixed order per channel block, so any thread count gives
+// bit-identical gradients (a reduction across threads would not).
+TEST(Layernorm, CpuBackwardDoesNotDependOnThreadCount) {
+  const int N = 96, C = 768;
+  const size_t NC = size_t(N) * C;
+  auto inp = offset_rows(N, C, 31);
+  auto weight = random_normal(C, 32);
+  auto dout = random_normal(NC, 33);
+  std::vector<float> out(NC), mean(N), rstd(N);
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), nullptr,
+                         N, C, kEps);
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    std::vector<float> grads(NC + 2 * C, 0.0f);
+    cpu::layernorm_backward(grads.data(), grads.data() + NC, grads.data() + NC + C, dout.data(),
+                            inp.data(), weight.data(), mean.data(), rstd.data(), N, C);
+    return grads;
+  };
+  const int saved = omp_get_max_threads();
+  const auto one = run(1);
+  for (int threads : {2, 3, 5}) EXPECT_EQ(run(threads), one) << threads << " threads";
+  omp_set_num_threads(saved);
+}
+
+TEST(Layernorm, BackwardAccumulatesIntoGradients) {
+  const int N = 9, C = 67;
+  const size_t NC = size_t(N) * C;
+  auto inp = offset_rows(N, C, 11);
+  auto weight = random_normal(C, 12);
+  auto dout = random_normal(NC, 13);
+  std::vector<float> out(NC), mean(N), rstd(N);
+  ref::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), nullptr,
+                         N, C, kEps);
+  auto pre_dinp = random_normal(NC, 14), pre_dw = random_normal(C, 15),
+       pre_db = random_normal(C, 16);
+  for (auto backward : {ref::layernorm_backward, cpu::layernorm_backward}) {
+    std::vector<float> dinp0(NC, 0.0f), dw0(C, 0.0f), db0(C, 0.0f);
+    backward(dinp0.data(), dw0.data(), db0.data(), dout.data(), inp.data(), weight.data(),
+             mean.data(), rstd.data(), N, C);
+    auto dinp = pre_dinp, dw = pre_dw, db = pre_db;
+    backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), weight.data(), mean.data(),
+             rstd.data(), N, C);
+    for (size_t i = 0; i < NC; ++i) EXPECT_NEAR(dinp[i], pre_dinp[i] + dinp0[i], 1e-5);
+    for (int c = 0; c < C; ++c) {
+      EXPECT_NEAR(dw[c], pre_dw[c] + dw0[c], 1e-5);
+      EXPECT_NEAR(db[c], pre_db[c] + db0[c], 1e-5);
+    }
+  }
+}
+
+TEST(Layernorm, ReferenceBackwardMatchesFiniteDifferences) {
+  for (auto [N, C] : {Rows{3, 5}, Rows{2, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " C=" << C);
+    const size_t NC = size_t(N) * C;
+    auto inp = random_normal(NC, 21);
+    auto weight = random_normal(C, 22);
+    auto bias = random_normal(C, 23);
+    auto w = random_normal(NC, 24);  // loss = sum(out * w), so dout = w
+    std::vector<float> out(NC), mean(N), rstd(N);
+    auto loss = [&] {
+      ref::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(),
+                             bias.data(), N, C, kEps);
+      return testing::dot(out, w);
+    };
+    loss();
+    std::vector<float> dinp(NC, 0.0f), dw(C, 0.0f), db(C, 0.0f);
+    ref::layernorm_backward(dinp.data(), dw.data(), db.data(), w.data(), inp.data(), weight.data(),
+                            mean.data(), rstd.data(), N, C);
+    // A smaller step: the normalisation curves sharply for rows of a handful of values.
+    testing::GradcheckOptions opt;
+    opt.h = 1e-3f;
+    testing::expect_gradient_matches("dinp", inp, dinp, loss, opt);
+    testing::expect_gradient_matches("dweight", weight, dw, loss, opt);
+    testing::expect_gradient_matches("dbias", bias, db, loss, opt);
+  }
+}
+
+}  // namespace
+}  // namespace tessel::kernels

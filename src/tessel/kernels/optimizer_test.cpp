@@ -1,0 +1,165 @@
+#include "tessel/kernels/optimizer.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+#include "tessel/testing/gradcheck.h"
+#include "tessel/testing/testing.h"
+
+namespace tessel::kernels {
+namespace {
+
+using testing::max_rel_error;
+using testing::random_normal;
+
+// Sizes: tiny, odd (vector tails), and above the kernels' parallel threshold.
+const int64_t kSizes[] = {1, 7, 33, 1000, 70001};
+
+using AdamWFn = void (*)(float*, const float*, float*, float*, int64_t, const AdamWConfig&);
+
+// One step of torch.optim.AdamW (single-tensor path), written out in double from the float
+// state, in torch's order: decay first, then the bias-corrected Adam step.
+void torch_adamw_step(std::vector<float>& p, const std::vector<float>& g, std::vector<float>& m,
+                      std::vector<float>& v, const AdamWConfig& cfg) {
+  const double lr = cfg.lr, b1 = cfg.beta1, b2 = cfg.beta2;
+  const double bias1 = 1.0 - std::pow(b1, double(cfg.step));
+  const double bias2 = 1.0 - std::pow(b2, double(cfg.step));
+  for (size_t i = 0; i < p.size(); ++i) {
+    double param = double(p[i]) * (1.0 - lr * cfg.weight_decay);  // p.mul_(1 - lr * wd)
+    const double mi = b1 * m[i] + (1.0 - b1) * g[i];              // exp_avg.lerp_(grad, 1 - b1)
+    const double vi = b2 * v[i] + (1.0 - b2) * double(g[i]) * g[i];
+    const double step_size = lr / bias1;
+    const double denom = std::sqrt(vi) / std::sqrt(bias2) + cfg.eps;
+    param -= step_size * mi / denom;  // p.addcdiv_(exp_avg, denom, value=-step_size)
+    p[i] = float(param);
+    m[i] = float(mi);
+    v[i] = float(vi);
+  }
+}
+
+TEST(AdamW, MatchesTorchFormulaOverSeveralSteps) {
+  for (int64_t n : kSizes) {
+    for (bool use_cpu : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << (use_cpu ? " cpu" : " ref"));
+      AdamWFn adamw = use_cpu ? cpu::adamw_update : ref::adamw_update;
+      // A large lr so that the updates, not the initial values, dominate the comparison.
+      AdamWConfig cfg;
+      cfg.lr = 0.05f;
+      cfg.beta1 = 0.9f;
+      cfg.beta2 = 0.95f;
+      cfg.eps = 1e-8f;
+      cfg.weight_decay = 0.1f;
+      auto p = random_normal(n, 1), p_exp = p;
+      std::vector<float> m(n, 0.0f), v(n, 0.0f), m_exp = m, v_exp = v;
+      for (int64_t step = 1; step <= 5; ++step) {
+        cfg.step = step;
+        auto g = random_normal(n, 100 + step, 0.1f);
+        if (n > 1) g[1] = 0.0f;  // no gradient: only decay and momentum move it
+        adamw(p.data(), g.data(), m.data(), v.data(), n, cfg);
+        torch_adamw_step(p_exp, g, m_exp, v_exp, cfg);
+        // Floors at each quantity's typical size (p ~ 1, m ~ g ~ 0.1, v ~ g^2 ~ 0.01): m and v
+        // mix old and new values, which cancel to near zero in places.
+        EXPECT_LE(max_rel_error(p, p_exp, 1.0), 1e-6) << "step " << step;
+        EXPECT_LE(max_rel_error(m, m_exp, 1e-1), 1e-6) << "step " << step;
+        EXPECT_LE(max_rel_error(v, v_exp, 1e-2), 1e-6) << "step " << step;
+      }
+    }
+  }
+}
+
+// A constant gradient g makes the bias-corrected moments exactly g and g^2, so each step is
+// p <- p (1 - lr wd) - lr g / (|g| + eps): a closed form to check bias correction and decay.
+TEST(AdamW, ConstantGradientClosedForm) {
+  for (AdamWFn adamw : {&ref::adamw_update, &cpu::adamw_update}) {
+    AdamWConfig cfg;
+    cfg.lr = 0.1f;
+    cfg.beta1 = 0.9f;
+    cfg.beta2 = 0.999f;
+    cfg.weight_decay = 0.1f;
+    std::vector<float> p = {1.0f, -2.0f, 0.5f}, g = {0.5f, 0.5f, -4.0f};
+    std::vector<float> m(3, 0.0f), v(3, 0.0f);
+    std::vector<double> expected(p.begin(), p.end());
+    for (int64_t step = 1; step <= 4; ++step) {
+      cfg.step = step;
+      adamw(p.data(), g.data(), m.data(), v.data(), 3, cfg);
+      for (int i = 0; i < 3; ++i) {
+        expected[i] = expected[i] * (1.0 - 0.1 * 0.1) - 0.1 * g[i] / (std::fabs(g[i]) + 1e-8);
+        EXPECT_NEAR(p[i], expected[i], 1e-5) << "step " << step << " i " << i;
+      }
+    }
+    // Hand-computed for p0 = 1, g = 0.5: 0.89, 0.7811, 0.673289, 0.56655611.
+    EXPECT_NEAR(p[0], 0.56655611, 1e-5);
+  }
+}
+
+TEST(SumOfSquares, CpuMatchesReferenceAndExactSums) {
+  for (int64_t n :
+       {int64_t(0), int64_t(1), int64_t(7), int64_t(33), int64_t(65539), int64_t(300007)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    auto x = random_normal(n, 1);
+    const double r = ref::sum_of_squares(x.data(), n);
+    const double c = cpu::sum_of_squares(x.data(), n);
+    EXPECT_NEAR(c, r, 1e-12 * std::max(1.0, r));
+
+    // Small integers: every partial sum is exact in double.
+    std::vector<float> ints(n);
+    double exact = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      ints[i] = float(i % 7) - 3.0f;
+      exact += double(ints[i]) * ints[i];
+    }
+    EXPECT_EQ(ref::sum_of_squares(ints.data(), n), exact);
+    EXPECT_EQ(cpu::sum_of_squares(ints.data(), n), exact);
+  }
+}
+
+// A float accumulator would drop every 0.01 added to 1e8 (float spacing there is 8), losing
+// 1000; double keeps the sum to ~1e-3 (1e5 roundings of half a double ulp at 1e8).
+TEST(SumOfSquares, AccumulatesInDouble) {
+  const int64_t n = 100001;
+  std::vector<float> x(n, 0.1f);
+  x[0] = 1e4f;
+  const double expected = 1e8 + double(n - 1) * double(0.1f) * double(0.1f);
+  EXPECT_NEAR(ref::sum_of_squares(x.data(), n), expected, 1e-2);
+  EXPECT_NEAR(cpu::sum_of_squares(x.data(), n), expected, 1e-2);
+}
+
+TEST(SumOfSquares, CpuResultDoesNotDependOnThreadCount) {
+  const int64_t n = 1000003;
+  auto x = random_normal(n, 5);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double one = cpu::sum_of_squares(x.data(), n);
+  for (int threads : {2, 3, 4}) {
+    omp_set_num_threads(threads);
+    EXPECT_EQ(cpu::sum_of_squares(x.data(), n), one) << threads << " threads";
+  }
+  omp_set_num_threads(saved);
+}
+
+TEST(Scale, CpuMatchesReference) {
+  for (int64_t n : kSizes) {
+    auto x = random_normal(n, 7);
+    auto y = x;
+    ref::scale(x.data(), n, 0.3f);
+    cpu::scale(y.data(), n, 0.3f);
+    EXPECT_EQ(y, x) << "n=" << n;
+    EXPECT_EQ(x[0], random_normal(n, 7)[0] * 0.3f);
+  }
+}
+
+TEST(ClipFactor, FollowsClipGradNorm) {
+  EXPECT_EQ(clip_factor(0.5, 1.0f), 1.0f);  // below max_norm: untouched
+  EXPECT_EQ(clip_factor(0.0, 1.0f), 1.0f);
+  EXPECT_FLOAT_EQ(clip_factor(4.0, 1.0f), float(1.0 / (4.0 + 1e-6)));
+  EXPECT_FLOAT_EQ(clip_factor(1e6, 2.0f), float(2.0 / (1e6 + 1e-6)));
+  EXPECT_EQ(clip_factor(100.0, 0.0f), 1.0f);  // max_norm <= 0 disables clipping
+  EXPECT_EQ(clip_factor(100.0, -1.0f), 1.0f);
+  EXPECT_TRUE(std::isnan(clip_factor(NAN, 1.0f)));  // a NaN norm stays visible
+}
+
+}  // namespace
+}  // namespace tessel::kernels

@@ -1,0 +1,508 @@
+#include "tessel/model/transformer.h"
+
+#include <vector>
+
+#include "tessel/core/check.h"
+#include "tessel/model/init.h"
+
+namespace tessel::model {
+
+using kernels::CrossEntropyResult;
+using kernels::Op;
+
+namespace {
+
+// Hands out consecutive 64-byte aligned float ranges of one block. With a null base it only
+// counts, so the same planning code sizes the block and then carves it.
+struct Carver {
+  float* base;
+  int64_t used = 0;
+  float* take(int64_t n) {
+    float* ptr = base ? base + used : nullptr;
+    used += (n + 15) / 16 * 16;
+    return ptr;
+  }
+};
+
+constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
+
+}  // namespace
+
+Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
+                         StageRange stage)
+    : config_(config), backend_(backend), B_(B), T_(T) {
+  config_.validate();
+  stage_ = stage.resolved(config_);
+  TESSEL_CHECK(B > 0, ConfigError, "micro-batch size B is {}; it must be positive", B);
+  TESSEL_CHECK(T > 0 && T <= config_.max_seq_len, ConfigError,
+               "sequence length T = {} must be in [1, max_seq_len = {}] for model '{}'", T,
+               config_.max_seq_len, config_.name);
+  const bool gpt2 = config_.family == Family::gpt2;
+  std::vector<Op> needed = {Op::embedding, Op::linear, Op::attention, Op::residual,
+                            Op::cross_entropy};
+  if (gpt2) {
+    needed.insert(needed.end(), {Op::layernorm, Op::gelu});
+  } else {
+    needed.insert(needed.end(), {Op::rmsnorm, Op::rope, Op::swiglu});
+  }
+  for (Op op : needed) {
+    TESSEL_CHECK(backend_.supports(op), UnsupportedError,
+                 "backend '{}' does not support op '{}', which the {} family needs; use the cpu "
+                 "backend",
+                 backend_.name(), kernels::op_name(op), family_name(config_.family));
+  }
+
+  // Parameters: this stage's subset of the spec, packed in canonical order.
+  spec_ = ModelSpec::from(config_).for_stage(stage_);
+  for (const ParamSpec& ps : spec_) {
+    views_.push_back(ParamView{ps.name, ps.shape, num_params_, ps.numel(), ps.weight_decay});
+    num_params_ += ps.numel();
+  }
+  auto offset_of = [&](const std::string& name) -> int64_t {
+    if (name.empty()) return -1;
+    const int i = spec_.index_of(name);
+    return i < 0 ? -1 : views_[size_t(i)].offset;
+  };
+  for (int l = stage_.layer_begin; l < stage_.layer_end; ++l) {
+    std::vector<int64_t> off(kNumLayerParams);
+    for (int k = 0; k < kNumLayerParams; ++k) {
+      off[size_t(k)] = offset_of(layer_param_name(config_.family, l, LayerParam(k)));
+    }
+    layer_off_.push_back(std::move(off));
+  }
+  const Family f = config_.family;
+  wte_off_ = offset_of(global_param_name(f, GlobalParam::token_embedding));
+  wpe_off_ = offset_of(global_param_name(f, GlobalParam::position_embedding));
+  lnf_w_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_weight));
+  lnf_b_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_bias));
+  head_off_ =
+      config_.tie_embeddings ? wte_off_ : offset_of(global_param_name(f, GlobalParam::lm_head));
+
+  const size_t param_bytes = size_t(std::max<int64_t>(num_params_, 1)) * sizeof(float);
+  params_ = static_cast<float*>(allocate(param_bytes));
+  grads_ = static_cast<float*>(allocate(param_bytes));
+  backend_.memset_zero(params_, param_bytes);
+  backend_.memset_zero(grads_, param_bytes);
+
+  act_floats_ = plan_activations(nullptr);
+  act_base_ = static_cast<float*>(allocate(size_t(act_floats_) * sizeof(float)));
+  plan_activations(act_base_);
+  // Touch every page now so that the first training step does not pay the page faults.
+  backend_.memset_zero(act_base_, size_t(act_floats_) * sizeof(float));
+  const size_t id_bytes = size_t(B_) * size_t(T_) * sizeof(int32_t);
+  tokens_ = static_cast<int32_t*>(allocate(id_bytes));
+  targets_ = static_cast<int32_t*>(allocate(id_bytes));
+  backend_.memset_zero(tokens_, id_bytes);
+  backend_.memset_zero(targets_, id_bytes);
+}
+
+void* Transformer::allocate(size_t bytes) {
+  owned_.reserve(owned_.size() + 1);  // so that push_back cannot throw after the allocation
+  void* ptr = backend_.allocate(bytes);
+  owned_.emplace_back(ptr, BackendFree{&backend_});
+  return ptr;
+}
+
+int64_t Transformer::plan_activations(float* base) {
+  Carver c{base};
+  const int64_t N = int64_t(B_) * T_, C = config_.n_embd, F = config_.ffn_hidden;
+  const int64_t D = config_.head_dim(), Hq = config_.n_head, Hkv = config_.n_kv_head;
+  const int64_t qkv = (Hq + 2 * Hkv) * D;
+  const bool gpt2 = config_.family == Family::gpt2;
+  a_ = Globals{};
+  a_.x0 = c.take(N * C);
+  a_.proj = c.take(N * C);
+  acts_.assign(size_t(stage_.num_layers()), LayerActs{});
+  for (LayerActs& la : acts_) {
+    la.ln1 = c.take(N * C);
+    if (gpt2) la.ln1_mean = c.take(N);
+    la.ln1_rstd = c.take(N);
+    la.qkv = c.take(N * qkv);
+    la.atty = c.take(N * Hq * D);
+    la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
+    la.res2 = c.take(N * C);
+    la.ln2 = c.take(N * C);
+    if (gpt2) la.ln2_mean = c.take(N);
+    la.ln2_rstd = c.take(N);
+    la.fc = c.take(N * F);
+    if (!gpt2) la.up = c.take(N * F);
+    la.act = c.take(N * F);
+    la.res3 = c.take(N * C);
+  }
+  if (stage_.has_head) {
+    a_.lnf = c.take(N * C);
+    if (gpt2) a_.lnf_mean = c.take(N);
+    a_.lnf_rstd = c.take(N);
+    a_.logits = c.take(N * config_.padded_vocab());
+    a_.losses = c.take(N);
+  }
+  a_.dres = c.take(N * C);
+  a_.dln = c.take(N * C);
+  if (stage_.num_layers() > 0) {
+    a_.datty = c.take(N * Hq * D);
+    a_.dqkv = c.take(N * qkv);
+    a_.df0 = c.take(N * F);
+    a_.df1 = c.take(N * F);
+    if (!gpt2) a_.df2 = c.take(N * F);
+  }
+  return c.used;
+}
+
+// ---- parameters -------------------------------------------------------------------------------
+
+Tensor Transformer::params() const {
+  return Tensor::wrap(params_, Shape{num_params_});
+}
+Tensor Transformer::grads() const {
+  return Tensor::wrap(grads_, Shape{num_params_});
+}
+
+Tensor Transformer::param(std::string_view name) const {
+  const ParamView& v = views_[size_t(spec_.index_of(spec_.at(name).name))];
+  return Tensor::wrap(params_ + v.offset, v.shape);
+}
+
+Tensor Transformer::grad(std::string_view name) const {
+  const ParamView& v = views_[size_t(spec_.index_of(spec_.at(name).name))];
+  return Tensor::wrap(grads_ + v.offset, v.shape);
+}
+
+void Transformer::init(uint64_t seed) {
+  const bool host = backend_.device() == kernels::DeviceKind::cpu;
+  std::vector<float> staging;
+  for (size_t i = 0; i < spec_.size(); ++i) {
+    const ParamSpec& ps = spec_[i];
+    float* dst = params_ + views_[i].offset;
+    if (host) {
+      init_full(ps, seed, dst);
+    } else {
+      staging.resize(size_t(ps.numel()));
+      init_full(ps, seed, staging.data());
+      backend_.copy_from_host(dst, staging.data(), staging.size() * sizeof(float));
+    }
+  }
+}
+
+void Transformer::zero_grad() {
+  backend_.memset_zero(grads_, size_t(num_params_) * sizeof(float));
+}
+
+// ---- stage boundary views -----------------------------------------------------------------------
+
+Tensor Transformer::logits() const {
+  TESSEL_CHECK(stage_.has_head, InvalidArgumentError, "this pipeline stage has no head/logits");
+  return Tensor::wrap(a_.logits, Shape{B_, T_, config_.padded_vocab()});
+}
+
+const float* Transformer::stage_output() const {
+  return acts_.empty() ? a_.x0 : acts_.back().res3;
+}
+
+Tensor Transformer::input_hidden() const {
+  return Tensor::wrap(a_.x0, Shape{B_, T_, config_.n_embd});
+}
+Tensor Transformer::output_hidden() const {
+  return Tensor::wrap(const_cast<float*>(stage_output()), Shape{B_, T_, config_.n_embd});
+}
+Tensor Transformer::output_grad() const {
+  return Tensor::wrap(a_.dres, Shape{B_, T_, config_.n_embd});
+}
+Tensor Transformer::input_grad() const {
+  return output_grad();
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+void Transformer::check_ids(const int32_t* ids, bool targets) const {
+  const int64_t n = int64_t(B_) * T_;
+  const int V = config_.vocab_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = ids[i];
+    if ((id >= 0 && id < V) || (targets && id == kIgnoreIndex)) continue;
+    TESSEL_THROW(InvalidArgumentError,
+                 "{} id {} at position {} (batch {}, time {}) is outside the vocabulary [0, {}){}",
+                 targets ? "target" : "token", id, i, i / T_, i % T_, V,
+                 targets ? " and is not the ignore index -1" : "");
+  }
+}
+
+CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32_t* targets,
+                                              std::optional<float> grad_scale) {
+  const int N = B_ * T_, C = config_.n_embd, Vp = config_.padded_vocab();
+  const bool gpt2 = config_.family == Family::gpt2;
+  forward_ready_ = dlogits_ready_ = false;
+  // Validate every input before running anything.
+  const bool loss = stage_.has_head && targets != nullptr;
+  if (stage_.has_embedding) {
+    TESSEL_CHECK(tokens != nullptr, InvalidArgumentError,
+                 "the first stage needs tokens; got a null pointer");
+    check_ids(tokens, false);
+  }
+  TESSEL_CHECK(!stage_.has_head || targets != nullptr || !grad_scale, InvalidArgumentError,
+               "a forward for backward needs targets; got a null pointer");
+  if (loss) check_ids(targets, true);
+
+  if (stage_.has_embedding) {
+    backend_.copy_from_host(tokens_, tokens, size_t(N) * sizeof(int32_t));
+    backend_.embedding_forward(a_.x0, tokens_, p(wte_off_), p(wpe_off_), B_, T_, C, 0, Vp);
+  }
+  const float* x = a_.x0;
+  for (int l = 0; l < stage_.num_layers(); ++l) {
+    block_forward(l, x);
+    x = acts_[size_t(l)].res3;
+  }
+  CrossEntropyResult result;
+  if (stage_.has_head) {
+    if (gpt2) {
+      backend_.layernorm_forward(a_.lnf, a_.lnf_mean, a_.lnf_rstd, x, p(lnf_w_off_), p(lnf_b_off_),
+                                 N, C, config_.norm_eps);
+    } else {
+      backend_.rmsnorm_forward(a_.lnf, a_.lnf_rstd, x, p(lnf_w_off_), N, C, config_.norm_eps);
+    }
+    backend_.linear_forward(a_.logits, a_.lnf, p(head_off_), nullptr, N, C, Vp);
+    if (loss) {
+      backend_.copy_from_host(targets_, targets, size_t(N) * sizeof(int32_t));
+      // With a grad_scale, dlogits overwrite the logits in place: backward needs no [N, Vp]
+      // buffer of its own.
+      result = backend_.cross_entropy(grad_scale ? a_.logits : nullptr, a_.losses, a_.logits,
+                                      targets_, N, config_.vocab_size, Vp, kIgnoreIndex,
+                                      grad_scale.value_or(0.0f));
+      dlogits_ready_ = grad_scale.has_value();
+    }
+  }
+  forward_ready_ = true;
+  return result;
+}
+
+void Transformer::block_forward(int l, const float* x) {
+  if (config_.family == Family::gpt2) {
+    gpt2_block_forward(l, x);
+  } else {
+    llama_block_forward(l, x);
+  }
+}
+
+void Transformer::block_backward(int l, const float* x) {
+  if (config_.family == Family::gpt2) {
+    gpt2_block_backward(l, x);
+  } else {
+    llama_block_backward(l, x);
+  }
+}
+
+CrossEntropyResult Transformer::forward(const int32_t* tokens, const int32_t* targets) {
+  TESSEL_CHECK(stage_.has_embedding && stage_.has_head, InvalidArgumentError,
+               "forward() runs a whole model; this is the stage of layers [{}, {}): use "
+               "forward_stage()",
+               stage_.layer_begin, stage_.layer_end);
+  return forward_stage(tokens, targets);
+}
+
+CrossEntropyResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets,
+                                                 float grad_scale) {
+  TESSEL_CHECK(stage_.has_embedding && stage_.has_head, InvalidArgumentError,
+               "forward_backward() runs a whole model; this is the stage of layers [{}, {}): use "
+               "forward_stage() and backward_stage()",
+               stage_.layer_begin, stage_.layer_end);
+  TESSEL_CHECK(targets != nullptr, InvalidArgumentError,
+               "forward_backward needs targets; got a null pointer");
+  CrossEntropyResult r = forward_stage(tokens, targets, grad_scale);
+  backward_stage();
+  return r;
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+void Transformer::head_backward() {
+  const int N = B_ * T_, C = config_.n_embd, Vp = config_.padded_vocab();
+  const size_t nc_bytes = size_t(N) * size_t(C) * sizeof(float);
+  backend_.memset_zero(a_.dln, nc_bytes);
+  backend_.linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
+  backend_.linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
+  backend_.memset_zero(a_.dres, nc_bytes);
+  if (config_.family == Family::gpt2) {
+    backend_.layernorm_backward(a_.dres, g(lnf_w_off_), g(lnf_b_off_), a_.dln, stage_output(),
+                                p(lnf_w_off_), a_.lnf_mean, a_.lnf_rstd, N, C);
+  } else {
+    backend_.rmsnorm_backward(a_.dres, g(lnf_w_off_), a_.dln, stage_output(), p(lnf_w_off_),
+                              a_.lnf_rstd, N, C);
+  }
+}
+
+void Transformer::backward_stage() {
+  TESSEL_CHECK(forward_ready_, InvalidArgumentError,
+               "backward_stage() needs a forward_stage() first (one backward per forward)");
+  TESSEL_CHECK(!stage_.has_head || dlogits_ready_, InvalidArgumentError,
+               "the head stage's backward needs forward_stage() with targets and a grad_scale");
+  forward_ready_ = dlogits_ready_ = false;
+  if (stage_.has_head) head_backward();
+  // dres now holds d(stage output); each block turns it into d(block input) in place.
+  for (int l = stage_.num_layers() - 1; l >= 0; --l) {
+    block_backward(l, l == 0 ? a_.x0 : acts_[size_t(l - 1)].res3);
+  }
+  if (stage_.has_embedding) {
+    backend_.embedding_backward(g(wte_off_), g(wpe_off_), a_.dres, tokens_, B_, T_, config_.n_embd,
+                                0, config_.padded_vocab());
+  }
+}
+
+// ---- GPT-2 block --------------------------------------------------------------------------------
+// x += attn.c_proj(attention(c_attn(ln_1(x)))); x += mlp.c_proj(gelu(c_fc(ln_2(x))))
+
+void Transformer::gpt2_block_forward(int l, const float* x) {
+  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden, H = config_.n_head;
+  const int D = config_.head_dim();
+  const std::vector<int64_t>& o = layer_off_[size_t(l)];
+  auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
+  LayerActs& a = acts_[size_t(l)];
+  using LP = LayerParam;
+  backend_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w(LP::norm1_weight),
+                             w(LP::norm1_bias), N, C, config_.norm_eps);
+  backend_.linear_forward(a.qkv, a.ln1, w(LP::qkv_weight), w(LP::qkv_bias), N, C, 3 * C);
+  // q, k and v are read straight out of the fused [N, 3C] buffer.
+  backend_.attention_forward(a.atty, a.probs, a.qkv, a.qkv + C, a.qkv + 2 * C, B_, T_, H, H, D,
+                             3 * C, 3 * C);
+  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), w(LP::attn_out_bias), N, C, C);
+  backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
+  backend_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w(LP::norm2_weight),
+                             w(LP::norm2_bias), N, C, config_.norm_eps);
+  backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), w(LP::mlp_in_bias), N, C, F);
+  backend_.gelu_forward(a.act, a.fc, int64_t(N) * F);
+  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), w(LP::mlp_out_bias), N, F, C);
+  backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
+}
+
+// On entry dres = d(block output). The residual adds pass the gradient through unchanged, so
+// the branch gradients are accumulated into dres directly (the norms' dinp), leaving
+// d(block input) there.
+void Transformer::gpt2_block_backward(int l, const float* x) {
+  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden, H = config_.n_head;
+  const int D = config_.head_dim();
+  const std::vector<int64_t>& o = layer_off_[size_t(l)];
+  auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
+  auto dw = [&](LayerParam k) { return g(o[size_t(k)]); };
+  const LayerActs& a = acts_[size_t(l)];
+  using LP = LayerParam;
+  const size_t nc = size_t(N) * size_t(C) * sizeof(float);
+  const size_t nf = size_t(N) * size_t(F) * sizeof(float);
+  float* dact = a_.df1;
+  float* dfc = a_.df0;
+
+  // MLP
+  backend_.memset_zero(dact, nf);
+  backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
+  backend_.linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), a_.dres, a.act, N,
+                                  F, C);
+  backend_.memset_zero(dfc, nf);
+  backend_.gelu_backward(dfc, a.fc, dact, int64_t(N) * F);
+  backend_.memset_zero(a_.dln, nc);
+  backend_.linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
+  backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C, F);
+  backend_.layernorm_backward(a_.dres, dw(LP::norm2_weight), dw(LP::norm2_bias), a_.dln, a.res2,
+                              w(LP::norm2_weight), a.ln2_mean, a.ln2_rstd, N, C);
+  // attention
+  backend_.memset_zero(a_.datty, nc);
+  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, C, C);
+  backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), a_.dres, a.atty,
+                                  N, C, C);
+  backend_.memset_zero(a_.dqkv, size_t(N) * 3 * size_t(C) * sizeof(float));
+  backend_.attention_backward(a_.dqkv, a_.dqkv + C, a_.dqkv + 2 * C, a_.datty, a.probs, a.qkv,
+                              a.qkv + C, a.qkv + 2 * C, B_, T_, H, H, D, 3 * C, 3 * C);
+  backend_.memset_zero(a_.dln, nc);
+  backend_.linear_backward_input(a_.dln, a_.dqkv, w(LP::qkv_weight), N, C, 3 * C);
+  backend_.linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), a_.dqkv, a.ln1, N, C,
+                                  3 * C);
+  backend_.layernorm_backward(a_.dres, dw(LP::norm1_weight), dw(LP::norm1_bias), a_.dln, x,
+                              w(LP::norm1_weight), a.ln1_mean, a.ln1_rstd, N, C);
+}
+
+// ---- LLaMA block --------------------------------------------------------------------------------
+// h = rmsnorm(x); x += o_proj(attention(rope(q(h)), rope(k(h)), v(h)));
+// h = rmsnorm2(x); x += down(silu(gate(h)) * up(h))
+
+void Transformer::llama_block_forward(int l, const float* x) {
+  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden;
+  const int Hq = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int QD = Hq * D, KD = Hkv * D;
+  const float theta = config_.rope_theta;
+  const std::vector<int64_t>& o = layer_off_[size_t(l)];
+  auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
+  LayerActs& a = acts_[size_t(l)];
+  using LP = LayerParam;
+  float* q = a.qkv;
+  float* k = q + int64_t(N) * QD;
+  float* v = k + int64_t(N) * KD;
+  backend_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, w(LP::norm1_weight), N, C, config_.norm_eps);
+  backend_.linear_forward(q, a.ln1, w(LP::q_weight), nullptr, N, C, QD);
+  backend_.linear_forward(k, a.ln1, w(LP::k_weight), nullptr, N, C, KD);
+  backend_.linear_forward(v, a.ln1, w(LP::v_weight), nullptr, N, C, KD);
+  // Rotated in place: backward needs the rotated q and k (attention's inputs), not the raw ones.
+  backend_.rope_forward(q, B_, T_, Hq, D, QD, theta);
+  backend_.rope_forward(k, B_, T_, Hkv, D, KD, theta);
+  backend_.attention_forward(a.atty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), nullptr, N, QD, C);
+  backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
+  backend_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.res2, w(LP::norm2_weight), N, C, config_.norm_eps);
+  backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), nullptr, N, C, F);
+  backend_.linear_forward(a.up, a.ln2, w(LP::mlp_up_weight), nullptr, N, C, F);
+  backend_.swiglu_forward(a.act, a.fc, a.up, int64_t(N) * F);
+  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), nullptr, N, F, C);
+  backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
+}
+
+void Transformer::llama_block_backward(int l, const float* x) {
+  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden;
+  const int Hq = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int QD = Hq * D, KD = Hkv * D;
+  const float theta = config_.rope_theta;
+  const std::vector<int64_t>& o = layer_off_[size_t(l)];
+  auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
+  auto dw = [&](LayerParam k) { return g(o[size_t(k)]); };
+  const LayerActs& a = acts_[size_t(l)];
+  using LP = LayerParam;
+  const size_t nc = size_t(N) * size_t(C) * sizeof(float);
+  const size_t nf = size_t(N) * size_t(F) * sizeof(float);
+  const float* q = a.qkv;
+  const float* k = q + int64_t(N) * QD;
+  const float* v = k + int64_t(N) * KD;
+  float* dq = a_.dqkv;
+  float* dk = dq + int64_t(N) * QD;
+  float* dv = dk + int64_t(N) * KD;
+  float* dact = a_.df2;
+  float* dgate = a_.df0;
+  float* dup = a_.df1;
+
+  // MLP
+  backend_.memset_zero(dact, nf);
+  backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
+  backend_.linear_backward_weight(dw(LP::mlp_out_weight), nullptr, a_.dres, a.act, N, F, C);
+  backend_.memset_zero(dgate, nf);
+  backend_.memset_zero(dup, nf);
+  backend_.swiglu_backward(dgate, dup, dact, a.fc, a.up, int64_t(N) * F);
+  backend_.memset_zero(a_.dln, nc);
+  backend_.linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
+  backend_.linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
+  backend_.linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
+  backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
+  backend_.rmsnorm_backward(a_.dres, dw(LP::norm2_weight), a_.dln, a.res2, w(LP::norm2_weight),
+                            a.ln2_rstd, N, C);
+  // attention
+  backend_.memset_zero(a_.datty, size_t(N) * size_t(QD) * sizeof(float));
+  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
+  backend_.linear_backward_weight(dw(LP::attn_out_weight), nullptr, a_.dres, a.atty, N, QD, C);
+  backend_.memset_zero(a_.dqkv, size_t(N) * size_t(QD + 2 * KD) * sizeof(float));
+  backend_.attention_backward(dq, dk, dv, a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+  backend_.rope_backward(dq, B_, T_, Hq, D, QD, theta);
+  backend_.rope_backward(dk, B_, T_, Hkv, D, KD, theta);
+  backend_.memset_zero(a_.dln, nc);
+  backend_.linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
+  backend_.linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
+  backend_.linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
+  backend_.linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
+  backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
+  backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+  backend_.rmsnorm_backward(a_.dres, dw(LP::norm1_weight), a_.dln, x, w(LP::norm1_weight),
+                            a.ln1_rstd, N, C);
+}
+
+}  // namespace tessel::model

@@ -1,0 +1,201 @@
+// Transformer: a GPT-2 or LLaMA decoder (or one pipeline stage of one) with forward and backward.
+//
+// One class serves both families; ModelConfig::family selects LayerNorm vs RMSNorm, GELU MLP vs
+// SwiGLU, biases, learned positions vs RoPE, and the tied head. Every op runs through the
+// kernels::Backend given at construction, so the same code drives the CPU kernels, the reference
+// kernels and (later) a GPU.
+//
+// Memory (all from the backend's allocator, all allocated and touched at construction; forward
+// and backward allocate nothing):
+// - parameters: ONE contiguous float buffer in ModelSpec order (this stage's parameters only);
+//   gradients: a second buffer of the same layout. param(name) / grad(name) are views into them.
+// - activations, llm.c style: per block, what its backward needs (norm outputs and statistics,
+//   QKV, attention output and probabilities, residual stream, MLP pre-/post-activation); plus
+//   the final norm and the [B, T, Vp] logits, which backward overwrites with dlogits in place.
+// - ONE set of activation-gradient scratch buffers shared by all blocks during backward.
+//
+// Numerics follow the kernels: the loss is summed per valid token; forward_backward seeds
+// dlogits with (softmax - onehot) * grad_scale, so passing 1 / (valid tokens in the global batch)
+// to every micro-batch gives the gradient of the global mean loss. Gradients accumulate across
+// forward_backward calls until zero_grad().
+//
+// Host/device: tokens and targets are host arrays, copied to backend memory. Tensors returned by
+// param/grad/logits/... are views of backend memory, host-readable on CPU backends only.
+// Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tessel/kernels/backend.h"
+#include "tessel/model/model_config.h"
+#include "tessel/model/model_spec.h"
+#include "tessel/model/stage_range.h"
+#include "tessel/tensor/tensor.h"
+
+namespace tessel::model {
+
+// Where one parameter lives in the flat parameter / gradient buffers (offsets in floats).
+struct ParamView {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  bool weight_decay = false;
+};
+
+class Transformer {
+ public:
+  static constexpr int kIgnoreIndex = -1;
+
+  // Builds the model (or the stage `stage` of it) for micro-batches of B sequences of T tokens.
+  // Throws ConfigError for an invalid config/stage or T outside [1, max_seq_len],
+  // UnsupportedError when the backend lacks an op the family needs. Parameters start
+  // uninitialised (call init() or write them), gradients at zero. The backend must outlive the
+  // model.
+  Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
+              StageRange stage = {});
+  ~Transformer() = default;
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  // This stage's parameters (the whole model's for the default stage).
+  const ModelSpec& spec() const { return spec_; }
+  const StageRange& stage() const { return stage_; }
+  kernels::Backend& backend() const { return backend_; }
+  int batch_size() const { return B_; }
+  int seq_len() const { return T_; }
+
+  int64_t num_params() const { return num_params_; }
+  // Flat [num_params] views of all parameters / gradients.
+  Tensor params() const;
+  Tensor grads() const;
+  // One parameter / its gradient; throws InvalidArgumentError for a name this stage lacks.
+  Tensor param(std::string_view name) const;
+  Tensor grad(std::string_view name) const;
+  const std::vector<ParamView>& param_views() const { return views_; }
+
+  // Deterministic initialisation (see init.h): equal to the same parameters of any other
+  // stage or shard layout initialised with the same seed.
+  void init(uint64_t seed);
+  void zero_grad();
+
+  // Whole-model entry points (throw InvalidArgumentError on a partial stage).
+  // tokens [B, T] in [0, vocab_size); targets [B, T] in [0, vocab_size) or kIgnoreIndex, or null
+  // for logits only (the result is then {0, 0}). Throws InvalidArgumentError for ids out of range.
+  kernels::CrossEntropyResult forward(const int32_t* tokens, const int32_t* targets);
+  // Forward, then backward accumulating into the gradients. targets must not be null.
+  kernels::CrossEntropyResult forward_backward(const int32_t* tokens, const int32_t* targets,
+                                               float grad_scale);
+  // [B, T, Vp] logits (only the first vocab_size columns are real classes). Valid after
+  // forward(); after forward_backward() the buffer holds dlogits instead.
+  Tensor logits() const;
+
+  // Pipeline-stage entry points. forward_stage reads tokens (first stage; null otherwise) or
+  // input_hidden() (later stages: the previous stage's output must be written there first).
+  // On the head stage it computes the loss when targets is not null; with grad_scale it also
+  // seeds dlogits for backward_stage (grad_scale requires targets). Other stages ignore
+  // targets and grad_scale and return {0, 0}.
+  kernels::CrossEntropyResult forward_stage(const int32_t* tokens, const int32_t* targets,
+                                            std::optional<float> grad_scale = std::nullopt);
+  // Backward of the stage after forward_stage: the head stage starts from its dlogits, other
+  // stages from output_grad(), which the caller fills with d(output_hidden) first. Accumulates
+  // parameter gradients and leaves d(input_hidden) in input_grad() (not on the first stage,
+  // which ends in the embedding). Throws InvalidArgumentError without a preceding forward.
+  void backward_stage();
+
+  // [B, T, C] stage-boundary buffers. input_grad() and output_grad() are the same memory: the
+  // residual-stream gradient runs backward through it.
+  Tensor input_hidden() const;
+  Tensor output_hidden() const;
+  Tensor output_grad() const;
+  Tensor input_grad() const;
+
+  // Bytes of activation and scratch memory held (excluding parameters and gradients).
+  size_t activation_bytes() const { return size_t(act_floats_) * sizeof(float); }
+
+ private:
+  // Saved activations of one block, [N = B*T rows]. Pointers the family does not use are null.
+  struct LayerActs {
+    float* ln1 = nullptr;  // [N, C] norm1 output, and its statistics [N] (mean: LayerNorm only)
+    float* ln1_mean = nullptr;
+    float* ln1_rstd = nullptr;
+    float* qkv = nullptr;    // gpt2 [N, 3C] fused; llama q [N, Hq D], k, v [N, Hkv D] back to back
+    float* atty = nullptr;   // [N, C] attention output (heads concatenated)
+    float* probs = nullptr;  // [B, Hq, T, T]
+    float* res2 = nullptr;   // [N, C] residual stream after attention
+    float* ln2 = nullptr;
+    float* ln2_mean = nullptr;
+    float* ln2_rstd = nullptr;
+    float* fc = nullptr;    // [N, F] gpt2 c_fc output / llama gate output
+    float* up = nullptr;    // [N, F] llama up output
+    float* act = nullptr;   // [N, F] gelu / swiglu output
+    float* res3 = nullptr;  // [N, C] block output
+  };
+  // Backend memory owned by the model, freed through the backend (also when construction
+  // fails half way).
+  struct BackendFree {
+    kernels::Backend* backend;
+    void operator()(void* ptr) const { backend->deallocate(ptr); }
+  };
+  void* allocate(size_t bytes);
+  int64_t plan_activations(float* base);
+  void check_ids(const int32_t* ids, bool targets) const;
+  float* p(int64_t off) const { return off < 0 ? nullptr : params_ + off; }
+  float* g(int64_t off) const { return off < 0 ? nullptr : grads_ + off; }
+  const float* stage_output() const;
+  void block_forward(int l, const float* x);
+  void block_backward(int l, const float* x);
+  void gpt2_block_forward(int l, const float* x);
+  void gpt2_block_backward(int l, const float* x);
+  void llama_block_forward(int l, const float* x);
+  void llama_block_backward(int l, const float* x);
+  void head_backward();
+
+  ModelConfig config_;
+  kernels::Backend& backend_;
+  int B_, T_;
+  StageRange stage_;
+  ModelSpec spec_;
+  std::vector<ParamView> views_;
+  int64_t num_params_ = 0;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
+
+  // Parameter offsets (-1: absent). layer_off_[l - layer_begin][LayerParam].
+  std::vector<std::vector<int64_t>> layer_off_;
+  int64_t wte_off_ = -1, wpe_off_ = -1, lnf_w_off_ = -1, lnf_b_off_ = -1, head_off_ = -1;
+
+  float* act_base_ = nullptr;
+  int64_t act_floats_ = 0;
+  std::vector<LayerActs> acts_;
+  struct Globals {
+    float* x0 = nullptr;  // stage input: embedding output or the previous stage's output
+    float* lnf = nullptr;
+    float* lnf_mean = nullptr;
+    float* lnf_rstd = nullptr;
+    float* logits = nullptr;  // [N, Vp]; dlogits in place
+    float* losses = nullptr;  // [N]
+    float* proj = nullptr;    // [N, C] projection output before the residual add
+    // backward scratch, shared by all blocks
+    float* dres = nullptr;   // [N, C] residual-stream gradient
+    float* dln = nullptr;    // [N, C] gradient of a norm output
+    float* datty = nullptr;  // [N, C] gradient of the attention output
+    float* dqkv = nullptr;   // [N, (Hq + 2 Hkv) D]
+    float* df0 = nullptr;    // [N, F] each
+    float* df1 = nullptr;
+    float* df2 = nullptr;
+  } a_;
+  int32_t* tokens_ = nullptr;  // [N] in backend memory
+  int32_t* targets_ = nullptr;
+  std::vector<std::unique_ptr<void, BackendFree>> owned_;  // every allocation above
+  bool forward_ready_ = false;  // forward_stage ran since the last backward_stage
+  bool dlogits_ready_ = false;  // ... and seeded dlogits (head stage)
+};
+
+}  // namespace tessel::model

@@ -1,0 +1,149 @@
+#include "tessel/runtime/train_config.h"
+
+#include <filesystem>
+#include <numeric>
+
+#include "tessel/runtime/yaml_reader.h"
+
+namespace tessel::runtime {
+
+namespace {
+
+std::string resolve(const std::string& path, const std::filesystem::path& base) {
+  if (path.empty() || std::filesystem::path(path).is_absolute()) return path;
+  return (base / path).lexically_normal().string();
+}
+
+model::ModelConfig read_model(YamlSection s) {
+  std::string preset;
+  s.read("preset", preset);
+  model::ModelConfig m;
+  if (!preset.empty()) {
+    m = model::ModelConfig::preset(preset);
+  } else {
+    TESSEL_CHECK(s.has("family"), ConfigError,
+                 "{}: give either 'preset' (one of the named models) or 'family' (gpt2 or llama) "
+                 "with the sizes", s.where("preset"));
+  }
+  if (s.has("family")) {
+    std::string family;
+    s.read("family", family);
+    m.family = model::parse_family(family);
+  }
+  s.read("name", m.name);
+  s.read("n_layer", m.n_layer);
+  s.read("n_embd", m.n_embd);
+  s.read("n_head", m.n_head);
+  s.read("n_kv_head", m.n_kv_head);
+  s.read("ffn_hidden", m.ffn_hidden);
+  s.read("vocab_size", m.vocab_size);
+  s.read("max_seq_len", m.max_seq_len);
+  s.read("norm_eps", m.norm_eps);
+  s.read("rope_theta", m.rope_theta);
+  s.read("tie_embeddings", m.tie_embeddings);
+  s.read("bias", m.bias);
+  // A preset's kv heads follow its heads unless set: changing n_head alone keeps MHA models MHA.
+  if (s.has("n_head") && !s.has("n_kv_head") && m.family == model::Family::gpt2) m.n_kv_head = m.n_head;
+  if (m.name.empty()) m.name = preset.empty() ? "custom" : preset;
+  s.reject_unknown_keys();
+  return m;
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::load(const std::string& path) {
+  YAML::Node root = load_yaml_file(path);
+  auto base = std::filesystem::absolute(path).parent_path();
+  TrainConfig c;
+  c.source = path;
+  YamlSection top(root, "", path);
+  TESSEL_CHECK(top.has("model"), ConfigError, "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}})", path);
+  c.model = read_model(top.section("model"));
+
+  auto data = top.section("data");
+  data.read("path", c.data.path);
+  data.read("seq_len", c.data.seq_len);
+  data.read("eval_fraction", c.data.eval_fraction);
+  data.read("seed", c.data.seed);
+  data.reject_unknown_keys();
+  c.data.path = resolve(c.data.path, base);
+
+  auto t = top.section("training");
+  t.read("steps", c.training.steps);
+  t.read("global_batch", c.training.global_batch);
+  t.read("micro_batch", c.training.micro_batch);
+  if (!t.has("micro_batch")) c.training.micro_batch = c.training.global_batch;
+  t.read("seed", c.training.seed);
+  t.read("grad_clip", c.training.grad_clip);
+  t.read("eval_every", c.training.eval_every);
+  t.read("eval_batches", c.training.eval_batches);
+  t.read("log_every", c.training.log_every);
+  t.read("backend", c.training.backend);
+  t.read("threads", c.training.threads);
+  t.reject_unknown_keys();
+
+  auto o = top.section("optimizer");
+  o.read("lr", c.optimizer.lr);
+  c.optimizer.min_lr = c.optimizer.lr * 0.1;
+  o.read("min_lr", c.optimizer.min_lr);
+  o.read("warmup_steps", c.optimizer.warmup_steps);
+  o.read("beta1", c.optimizer.beta1);
+  o.read("beta2", c.optimizer.beta2);
+  o.read("eps", c.optimizer.eps);
+  o.read("weight_decay", c.optimizer.weight_decay);
+  o.reject_unknown_keys();
+
+  auto ck = top.section("checkpoint");
+  ck.read("dir", c.checkpoint.dir);
+  ck.read("every", c.checkpoint.every);
+  ck.read("resume", c.checkpoint.resume);
+  ck.read("keep", c.checkpoint.keep);
+  ck.reject_unknown_keys();
+  c.checkpoint.dir = resolve(c.checkpoint.dir, base);
+
+  auto out = top.section("output");
+  out.read("metrics", c.metrics_path);
+  out.reject_unknown_keys();
+  c.metrics_path = resolve(c.metrics_path, base);
+
+  top.reject_unknown_keys();
+  c.validate();
+  return c;
+}
+
+void TrainConfig::validate() const {
+  const std::string& f = source;
+  model.validate();
+  TESSEL_CHECK(!data.path.empty(), ConfigError,
+               "{}: 'data.path' is required (a token file from `tessel data prepare`)", f);
+  TESSEL_CHECK(data.seq_len >= 1 && data.seq_len <= model.max_seq_len, ConfigError,
+               "{}: 'data.seq_len' is {} but must be in 1..{} (the model's max_seq_len)", f,
+               data.seq_len, model.max_seq_len);
+  TESSEL_CHECK(data.eval_fraction >= 0 && data.eval_fraction < 1, ConfigError,
+               "{}: 'data.eval_fraction' must be in [0, 1), got {}", f, data.eval_fraction);
+  TESSEL_CHECK(training.steps >= 1, ConfigError, "{}: 'training.steps' must be >= 1", f);
+  TESSEL_CHECK(training.global_batch >= 1 && training.micro_batch >= 1, ConfigError,
+               "{}: 'training.global_batch' and 'training.micro_batch' must be >= 1", f);
+  TESSEL_CHECK(training.global_batch % training.micro_batch == 0, ConfigError,
+               "{}: 'training.micro_batch' ({}) must divide 'training.global_batch' ({}); e.g. "
+               "micro_batch {}", f, training.micro_batch, training.global_batch,
+               std::gcd(training.micro_batch, training.global_batch));
+  TESSEL_CHECK(training.eval_every >= 0 && training.eval_batches >= 1, ConfigError,
+               "{}: 'training.eval_every' must be >= 0 and 'training.eval_batches' >= 1", f);
+  TESSEL_CHECK(training.eval_every == 0 || data.eval_fraction > 0, ConfigError,
+               "{}: 'training.eval_every' is set but 'data.eval_fraction' is 0: nothing to "
+               "evaluate on", f);
+  TESSEL_CHECK(training.threads >= 0, ConfigError, "{}: 'training.threads' must be >= 0", f);
+  TESSEL_CHECK(optimizer.lr > 0 && optimizer.min_lr >= 0 && optimizer.min_lr <= optimizer.lr,
+               ConfigError, "{}: need 0 <= 'optimizer.min_lr' <= 'optimizer.lr' and lr > 0", f);
+  TESSEL_CHECK(optimizer.warmup_steps >= 0, ConfigError, "{}: 'optimizer.warmup_steps' must be >= 0", f);
+  TESSEL_CHECK(optimizer.beta1 >= 0 && optimizer.beta1 < 1 && optimizer.beta2 >= 0 &&
+                   optimizer.beta2 < 1,
+               ConfigError, "{}: 'optimizer.beta1' and 'optimizer.beta2' must be in [0, 1)", f);
+  TESSEL_CHECK(optimizer.eps > 0 && optimizer.weight_decay >= 0, ConfigError,
+               "{}: 'optimizer.eps' must be > 0 and 'optimizer.weight_decay' >= 0", f);
+  TESSEL_CHECK(checkpoint.every >= 0 && checkpoint.keep >= 1, ConfigError,
+               "{}: 'checkpoint.every' must be >= 0 and 'checkpoint.keep' >= 1", f);
+}
+
+}  // namespace tessel::runtime

@@ -1,0 +1,75 @@
+// The training job configuration, read from a YAML file.
+//
+//   model:      {preset: gpt2-tiny, n_layer: 4, ...}     a preset, optionally with fields overridden
+//   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
+//   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
+//                log_every, backend, threads}
+//   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
+//   checkpoint: {dir, every, resume, keep}
+//   output:     {metrics}
+//
+// Every key is checked (unknown keys are errors) and the whole config is validated before any
+// work starts, so mistakes surface as one ConfigError naming the field and the fix.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tessel/model/model_config.h"
+
+namespace tessel::runtime {
+
+struct DataConfig {
+  std::string path;          // token file (tessel .tok) or Megatron prefix (.bin/.idx)
+  int seq_len = 64;
+  double eval_fraction = 0.05;  // share of samples held out for evaluation
+  uint64_t seed = 1;            // sample order
+};
+
+struct TrainingConfig {
+  int64_t steps = 100;
+  int64_t global_batch = 8;  // samples per optimizer step
+  int64_t micro_batch = 8;   // samples per forward/backward
+  uint64_t seed = 1234;      // parameter init
+  double grad_clip = 1.0;    // max global grad norm; <= 0 disables
+  int64_t eval_every = 0;    // steps; 0 = never
+  int64_t eval_batches = 4;  // micro-batches per evaluation
+  int64_t log_every = 10;    // steps between log lines when not on a terminal
+  std::string backend = "cpu";
+  int threads = 0;  // OpenMP threads; 0 = all cores
+};
+
+struct OptimizerConfig {
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 10;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+};
+
+struct CheckpointConfig {
+  std::string dir;     // empty = no checkpoints
+  int64_t every = 0;   // steps; 0 = only at the end
+  bool resume = true;  // continue from the latest checkpoint in dir when there is one
+  int keep = 2;        // newest checkpoints kept
+};
+
+struct TrainConfig {
+  std::string source;  // file it was read from, for messages
+  model::ModelConfig model;
+  DataConfig data;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  CheckpointConfig checkpoint;
+  std::string metrics_path;  // JSON lines; empty = none
+
+  // Reads and validates; relative paths are resolved against the config file's directory.
+  static TrainConfig load(const std::string& path);
+  // Throws ConfigError naming the first inconsistent field.
+  void validate() const;
+  int64_t micro_steps() const { return training.global_batch / training.micro_batch; }
+};
+
+}  // namespace tessel::runtime

@@ -1,0 +1,239 @@
+#include "tessel/runtime/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include "tessel/core/check.h"
+#include "tessel/core/log.h"
+#include "tessel/data/batch_loader.h"
+#include "tessel/data/token_source.h"
+#include "tessel/kernels/backend.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/checkpoint.h"
+#include "tessel/runtime/lr_schedule.h"
+#include "tessel/runtime/metrics.h"
+#include "tessel/runtime/model_json.h"
+
+namespace tessel::runtime {
+
+using Clock = std::chrono::steady_clock;
+
+struct Trainer::Impl {
+  TrainConfig cfg;
+  std::unique_ptr<kernels::Backend> backend;
+  std::shared_ptr<const data::TokenSource> source;
+  std::unique_ptr<data::BatchLoader> loader;
+  std::unique_ptr<model::Transformer> model;
+  Tensor adam_m, adam_v;
+  std::vector<int32_t> inputs, targets;  // one global batch
+  LrSchedule schedule;
+  int64_t step = 0;    // optimizer steps taken
+  int64_t cursor = 0;  // samples consumed from the training order
+  MetricsWriter metrics;
+
+  explicit Impl(TrainConfig c) : cfg(std::move(c)) {
+    if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
+    backend = kernels::make_backend(cfg.training.backend);
+    source = data::open_token_source(cfg.data.path);
+    TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,
+                 "{}: the data {} has token ids up to {} but model '{}' has vocab_size {}: set "
+                 "model.vocab_size >= {} or prepare the data with a matching tokenizer",
+                 cfg.source, source->describe(), source->vocab_size() - 1, cfg.model.name,
+                 cfg.model.vocab_size, source->vocab_size());
+    loader = std::make_unique<data::BatchLoader>(source, cfg.data.seq_len, cfg.data.seed,
+                                                 cfg.data.eval_fraction);
+    const int64_t mb = cfg.training.micro_batch, T = cfg.data.seq_len;
+    model = std::make_unique<model::Transformer>(cfg.model, *backend, int(mb), int(T));
+    adam_m = Tensor::zeros({model->num_params()});
+    adam_v = Tensor::zeros({model->num_params()});
+    inputs.resize(size_t(cfg.training.global_batch * T));
+    targets.resize(inputs.size());
+    schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
+                          cfg.training.steps};
+    if (!resume()) model->init(cfg.training.seed);
+    metrics = MetricsWriter(cfg.metrics_path);
+  }
+
+  std::vector<CheckpointSection> sections() {
+    return {{"params", model->params().data<float>(), model->num_params()},
+            {"adam_m", adam_m.data<float>(), adam_m.numel()},
+            {"adam_v", adam_v.data<float>(), adam_v.numel()}};
+  }
+
+  nlohmann::json checkpoint_meta() const {
+    return {{"format", "tessel-interim-checkpoint"},
+            {"model", to_json(cfg.model)},
+            {"cursor", cursor},
+            {"init_seed", cfg.training.seed},
+            {"data_seed", cfg.data.seed},
+            {"seq_len", cfg.data.seq_len}};
+  }
+
+  bool resume() {
+    if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
+    auto path = latest_checkpoint(cfg.checkpoint.dir);
+    if (!path) return false;
+    auto meta = read_checkpoint_meta(*path);
+    auto saved = to_json(model_config_from_json(meta.at("model")));
+    auto wanted = to_json(cfg.model);
+    saved.erase("name");
+    wanted.erase("name");
+    TESSEL_CHECK(saved == wanted, ConfigError,
+                 "checkpoint '{}' holds a different model ({}) than the config asks for ({}): "
+                 "point checkpoint.dir elsewhere or set checkpoint.resume: false",
+                 *path, saved.dump(), wanted.dump());
+    TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
+                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len,
+                 ConfigError,
+                 "checkpoint '{}' was trained with data.seed {} and data.seq_len {}; resuming "
+                 "with other values would repeat or skip samples",
+                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>());
+    load_checkpoint(*path, sections());
+    step = meta.at("step").get<int64_t>();
+    cursor = meta.at("cursor").get<int64_t>();
+    spdlog::info("resumed from {} at step {} (cursor {} samples)", *path, step, cursor);
+    return true;
+  }
+
+  void save() {
+    if (cfg.checkpoint.dir.empty()) return;
+    auto path = save_checkpoint(cfg.checkpoint.dir, step, checkpoint_meta(), sections(),
+                                cfg.checkpoint.keep);
+    spdlog::debug("saved checkpoint {}", path);
+  }
+
+  // One optimizer step over one global batch; returns the mean loss.
+  double train_step(double* grad_norm_out) {
+    const int64_t G = cfg.training.global_batch, mb = cfg.training.micro_batch, T = cfg.data.seq_len;
+    loader->load(cursor, 0, G, inputs.data(), targets.data());
+    int64_t valid = 0;
+    for (int32_t t : targets) valid += t != model::Transformer::kIgnoreIndex;
+    const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
+
+    model->zero_grad();
+    double loss_sum = 0;
+    for (int64_t i = 0; i < G / mb; ++i) {
+      auto r = model->forward_backward(inputs.data() + i * mb * T, targets.data() + i * mb * T,
+                                       grad_scale);
+      loss_sum += r.loss_sum;
+    }
+
+    float* grads = model->grads().data<float>();
+    const int64_t n = model->num_params();
+    double norm = std::sqrt(backend->sum_of_squares(grads, n));
+    float factor = kernels::clip_factor(norm, float(cfg.training.grad_clip));
+    if (factor < 1.0f) backend->scale(grads, n, factor);
+    *grad_norm_out = norm;
+
+    kernels::AdamWConfig opt;
+    opt.lr = float(schedule.at(step));
+    opt.beta1 = float(cfg.optimizer.beta1);
+    opt.beta2 = float(cfg.optimizer.beta2);
+    opt.eps = float(cfg.optimizer.eps);
+    opt.step = step + 1;
+    float* params = model->params().data<float>();
+    for (const auto& v : model->param_views()) {
+      opt.weight_decay = v.weight_decay ? float(cfg.optimizer.weight_decay) : 0.0f;
+      backend->adamw_update(params + v.offset, grads + v.offset, adam_m.data<float>() + v.offset,
+                            adam_v.data<float>() + v.offset, v.numel, opt);
+    }
+    ++step;
+    cursor += G;
+    return valid > 0 ? loss_sum / double(valid) : 0.0;
+  }
+
+  double evaluate() {
+    const int64_t mb = cfg.training.micro_batch, T = cfg.data.seq_len;
+    const int64_t available = loader->num_eval_samples();
+    TESSEL_CHECK(available > 0, ConfigError, "{}: no held-out samples to evaluate on; set data.eval_fraction > 0",
+                 cfg.source);
+    std::vector<int32_t> in(size_t(mb * T)), tg(in.size());
+    double loss_sum = 0;
+    int64_t valid = 0;
+    for (int64_t b = 0; b < cfg.training.eval_batches; ++b) {
+      int64_t first = (b * mb) % available;
+      int64_t count = std::min(mb, available - first);
+      loader->load_eval(first, count, in.data(), tg.data());
+      // A short final batch is padded with ignored targets.
+      std::fill(tg.begin() + count * T, tg.end(), model::Transformer::kIgnoreIndex);
+      std::fill(in.begin() + count * T, in.end(), 0);
+      auto r = model->forward(in.data(), tg.data());
+      loss_sum += r.loss_sum;
+      valid += r.valid;
+    }
+    return valid > 0 ? loss_sum / double(valid) : NAN;
+  }
+};
+
+Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
+Trainer::~Trainer() = default;
+
+int64_t Trainer::step() const { return impl_->step; }
+int64_t Trainer::cursor() const { return impl_->cursor; }
+const model::Transformer& Trainer::model() const { return *impl_->model; }
+double Trainer::evaluate() { return impl_->evaluate(); }
+double Trainer::train_step() {
+  double grad_norm = 0;
+  return impl_->train_step(&grad_norm);
+}
+
+TrainSummary Trainer::run() {
+  auto& s = *impl_;
+  const auto& cfg = s.cfg;
+  TrainSummary summary;
+  summary.first_step = s.step;
+  const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
+  spdlog::info("training {} ({:.3g} parameters) on {} for {} steps, {} tokens per step, backend {}",
+               cfg.model.name, double(s.model->num_params()), s.source->describe(),
+               cfg.training.steps, tokens_per_step, s.backend->name());
+  ProgressLine progress(cfg.training.steps, cfg.training.log_every);
+  auto start = Clock::now();
+  double smoothed_step_s = 0;
+  while (s.step < cfg.training.steps) {
+    auto t0 = Clock::now();
+    double lr = s.schedule.at(s.step);
+    double grad_norm = 0;
+    double loss = s.train_step(&grad_norm);
+    TESSEL_CHECK(std::isfinite(loss), Error,
+                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip",
+                 loss, s.step);
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    smoothed_step_s = smoothed_step_s == 0 ? dt : 0.9 * smoothed_step_s + 0.1 * dt;
+    summary.losses.push_back(loss);
+    summary.final_loss = loss;
+    ++summary.steps_run;
+    double tps = double(tokens_per_step) / dt;
+    progress.step(s.step - 1, loss, lr, tps, smoothed_step_s);
+    nlohmann::json record = {{"step", s.step},     {"loss", loss},
+                             {"lr", lr},           {"grad_norm", grad_norm},
+                             {"tokens_per_s", tps}, {"step_s", dt},
+                             {"cursor", s.cursor}, {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}};
+    bool last = s.step == cfg.training.steps;
+    if (cfg.training.eval_every > 0 && (s.step % cfg.training.eval_every == 0 || last)) {
+      double eval_loss = s.evaluate();
+      summary.final_eval_loss = eval_loss;
+      record["eval_loss"] = eval_loss;
+      progress.message(fmt::format("step {}: eval loss {:.4f}", s.step, eval_loss));
+    }
+    s.metrics.write(record);
+    if (!cfg.checkpoint.dir.empty() &&
+        ((cfg.checkpoint.every > 0 && s.step % cfg.checkpoint.every == 0) || last)) {
+      s.save();
+    }
+  }
+  progress.finish();
+  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  summary.tokens_per_second = elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  if (summary.steps_run > 0) {
+    std::string eval = std::isnan(summary.final_eval_loss) ? "" : fmt::format(", eval loss {:.4f}", summary.final_eval_loss);
+    std::printf("done: %lld steps in %s, final loss %.4f%s, %s tokens/s\n",
+                static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
+                summary.final_loss, eval.c_str(), format_rate(summary.tokens_per_second).c_str());
+  }
+  return summary;
+}
+
+}  // namespace tessel::runtime

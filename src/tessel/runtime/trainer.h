@@ -1,0 +1,59 @@
+// The single-process training loop.
+//
+// One step consumes one global batch of `training.global_batch` samples from the data cursor,
+// split into micro-batches whose gradients accumulate; the loss is the mean over every valid
+// target token of the global batch. Then the global gradient norm is clipped, AdamW steps every
+// parameter (weight decay on matrices and embeddings only) at the scheduled learning rate, and
+// the cursor advances by the global batch. Periodic evaluation, metrics, progress and checkpoints
+// follow the config. Resuming from a checkpoint restores parameters, Adam moments, step and
+// cursor, so a resumed run continues with exactly the losses the uninterrupted run would have.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tessel/runtime/train_config.h"
+
+namespace tessel::model {
+class Transformer;
+}
+
+namespace tessel::runtime {
+
+struct TrainSummary {
+  int64_t first_step = 0;  // 0, or the step resumed from
+  int64_t steps_run = 0;
+  double final_loss = NAN;
+  double final_eval_loss = NAN;
+  double tokens_per_second = 0;
+  std::vector<double> losses;  // training loss of every step run, in order
+};
+
+class Trainer {
+ public:
+  // Opens the data, builds the model and optimizer state, and resumes from the latest checkpoint
+  // when the config asks for it. Throws ConfigError / IoError / CorruptDataError on bad input.
+  explicit Trainer(TrainConfig config);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Trains until training.steps steps have been taken in total.
+  TrainSummary run();
+  // Takes one optimizer step (no eval, metrics or checkpoint) and returns its mean loss.
+  double train_step();
+
+  int64_t step() const;
+  int64_t cursor() const;
+  const model::Transformer& model() const;
+  // Mean loss over the first `training.eval_batches` micro-batches of the held-out samples.
+  double evaluate();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessel::runtime

@@ -1,0 +1,122 @@
+#include "tessel/runtime/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "tessel/core/error.h"
+#include "tessel/data/token_dataset.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/tensor/allocator.h"
+
+namespace tessel::runtime {
+namespace {
+
+using tessel::testing::TempDir;
+using testing::make_corpus;
+using testing::write_config;
+
+TEST(Trainer, LossFallsOnASmallCorpus) {
+  TempDir dir;
+  auto cfg = TrainConfig::load(write_config(
+      dir, make_corpus(dir),
+      "training: {steps: 40, global_batch: 8, micro_batch: 8, eval_every: 40}\n"
+      "optimizer: {lr: 0.01, warmup_steps: 5}\n"));
+  Trainer trainer(cfg);
+  auto summary = trainer.run();
+  ASSERT_EQ(summary.losses.size(), 40u);
+  EXPECT_NEAR(summary.losses.front(), std::log(257.0), 0.3);  // uniform at init
+  EXPECT_LT(summary.final_loss, 0.7 * summary.losses.front());
+  EXPECT_LT(summary.final_eval_loss, 0.7 * summary.losses.front());
+  EXPECT_EQ(trainer.cursor(), 40 * 8);
+}
+
+TEST(Trainer, GradientAccumulationMatchesOneLargeBatch) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  std::vector<std::vector<double>> runs;
+  for (int micro : {8, 4, 2}) {
+    auto cfg = TrainConfig::load(write_config(
+        dir, corpus,
+        "training: {steps: 4, global_batch: 8, micro_batch: " + std::to_string(micro) + "}\n",
+        "m" + std::to_string(micro) + ".yaml"));
+    runs.push_back(Trainer(cfg).run().losses);
+  }
+  for (size_t r = 1; r < runs.size(); ++r)
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_NEAR(runs[r][i], runs[0][i], 1e-5 * runs[0][i]) << "run " << r << " step " << i;
+}
+
+TEST(Trainer, ResumeContinuesWithTheSameLosses) {
+  for (std::string preset : {"gpt2-tiny", "llama-tiny"}) {
+    TempDir dir;
+    auto corpus = make_corpus(dir);
+    std::string train = "training: {steps: 8, global_batch: 4, micro_batch: 2}\n";
+    auto straight = Trainer(TrainConfig::load(write_config(dir, corpus, train, "a.yaml", preset))).run();
+
+    std::string ckpt = "checkpoint: {dir: ck, every: 3}\n";
+    auto first_cfg = TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset));
+    first_cfg.training.steps = 5;  // stops after step 5; the newest checkpoint is at step 5
+    Trainer(first_cfg).run();
+    Trainer resumed(TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset)));
+    EXPECT_EQ(resumed.step(), 5);
+    EXPECT_EQ(resumed.cursor(), 5 * 4);
+    auto rest = resumed.run();
+    ASSERT_EQ(rest.losses.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.losses[i], straight.losses[5 + i]) << preset << " step " << 5 + i;
+  }
+}
+
+TEST(Trainer, ResumeRefusesACheckpointOfAnotherModel) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  std::string extra = "training: {steps: 1, global_batch: 2}\ncheckpoint: {dir: ck}\n";
+  Trainer(TrainConfig::load(write_config(dir, corpus, extra))).run();
+  auto other = TrainConfig::load(write_config(dir, corpus, extra, "llama.yaml", "llama-tiny"));
+  try {
+    Trainer t(other);
+    FAIL() << "resumed from another model's checkpoint";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("different model"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, SteadyStateStepsAllocateNoFreshMemory) {
+  TempDir dir;
+  auto cfg = TrainConfig::load(write_config(dir, make_corpus(dir), "training: {steps: 10, global_batch: 4, micro_batch: 2}\n"));
+  Trainer trainer(cfg);
+  trainer.train_step();
+  auto before = HostAllocator::instance().stats().fresh_allocations;
+  for (int i = 0; i < 3; ++i) trainer.train_step();
+  EXPECT_EQ(HostAllocator::instance().stats().fresh_allocations, before);
+}
+
+TEST(Trainer, DataWithALargerVocabularyThanTheModelIsRejected) {
+  TempDir dir;
+  std::vector<uint32_t> tokens(2000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint32_t(i % 300);
+  auto path = (dir / "big.tok").string();
+  data::write_token_file(path, tokens, 300, 2);
+  auto cfg = TrainConfig::load(write_config(dir, path));
+  try {
+    Trainer t(cfg);
+    FAIL() << "accepted token ids beyond the model's vocabulary";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("vocab_size"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, MissingAndTruncatedDataFilesAreClearErrors) {
+  TempDir dir;
+  auto cfg = TrainConfig::load(write_config(dir, (dir / "absent.tok").string()));
+  EXPECT_THROW(Trainer t(cfg), IoError);
+  auto corpus = make_corpus(dir);
+  std::filesystem::resize_file(corpus, std::filesystem::file_size(corpus) - 3);
+  EXPECT_THROW(Trainer t(TrainConfig::load(write_config(dir, corpus))), CorruptDataError);
+}
+
+}  // namespace
+}  // namespace tessel::runtime

@@ -1,0 +1,39 @@
+// Helpers shared by tessel's tests: temporary directories, paths to sources, numeric comparison.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+
+namespace tessel::testing {
+
+// A fresh directory removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Absolute path of a file in the source tree, e.g. source_path("examples/tiny.yaml").
+std::filesystem::path source_path(const std::string& relative);
+
+// Path of the built `tessel` executable: $TESSEL_BIN when set, else the one in the build tree.
+std::filesystem::path tessel_binary();
+
+// Largest |a-b| / max(|b|, floor) over the two arrays; the floor keeps near-zero entries from
+// dominating. Sizes must match.
+double max_rel_error(std::span<const float> a, std::span<const float> b, double floor = 1e-3);
+double max_abs_error(std::span<const float> a, std::span<const float> b);
+
+// Runs a shell command, returns its exit status and captures stdout+stderr into *output.
+int run_command(const std::string& command, std::string* output);
+
+}  // namespace tessel::testing

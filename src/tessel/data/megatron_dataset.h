@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "tessel/data/mapped_file.h"
+#include "tessel/core/mapped_file.h"
 #include "tessel/data/token_source.h"
 
 namespace tessel::data {

@@ -20,8 +20,8 @@
 #include <span>
 #include <string>
 
-#include "tessel/data/atomic_file.h"
-#include "tessel/data/mapped_file.h"
+#include "tessel/core/atomic_file.h"
+#include "tessel/core/mapped_file.h"
 #include "tessel/data/rng.h"
 #include "tessel/data/token_source.h"
 

@@ -8,7 +8,9 @@
 // When dlogits is not null it is OVERWRITTEN (it is the first gradient of backward, so there is
 // nothing to accumulate into) with (softmax - onehot(target)) * grad_scale on valid rows and 0 on
 // ignored rows and padding columns. dlogits may alias logits (in place, saving a [N, Vp] buffer).
-// Targets must be in [0, V) or equal ignore_index: callers validate data.
+// Targets must be in [0, V) or equal ignore_index; any other target throws InvalidArgumentError
+// (an O(N) check, cheap next to the O(N·Vp) softmax, that keeps a bad id from reading out of
+// bounds).
 #pragma once
 
 #include <cstdint>

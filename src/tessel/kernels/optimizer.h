@@ -36,8 +36,9 @@ namespace cpu {
 TESSEL_OPTIMIZER_SIGNATURES
 }
 
-// The factor clip_grad_norm_ multiplies gradients by (1 when no clipping is needed or
-// max_norm <= 0, which disables clipping).
+// The factor torch.nn.utils.clip_grad_norm_ multiplies gradients by:
+// min(1, max_norm / (total_norm + 1e-6)); 1 when max_norm <= 0 (clipping disabled); NaN for a
+// NaN norm, so a diverged step stays visible.
 float clip_factor(double total_norm, float max_norm);
 
 }  // namespace tessel::kernels

@@ -13,6 +13,8 @@
 //   QKV, attention output and probabilities, residual stream, MLP pre-/post-activation); plus
 //   the final norm and the [B, T, Vp] logits, which backward overwrites with dlogits in place.
 // - ONE set of activation-gradient scratch buffers shared by all blocks during backward.
+// Per block that is about N (8C + 2F) floats for gpt2, N (6C + 2 Hkv D + 3F) for llama (N = B T),
+// plus B Hq T^2 attention probabilities.
 //
 // Numerics follow the kernels: the loss is summed per valid token; forward_backward seeds
 // dlogits with (softmax - onehot) * grad_scale, so passing 1 / (valid tokens in the global batch)
@@ -20,7 +22,8 @@
 // forward_backward calls until zero_grad().
 //
 // Host/device: tokens and targets are host arrays, copied to backend memory. Tensors returned by
-// param/grad/logits/... are views of backend memory, host-readable on CPU backends only.
+// param/grad/logits/... are views of backend memory (host-readable on CPU backends only) that do
+// not own it: they are valid while the model lives.
 // Not thread-safe.
 #pragma once
 
@@ -54,8 +57,8 @@ class Transformer {
 
   // Builds the model (or the stage `stage` of it) for micro-batches of B sequences of T tokens.
   // Throws ConfigError for an invalid config/stage or T outside [1, max_seq_len],
-  // UnsupportedError when the backend lacks an op the family needs. Parameters start
-  // uninitialised (call init() or write them), gradients at zero. The backend must outlive the
+  // UnsupportedError when the backend lacks an op the family needs. Parameters and gradients
+  // start at zero (call init() or write the parameters). The backend must outlive the
   // model.
   Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
               StageRange stage = {});

@@ -223,9 +223,8 @@ void expect_stages_match_whole(const ModelConfig& c, const std::vector<StageRang
   Transformer whole(c, *backend, B, T);
   whole.init(3);
   std::vector<std::unique_ptr<Transformer>> stages;
-  for (size_t s = 0; s + 1 < cuts.size(); ++s) {
-    stages.push_back(std::make_unique<Transformer>(c, *backend, B, T,
-                                                   StageRange::layers(c, cuts[s], cuts[s + 1])));
+  for (const StageRange& r : ranges) {
+    stages.push_back(std::make_unique<Transformer>(c, *backend, B, T, r));
     stages.back()->init(3);
   }
   Batch batch = random_batch(B, T, c.vocab_size, 4, 4);

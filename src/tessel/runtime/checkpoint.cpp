@@ -9,7 +9,7 @@
 #include <map>
 
 #include "tessel/core/check.h"
-#include "tessel/data/atomic_file.h"
+#include "tessel/core/atomic_file.h"
 
 namespace tessel::runtime {
 
@@ -42,7 +42,7 @@ class HashingWriter {
   }
 
  private:
-  data::AtomicFileWriter file_;
+  AtomicFileWriter file_;
   XXH3_state_t* state_;
 };
 
@@ -117,7 +117,7 @@ std::string save_checkpoint(const std::string& dir, int64_t step, const nlohmann
     f.commit_with_digest();
   }
   {
-    data::AtomicFileWriter latest((fs::path(dir) / "latest").string());
+    AtomicFileWriter latest((fs::path(dir) / "latest").string());
     std::string name = dest.filename().string() + "\n";
     latest.write(name.data(), name.size());
     latest.commit();

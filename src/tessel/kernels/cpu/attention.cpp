@@ -212,9 +212,14 @@ void pack_transposed(float* xt, const float* x, int B, int T, int H, int D, int6
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
       float* dst = xt + (int64_t(b) * H + h) * D * ld;
-      for (int t = 0; t < T; ++t) {
-        const float* src = x + (int64_t(b) * T + t) * stride + int64_t(h) * D;
-        for (int d = 0; d < D; ++d) dst[d * ld + t] = src[d];
+      const float* src = x + int64_t(b) * T * stride + int64_t(h) * D;
+      // 16 tokens at a time, so that every store is a whole 64-byte line of a K^T row.
+      for (int t0 = 0; t0 < T; t0 += 16) {
+        const int n = std::min(16, T - t0);
+        for (int d = 0; d < D; ++d) {
+          float* out = dst + d * ld + t0;
+          for (int i = 0; i < n; ++i) out[i] = src[(t0 + i) * stride + d];
+        }
       }
       for (int d = 0; d < D; ++d) std::fill(dst + d * ld + T, dst + (d + 1) * ld, 0.0f);
     }
@@ -229,8 +234,12 @@ void pack_heads(float* xp, const float* x, int B, int T, int H, int D, int64_t s
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       const float* src = x + (int64_t(b) * T + t) * stride;
-      for (int h = 0; h < H; ++h)
-        std::copy_n(src + int64_t(h) * D, D, xp + ((int64_t(b) * H + h) * T + t) * D);
+      for (int h = 0; h < H; ++h) {
+        const float* from = src + int64_t(h) * D;
+        float* to = xp + ((int64_t(b) * H + h) * T + t) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) to[d] = from[d];  // inline: D is too short for a memcpy call
+      }
     }
   }
 }

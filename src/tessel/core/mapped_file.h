@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <string>
 
-namespace tessel::data {
+namespace tessel {
 
 class MappedFile {
  public:
@@ -38,4 +38,4 @@ class MappedFile {
   std::string path_;
 };
 
-}  // namespace tessel::data
+}  // namespace tessel

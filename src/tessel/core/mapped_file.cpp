@@ -1,4 +1,4 @@
-#include "tessel/data/mapped_file.h"
+#include "tessel/core/mapped_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 
 #include "tessel/core/check.h"
 
-namespace tessel::data {
+namespace tessel {
 
 MappedFile MappedFile::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -68,4 +68,4 @@ void MappedFile::release() noexcept {
   size_ = 0;
 }
 
-}  // namespace tessel::data
+}  // namespace tessel

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-namespace tessel::data {
+namespace tessel {
 
 class AtomicFileWriter {
  public:
@@ -40,4 +40,4 @@ class AtomicFileWriter {
   uint64_t size_ = 0;
 };
 
-}  // namespace tessel::data
+}  // namespace tessel

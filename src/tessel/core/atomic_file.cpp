@@ -1,4 +1,4 @@
-#include "tessel/data/atomic_file.h"
+#include "tessel/core/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -12,7 +12,7 @@
 
 #include "tessel/core/check.h"
 
-namespace tessel::data {
+namespace tessel {
 
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   std::vector<char> name(path_.begin(), path_.end());
@@ -83,4 +83,4 @@ void AtomicFileWriter::commit() {
   }
 }
 
-}  // namespace tessel::data
+}  // namespace tessel

@@ -14,6 +14,7 @@
 //
 // Human-readable lines go to stderr; stdout gets one JSON object (scripts/bench combines them).
 #include <sys/resource.h>
+#include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -42,6 +43,14 @@ using tessel::kernels::Backend;
 
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// CPU time of the whole process (all threads), in milliseconds: a cross-check of the wall time
+// when other work shares the machine (spinning OpenMP threads count too).
+double process_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) * 1e-6;
 }
 
 double median(std::vector<double> v) {
@@ -86,8 +95,8 @@ class TimedBackend final : public Backend {
                          int B, int T, int C, int vs, int vr) override {
     timed("embedding_fwd", [&] { in_.embedding_forward(out, tokens, wte, wpe, B, T, C, vs, vr); });
   }
-  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
-                          int B, int T, int C, int vs, int vr) override {
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int B,
+                          int T, int C, int vs, int vr) override {
     timed("embedding_bwd",
           [&] { in_.embedding_backward(dwte, dwpe, dout, tokens, B, T, C, vs, vr); });
   }
@@ -105,8 +114,8 @@ class TimedBackend final : public Backend {
                        float eps) override {
     timed("rmsnorm_fwd", [&] { in_.rmsnorm_forward(out, rstd, inp, w, N, C, eps); });
   }
-  void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp,
-                        const float* w, const float* rstd, int N, int C) override {
+  void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
+                        const float* rstd, int N, int C) override {
     timed("rmsnorm_bwd", [&] { in_.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, C); });
   }
   void linear_forward(float* out, const float* inp, const float* w, const float* b, int N, int IC,
@@ -236,7 +245,7 @@ std::vector<GemmShape> model_gemm_shapes(const tessel::model::ModelConfig& c, in
 struct GemmPeak {
   double gflops = 0;
   std::string provider, shape;
-  nlohmann::json table = nlohmann::json::array();
+  nlohmann::ordered_json table = nlohmann::ordered_json::array();
 };
 
 // Best-of-repeats GFLOP/s of every (provider, shape); each shape runs >= 3 times and >= 60 ms.
@@ -266,7 +275,8 @@ GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
     const double flop = 2.0 * s.M * s.N * double(s.K);
     const char* form = s.ta ? "TN" : (s.tb ? "NT" : "NN");
     std::fprintf(stderr, "    %-12s %-3s %6d %6d %6d", s.what, form, s.M, s.N, s.K);
-    nlohmann::json row = {{"layer", s.what}, {"form", form}, {"M", s.M}, {"N", s.N}, {"K", s.K}};
+    nlohmann::ordered_json row = {
+        {"layer", s.what}, {"form", form}, {"M", s.M}, {"N", s.N}, {"K", s.K}};
     for (const auto& p : k::gemm_providers()) {
       k::set_gemm_provider(p);
       auto run = [&] {
@@ -383,7 +393,7 @@ int main(int argc, char** argv) {
     enum Phase { kZero, kForward, kBackward, kClip, kAdam, kNumPhases };
     const char* phase_names[kNumPhases] = {"zero_grad", "forward", "backward", "clip", "adamw"};
     std::array<std::vector<double>, kNumPhases> phase_ms;
-    std::vector<double> step_ms, losses, norms;
+    std::vector<double> step_ms, cpu_ms, losses, norms;
     int clipped = 0;
 
     for (int s = 0; s < warmup + steps; ++s) {
@@ -391,6 +401,7 @@ int main(int argc, char** argv) {
       backend.enabled = timed;
       std::array<double, kNumPhases> ph{};
       const auto t_step = Clock::now();
+      const double cpu0 = process_cpu_ms();
       auto t0 = Clock::now();
       net.zero_grad();
       backend.synchronize();
@@ -423,6 +434,7 @@ int main(int argc, char** argv) {
       backend.synchronize();
       ph[kAdam] = ms_since(t0);
       const double total = ms_since(t_step);
+      const double cpu = process_cpu_ms() - cpu0;
 
       const double loss = r.loss_sum / double(std::max<int64_t>(r.valid, 1));
       std::fprintf(stderr, "  %s step %2d: %8.1f ms  loss %.4f  grad norm %.3f\n",
@@ -433,6 +445,7 @@ int main(int argc, char** argv) {
       }
       if (timed) {
         step_ms.push_back(total);
+        cpu_ms.push_back(cpu);
         for (int p = 0; p < kNumPhases; ++p) phase_ms[size_t(p)].push_back(ph[size_t(p)]);
         losses.push_back(loss);
         norms.push_back(norm);
@@ -447,7 +460,7 @@ int main(int argc, char** argv) {
 
     const double flops = step_matmul_flops(cfg, B, T);
     const double ms_med = median(step_ms);
-    nlohmann::json out = {
+    nlohmann::ordered_json out = {
         {"side", "tessel"},
         {"model", model},
         {"backend", backend_name},
@@ -459,6 +472,7 @@ int main(int argc, char** argv) {
         {"ms_median", ms_med},
         {"ms_mean", mean(step_ms)},
         {"ms_min", *std::min_element(step_ms.begin(), step_ms.end())},
+        {"cpu_ms_median", median(cpu_ms)},
         {"step_gflop", flops / 1e9},
         {"gflops", flops / (ms_med * 1e6)},
         {"peak_rss_mb", peak_rss_mb},
@@ -467,11 +481,13 @@ int main(int argc, char** argv) {
         {"clipped_steps", clipped},
         {"activation_mb", double(net.activation_bytes()) / (1 << 20)},
     };
-    std::fprintf(stderr, "tessel %s: median %.1f ms/step, mean %.1f, min %.1f; %.1f GFLOP/step -> %.1f GFLOP/s; peak RSS %.0f MB\n",
-                 model.c_str(), ms_med, mean(step_ms), out["ms_min"].get<double>(), flops / 1e9,
-                 flops / (ms_med * 1e6), peak_rss_mb);
+    std::fprintf(stderr,
+                 "tessel %s: median %.1f ms/step, mean %.1f, min %.1f, cpu %.1f; %.1f GFLOP/step "
+                 "-> %.1f GFLOP/s; peak RSS %.0f MB\n",
+                 model.c_str(), ms_med, mean(step_ms), out["ms_min"].get<double>(), median(cpu_ms),
+                 flops / 1e9, flops / (ms_med * 1e6), peak_rss_mb);
     std::fprintf(stderr, "  phases (median ms):");
-    nlohmann::json phases;
+    nlohmann::ordered_json phases;
     for (int p = 0; p < kNumPhases; ++p) {
       const double med = median(phase_ms[size_t(p)]);
       phases[phase_names[p]] = med;
@@ -484,7 +500,7 @@ int main(int argc, char** argv) {
     std::vector<std::pair<double, std::string>> ops;
     for (const auto& [op, total] : backend.totals_ms) ops.emplace_back(total / steps, op);
     std::sort(ops.rbegin(), ops.rend());
-    nlohmann::json ops_json;
+    nlohmann::ordered_json ops_json;
     std::fprintf(stderr, "  ops (ms per step):\n");
     for (const auto& [ms, op] : ops) {
       ops_json[op] = ms;
@@ -498,7 +514,8 @@ int main(int argc, char** argv) {
       out["gemm_peak_provider"] = gp.provider;
       out["gemm_peak_shape"] = gp.shape;
       out["gemm_table"] = gp.table;
-      std::fprintf(stderr, "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
+      std::fprintf(stderr,
+                   "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
                    gp.gflops, gp.provider.c_str(), gp.shape.c_str(),
                    100.0 * flops / (ms_med * 1e6) / gp.gflops);
     }

@@ -177,8 +177,8 @@ TEST(Attention, ReferenceBackwardMatchesFiniteDifferences) {
 
 TEST(Attention, HeadsNotDivisibleThrows) {
   std::vector<float> buf(64);
-  EXPECT_THROW(ref::attention_forward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
-                                      1, 1, 3, 2, 1, 3, 2),
+  EXPECT_THROW(ref::attention_forward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), 1,
+                                      1, 3, 2, 1, 3, 2),
                InvalidArgumentError);
   EXPECT_THROW(cpu::attention_backward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
                                        buf.data(), buf.data(), buf.data(), 1, 1, 3, 2, 1, 3, 2),

@@ -22,7 +22,9 @@ enum class Provider { onednn, openblas };
 
 constexpr Provider kDefaultProvider = Provider::onednn;
 
-const char* provider_name(Provider p) { return p == Provider::onednn ? "onednn" : "openblas"; }
+const char* provider_name(Provider p) {
+  return p == Provider::onednn ? "onednn" : "openblas";
+}
 
 bool parse_provider(std::string_view name, Provider* out) {
   if (name == "onednn") {
@@ -110,9 +112,13 @@ void set_gemm_provider(std::string_view name) {
   g_provider.store(int(p), std::memory_order_release);
 }
 
-std::string gemm_provider() { return provider_name(current_provider()); }
+std::string gemm_provider() {
+  return provider_name(current_provider());
+}
 
-std::vector<std::string> gemm_providers() { return {"onednn", "openblas"}; }
+std::vector<std::string> gemm_providers() {
+  return {"onednn", "openblas"};
+}
 
 namespace ref {
 

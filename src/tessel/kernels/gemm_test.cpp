@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <limits>
-#include <string>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tessel/core/error.h"
@@ -127,9 +129,36 @@ TEST(Gemm, TooSmallLeadingDimensionThrows) {
   std::vector<float> A(12), B(12), C(12);
   EXPECT_THROW(sgemm(false, false, 3, 4, 3, 1.0f, A.data(), 2, B.data(), 4, 0.0f, C.data(), 4),
                InvalidArgumentError);
-  EXPECT_THROW(
-      ref::sgemm(false, true, 3, 4, 3, 1.0f, A.data(), 3, B.data(), 2, 0.0f, C.data(), 4),
-      InvalidArgumentError);
+  EXPECT_THROW(ref::sgemm(false, true, 3, 4, 3, 1.0f, A.data(), 3, B.data(), 2, 0.0f, C.data(), 4),
+               InvalidArgumentError);
+}
+
+// Run by EnvironmentSelectsProvider in a child process (the provider is read from TESSEL_GEMM
+// once per process); skipped in a normal run.
+TEST(Gemm, EnvironmentChild) {
+  const char* expect = std::getenv("TESSEL_GEMM_EXPECT");
+  if (expect == nullptr) GTEST_SKIP() << "only meaningful when run by EnvironmentSelectsProvider";
+  if (std::string(expect) == "ConfigError") {
+    EXPECT_THROW(gemm_provider(), ConfigError);
+  } else {
+    EXPECT_EQ(gemm_provider(), expect);
+  }
+}
+
+TEST(Gemm, EnvironmentSelectsProvider) {
+  const auto self = std::filesystem::read_symlink("/proc/self/exe");
+  const std::pair<const char*, const char*> cases[] = {
+      {"openblas", "openblas"}, {"onednn", "onednn"}, {"cublas", "ConfigError"}};
+  for (auto [env, expect] : cases) {
+    std::string output;
+    const int rc =
+        testing::run_command(std::string("TESSEL_GEMM=") + env + " TESSEL_GEMM_EXPECT=" + expect +
+                                 " '" + self.string() + "' --gtest_filter=Gemm.EnvironmentChild",
+                             &output);
+    EXPECT_EQ(rc, 0) << output;
+    // The child must have run the check, not skipped it.
+    EXPECT_NE(output.find("[  PASSED  ] 1 test"), std::string::npos) << output;
+  }
 }
 
 }  // namespace

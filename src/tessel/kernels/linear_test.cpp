@@ -39,8 +39,8 @@ struct Dims {
 };
 
 void expect_cpu_matches_reference(Dims d, bool with_bias, uint64_t seed) {
-  SCOPED_TRACE(::testing::Message() << "N=" << d.N << " IC=" << d.IC << " OC=" << d.OC
-                                    << " bias=" << with_bias);
+  SCOPED_TRACE(::testing::Message()
+               << "N=" << d.N << " IC=" << d.IC << " OC=" << d.OC << " bias=" << with_bias);
   auto inp = random_normal(size_t(d.N) * d.IC, seed);
   auto weight = random_normal(size_t(d.OC) * d.IC, seed + 1, 0.2f);
   auto bias = random_normal(d.OC, seed + 2);
@@ -130,8 +130,8 @@ TEST(Linear, ReferenceBackwardMatchesFiniteDifferences) {
       return dot(out, w);
     };
     std::vector<float> dinp(inp.size(), 0.0f), dweight(weight.size(), 0.0f), dbias(OC, 0.0f);
-    ref::linear_backward(dinp.data(), dweight.data(), with_bias ? dbias.data() : nullptr,
-                         w.data(), inp.data(), weight.data(), N, IC, OC);
+    ref::linear_backward(dinp.data(), dweight.data(), with_bias ? dbias.data() : nullptr, w.data(),
+                         inp.data(), weight.data(), N, IC, OC);
     expect_gradient_matches("dinp", inp, dinp, loss);
     expect_gradient_matches("dweight", weight, dweight, loss);
     if (with_bias) {

@@ -29,12 +29,12 @@ TEST(Rope, CpuMatchesReference) {
   uint64_t seed = 1;
   // Consecutive calls also exercise the cpu kernel's cached table: a shorter T after a longer
   // one reuses it, a new D or theta rebuilds it.
-  const Config configs[] = {{2, 64, 3, 16, 3 * 16, 10000.0f}, {2, 13, 3, 16, 3 * 16 + 5, 10000.0f},
-                            {1, 1, 2, 8, 16, 10000.0f},       {3, 13, 4, 2, 8, 500000.0f},
+  const Config configs[] = {{2, 64, 3, 16, 3 * 16, 10000.0f},  {2, 13, 3, 16, 3 * 16 + 5, 10000.0f},
+                            {1, 1, 2, 8, 16, 10000.0f},        {3, 13, 4, 2, 8, 500000.0f},
                             {2, 64, 2, 64, 3 * 128, 10000.0f}, {1, 300, 1, 128, 128, 10000.0f}};
   for (const Config& c : configs) {
-    SCOPED_TRACE(::testing::Message() << "B=" << c.B << " T=" << c.T << " H=" << c.H
-                                      << " D=" << c.D << " stride=" << c.stride);
+    SCOPED_TRACE(::testing::Message() << "B=" << c.B << " T=" << c.T << " H=" << c.H << " D=" << c.D
+                                      << " stride=" << c.stride);
     const auto x = random_normal(size_t(c.B) * c.T * c.stride, seed++);
     for (auto [ref_fn, cpu_fn] : {std::pair{&ref::rope_forward, &cpu::rope_forward},
                                   std::pair{&ref::rope_backward, &cpu::rope_backward}}) {
@@ -78,8 +78,7 @@ TEST(Rope, MatchesComplexRotation) {
         for (int i : {0, 3, D / 2 - 1}) {
           const size_t base = (size_t(t) * H + h) * D;
           const std::complex<double> z(x[base + i], x[base + i + D / 2]);
-          const std::complex<double> r =
-              z * std::polar(1.0, t * std::pow(theta, -2.0 * i / D));
+          const std::complex<double> r = z * std::polar(1.0, t * std::pow(theta, -2.0 * i / D));
           EXPECT_NEAR(y[base + i], r.real(), 2e-5) << "t=" << t << " h=" << h << " i=" << i;
           EXPECT_NEAR(y[base + i + D / 2], r.imag(), 2e-5) << "t=" << t << " h=" << h << " i=" << i;
         }

@@ -14,6 +14,10 @@
 //      dv += P^T · dO and dk += scale · dS^T · Q.
 // Pass 2 recomputes dP for its key block (one extra T²D/2 product) instead of keeping dS, which
 // would need another buffer as large as probs.
+//
+// The B operands of the products are first packed per head into contiguous buffers (K^T and V^T
+// zero-padded, and K, V, Q, dO row-wise), kept per calling thread between calls: about the size
+// of q + k + v + dout of the largest call so far, small beside probs.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,22 +35,33 @@ namespace {
 // GCC's vector extension rather than `omp simd` loops: with -march=native on recent Intel cores
 // GCC prefers 256-bit registers for auto-vectorised code, which halves the AVX-512 FMA rate and
 // makes a 4 x 64 accumulator tile spill. An explicit vector type is used at its full width.
+// Without AVX (builds with TESSEL_NATIVE=OFF or sanitizers) stay at 16 bytes, the x86-64 baseline:
+// wider vector types would change the calling convention and trip -Wpsabi.
 #if defined(__AVX512F__)
 constexpr int kVec = 16;  // floats per vector register
-#else
+#elif defined(__AVX__)
 constexpr int kVec = 8;
+#else
+constexpr int kVec = 4;
 #endif
 typedef float VecF __attribute__((vector_size(kVec * sizeof(float))));
 
 constexpr int kWideVecs = 4;     // micro-kernel columns: 4 registers per row
 constexpr int kRows = 4;         // micro-kernel rows: 4 x 4 accumulator registers
-static_assert(kRows == 4);  // small_gemm's switch
+static_assert(kRows == 4);       // small_gemm's switch
 constexpr int kQueryBlock = 16;  // query rows per task (forward and backward pass 1)
 constexpr int kKeyBlock = 32;    // keys per task in backward pass 2 (a multiple of kVec)
 
 static_assert(kKeyBlock % kVec == 0);
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Below these sizes a parallel region costs more than it saves (and a lot more when the cores
+// are shared): multiply-adds of the attention products, floats moved by a packing pass.
+constexpr int64_t kParallelMinWork = int64_t(1) << 18;
+constexpr int64_t kParallelMinCopy = int64_t(1) << 16;
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 // Row length for the packed K^T / V^T and the score tiles: at least T rounded up to a vector, and
 // an odd number of 64-byte lines, so that the micro-kernel walking down D rows of it spreads over
@@ -63,7 +78,9 @@ inline VecF load(const float* p) {
   return v;
 }
 
-inline void store(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, VecF v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // C[m, 0:NV*kVec] = alpha * sum_k A(m, k) * B[k, 0:NV*kVec] (or += with accumulate), m < M, where
 // A(m, k) = A[m * a_rs + k * a_cs] and B's rows are b_rs floats apart. M and NV are compile-time
@@ -160,10 +177,18 @@ void small_gemm(int M, int N, int K, const float* A, int64_t a_rs, int64_t a_cs,
         const float* a = a_k + m0 * a_rs;
         float* c = C + m0 * c_rs + n0;
         switch (std::min(kRows, M - m0)) {
-          case 4: tile<4>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs); break;
-          case 3: tile<3>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs); break;
-          case 2: tile<2>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs); break;
-          default: tile<1>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs); break;
+          case 4:
+            tile<4>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs);
+            break;
+          case 3:
+            tile<3>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs);
+            break;
+          case 2:
+            tile<2>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs);
+            break;
+          default:
+            tile<1>(nc, kc, a, a_rs, a_cs, b_k + n0, b_rs, alpha, acc, c, c_rs);
+            break;
         }
       }
     }
@@ -208,7 +233,8 @@ float* worker_scratch(int slot, size_t n) {
 // keys/values transposed so that one query row meets kVec keys per vector.
 void pack_transposed(float* xt, const float* x, int B, int T, int H, int D, int64_t stride,
                      int64_t ld) {
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) \
+    schedule(static) if (int64_t(B) * H * T * D >= kParallelMinCopy)
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
       float* dst = xt + (int64_t(b) * H + h) * D * ld;
@@ -230,7 +256,8 @@ void pack_transposed(float* xt, const float* x, int B, int T, int H, int D, int6
 // up to kDepth rows of its B operand; with the token strides of a fused QKV buffer (3 KiB, 9 KiB)
 // those rows fall into a quarter of the L1 sets and evict each other, contiguous ones do not.
 void pack_heads(float* xp, const float* x, int B, int T, int H, int D, int64_t stride) {
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) \
+    schedule(static) if (int64_t(B) * H * T * D >= kParallelMinCopy)
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       const float* src = x + (int64_t(b) * T + t) * stride;
@@ -257,6 +284,7 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
   if (B <= 0 || T <= 0 || Hq <= 0 || D <= 0) return;
   const int group = Hq / Hkv;
   const float scale = float(1.0 / std::sqrt(double(D)));
+  const int64_t work = int64_t(B) * Hq * T * T * D;
   const int64_t ld = packed_ld(T);
   const int64_t head = int64_t(T) * D;  // floats per packed (b, h)
   float* kt = caller_scratch(kSlotKT, size_t(B) * Hkv * D * ld);
@@ -265,7 +293,7 @@ void attention_forward(float* out, float* probs, const float* q, const float* k,
   pack_heads(vp, v, B, T, Hkv, D, kv_stride);
 
   const int blocks = int((T + kQueryBlock - 1) / kQueryBlock);
-#pragma omp parallel for collapse(3) schedule(dynamic)
+#pragma omp parallel for collapse(3) schedule(dynamic) if (work >= kParallelMinWork)
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < Hq; ++h) {
       for (int blk = 0; blk < blocks; ++blk) {
@@ -313,6 +341,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   if (B <= 0 || T <= 0 || Hq <= 0 || D <= 0) return;
   const int group = Hq / Hkv;
   const float scale = float(1.0 / std::sqrt(double(D)));
+  const int64_t work = int64_t(B) * Hq * T * T * D;
   const int64_t ld = packed_ld(T);
   const int64_t o_stride = int64_t(Hq) * D;
   const int64_t head = int64_t(T) * D;
@@ -328,7 +357,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
   // Pass 1: dq, one query block of one head per task.
   const int q_blocks = int((T + kQueryBlock - 1) / kQueryBlock);
-#pragma omp parallel for collapse(3) schedule(dynamic)
+#pragma omp parallel for collapse(3) schedule(dynamic) if (work >= kParallelMinWork)
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < Hq; ++h) {
       for (int blk = 0; blk < q_blocks; ++blk) {
@@ -364,7 +393,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
   // Pass 2: dk and dv, one key block of one kv head per task; rows t < j0 see none of its keys.
   const int k_blocks = int((T + kKeyBlock - 1) / kKeyBlock);
-#pragma omp parallel for collapse(3) schedule(dynamic)
+#pragma omp parallel for collapse(3) schedule(dynamic) if (work >= kParallelMinWork)
   for (int b = 0; b < B; ++b) {
     for (int hk = 0; hk < Hkv; ++hk) {
       for (int blk = 0; blk < k_blocks; ++blk) {
@@ -388,8 +417,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
           // dv[j] += sum_t P[t, j] dO[t]: A(j, t) = P[t, j].
           small_gemm(keys, D, rows, pc, 1, kKeyBlock, do_rows, D, 1.0f, true, dv_blk, kv_stride);
           // dP[t, j] for the block's keys, then dS.
-          small_gemm(rows, int(round_up(keys, kVec)), D, do_rows, D, 1, vt_blk, ld, 1.0f, false,
-                     ds, kKeyBlock);
+          small_gemm(rows, int(round_up(keys, kVec)), D, do_rows, D, 1, vt_blk, ld, 1.0f, false, ds,
+                     kKeyBlock);
           for (int r = 0; r < rows; ++r) {
             const float* pr = pc + int64_t(r) * kKeyBlock;
             float* dsr = ds + int64_t(r) * kKeyBlock;

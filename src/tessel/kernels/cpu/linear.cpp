@@ -59,8 +59,8 @@ void linear_backward_weight(float* dweight, float* dbias, const float* dout, con
   if (dbias != nullptr) bias_grad(dbias, dout, N, OC);
 }
 
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int N, int IC, int OC) {
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
   if (dinp != nullptr) linear_backward_input(dinp, dout, weight, N, IC, OC);
   linear_backward_weight(dweight, dbias, dout, inp, N, IC, OC);
 }

@@ -23,7 +23,8 @@ void linear_backward_input(float* dinp, const float* dout, const float* weight, 
   for (int n = 0; n < N; ++n) {
     for (int i = 0; i < IC; ++i) {
       double acc = 0;
-      for (int o = 0; o < OC; ++o) acc += double(dout[int64_t(n) * OC + o]) * weight[int64_t(o) * IC + i];
+      for (int o = 0; o < OC; ++o)
+        acc += double(dout[int64_t(n) * OC + o]) * weight[int64_t(o) * IC + i];
       dinp[int64_t(n) * IC + i] += float(acc);
     }
   }
@@ -34,7 +35,8 @@ void linear_backward_weight(float* dweight, float* dbias, const float* dout, con
   for (int o = 0; o < OC; ++o) {
     for (int i = 0; i < IC; ++i) {
       double acc = 0;
-      for (int n = 0; n < N; ++n) acc += double(dout[int64_t(n) * OC + o]) * inp[int64_t(n) * IC + i];
+      for (int n = 0; n < N; ++n)
+        acc += double(dout[int64_t(n) * OC + o]) * inp[int64_t(n) * IC + i];
       dweight[int64_t(o) * IC + i] += float(acc);
     }
     if (dbias != nullptr) {
@@ -45,8 +47,8 @@ void linear_backward_weight(float* dweight, float* dbias, const float* dout, con
   }
 }
 
-void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int N, int IC, int OC) {
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
   if (dinp != nullptr) linear_backward_input(dinp, dout, weight, N, IC, OC);
   linear_backward_weight(dweight, dbias, dout, inp, N, IC, OC);
 }

@@ -110,7 +110,7 @@ class Backend {
   virtual CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,
                                            const int32_t* targets, int N, int V, int Vp,
                                            int ignore_index, float grad_scale) = 0;
-  virtual void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+  virtual void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,
                             const AdamWConfig& cfg) = 0;
   virtual double sum_of_squares(const float* x, int64_t n) = 0;
   virtual void scale(float* x, int64_t n, float factor) = 0;

@@ -225,7 +225,7 @@ class HostBackend final : public Backend {
                                    float gs) override {
     return k_.cross_entropy(dl, losses, logits, targets, N, V, Vp, ignore, gs);
   }
-  void adamw_update(float* p, const float* g, float* m, float* v, int64_t n,
+  void adamw_update(float* p, float* g, float* m, float* v, int64_t n,
                     const AdamWConfig& cfg) override {
     k_.adamw_update(p, g, m, v, n, cfg);
   }

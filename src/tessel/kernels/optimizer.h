@@ -1,6 +1,6 @@
 // AdamW (decoupled weight decay, bias correction) and global gradient-norm clipping.
 //
-// adamw_update, for step t >= 1:
+// adamw_update, for step t >= 1, with g = grad * grad_scale:
 //   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 //   p -= lr * ( (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + weight_decay * p )
 // (torch.optim.AdamW's order: decay uses p before the update.)
@@ -21,10 +21,16 @@ struct AdamWConfig {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   int64_t step = 1;  // 1-based, for bias correction
+  // Gradient-clipping factor applied to every gradient as it is read (g = grad * grad_scale):
+  // the same float multiply as a separate scale() pass, without the extra pass over memory.
+  float grad_scale = 1.0f;
+  // Write 0 to each gradient after reading it, leaving the gradients zeroed for the next step
+  // (again saving a separate pass: the gradient lines are in cache at that moment).
+  bool zero_grad = false;
 };
 
 #define TESSEL_OPTIMIZER_SIGNATURES                                                          \
-  void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,          \
+  void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,                \
                     const AdamWConfig& cfg);                                                 \
   double sum_of_squares(const float* x, int64_t n);                                          \
   void scale(float* x, int64_t n, float factor);

@@ -18,7 +18,7 @@ using testing::random_normal;
 // Sizes: tiny, odd (vector tails), and above the kernels' parallel threshold.
 const int64_t kSizes[] = {1, 7, 33, 1000, 70001};
 
-using AdamWFn = void (*)(float*, const float*, float*, float*, int64_t, const AdamWConfig&);
+using AdamWFn = void (*)(float*, float*, float*, float*, int64_t, const AdamWConfig&);
 
 // One step of torch.optim.AdamW (single-tensor path), written out in double from the float
 // state, in torch's order: decay first, then the bias-corrected Adam step.
@@ -92,6 +92,34 @@ TEST(AdamW, ConstantGradientClosedForm) {
     }
     // Hand-computed for p0 = 1, g = 0.5: 0.89, 0.7811, 0.673289, 0.56655611.
     EXPECT_NEAR(p[0], 0.56655611, 1e-5);
+  }
+}
+
+// Fusing the clip factor and the gradient zeroing into the update must give exactly what the
+// separate passes give: scale() the gradients, then update, then zero them.
+TEST(AdamW, FusedScaleAndZeroEqualSeparatePasses) {
+  for (int64_t n : kSizes) {
+    for (AdamWFn adamw : {&ref::adamw_update, &cpu::adamw_update}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << (adamw == &cpu::adamw_update ? " cpu" : " ref"));
+      AdamWConfig cfg;
+      cfg.lr = 0.01f;
+      cfg.weight_decay = 0.1f;
+      cfg.step = 3;
+      auto p = random_normal(n, 5), m = random_normal(n, 6, 0.1f), v = random_normal(n, 7, 0.1f);
+      for (auto& x : v) x = x * x;
+      auto g = random_normal(n, 8);
+      auto p2 = p, m2 = m, v2 = v, g2 = g;
+      const float factor = 0.37f;
+      for (auto& x : g2) x *= factor;  // the separate pass
+      adamw(p2.data(), g2.data(), m2.data(), v2.data(), n, cfg);
+      cfg.grad_scale = factor;
+      cfg.zero_grad = true;
+      adamw(p.data(), g.data(), m.data(), v.data(), n, cfg);
+      EXPECT_EQ(p, p2);
+      EXPECT_EQ(m, m2);
+      EXPECT_EQ(v, v2);
+      EXPECT_EQ(g, std::vector<float>(n, 0.0f));
+    }
   }
 }
 

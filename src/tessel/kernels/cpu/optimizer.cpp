@@ -64,14 +64,17 @@ AdamWScalars adamw_scalars(const AdamWConfig& cfg) {
 
 }  // namespace
 
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg) {
   const AdamWScalars k = adamw_scalars(cfg);
+  const float gs = cfg.grad_scale;
+  const bool zero = cfg.zero_grad;
   const int64_t blocks = n / 8;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t i = blk * 8;
-    const f32x8 g = load8(grad + i);
+    const f32x8 g = load8(grad + i) * gs;
+    if (zero) store8(grad + i, f32x8{});
     const f32x8 mi = k.beta1 * load8(m + i) + k.one_minus_beta1 * g;
     const f32x8 vi = k.beta2 * load8(v + i) + k.one_minus_beta2 * (g * g);
     const f32x8 denom = sqrt8(vi) / k.sqrt_bias2 + k.eps;
@@ -80,7 +83,8 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
     store8(v + i, vi);
   }
   for (int64_t i = blocks * 8; i < n; ++i) {
-    const float g = grad[i];
+    const float g = grad[i] * gs;
+    if (zero) grad[i] = 0.0f;
     const float mi = k.beta1 * m[i] + k.one_minus_beta1 * g;
     const float vi = k.beta2 * v[i] + k.one_minus_beta2 * (g * g);
     const float denom = std::sqrt(vi) / k.sqrt_bias2 + k.eps;

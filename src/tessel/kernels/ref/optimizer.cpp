@@ -5,13 +5,15 @@
 
 namespace tessel::kernels::ref {
 
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
+void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg) {
   const double b1 = cfg.beta1, b2 = cfg.beta2, lr = cfg.lr;
   const double bias1 = 1.0 - std::pow(b1, double(cfg.step));
   const double bias2 = 1.0 - std::pow(b2, double(cfg.step));
   for (int64_t i = 0; i < n; ++i) {
-    const double g = grad[i];
+    // The scale is a float multiply, exactly as a separate scale() pass would apply it.
+    const double g = grad[i] * cfg.grad_scale;
+    if (cfg.zero_grad) grad[i] = 0.0f;
     const double mi = b1 * m[i] + (1.0 - b1) * g;
     const double vi = b2 * v[i] + (1.0 - b2) * g * g;
     const double p = param[i];

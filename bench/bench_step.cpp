@@ -1,10 +1,11 @@
 // bench_step: times tessel's training step, the way runtime/trainer.cpp takes it.
 //
-// One step = zero_grad, forward_backward (grad_scale 1/(B*T)), global grad-norm clip (sum of
-// squares, scale when the factor is below 1), AdamW per parameter view (weight decay on the views
-// that ask for it). Warm-up steps first, then timed steps; each phase is timed separately, and
-// every backend op is timed through a forwarding backend (one clock read per op call: ~20 µs per
-// step, far below the noise) so that the report says where the time goes.
+// One step = forward_backward (grad_scale 1/(B*T)), the global gradient norm (sum of squares) and
+// its clip factor, AdamW per parameter view (weight decay on the views that ask for it) with the
+// clip factor applied and the gradient zeroed as AdamW reads it, so that no separate scale or
+// zero_grad pass is needed. Warm-up steps first, then timed steps; each phase is timed separately,
+// and every backend op is timed through a forwarding backend (one clock read per op call: ~20 µs
+// per step, far below the noise) so that the report says where the time goes.
 //
 // With --gemm-peak it also measures, after the steps, the SGEMM rate of every GEMM provider on
 // the model's own GEMM shapes (forward NT, backward-input NN and backward-weight TN of every
@@ -70,7 +71,11 @@ class TimedBackend final : public Backend {
  public:
   explicit TimedBackend(Backend& inner) : in_(inner) {}
 
-  std::map<std::string, double> totals_ms;  // op -> accumulated milliseconds
+  struct OpTotals {
+    double ms = 0;     // accumulated wall time
+    double flops = 0;  // accumulated matmul FLOPs (linear ops only)
+  };
+  std::map<std::string, OpTotals> totals;  // op label -> totals over the timed steps
   bool enabled = false;
 
   std::string_view name() const override { return in_.name(); }
@@ -120,18 +125,21 @@ class TimedBackend final : public Backend {
   }
   void linear_forward(float* out, const float* inp, const float* w, const float* b, int N, int IC,
                       int OC) override {
-    timed(OC > kHeadWidth ? "lm_head_fwd (gemm)" : "linear_fwd (gemm+bias)",
-          [&] { in_.linear_forward(out, inp, w, b, N, IC, OC); });
+    timed(
+        linear_label("linear_fwd", IC, OC), [&] { in_.linear_forward(out, inp, w, b, N, IC, OC); },
+        2.0 * N * IC * OC);
   }
   void linear_backward_input(float* dinp, const float* dout, const float* w, int N, int IC,
                              int OC) override {
-    timed(OC > kHeadWidth ? "lm_head_bwd_input (gemm)" : "linear_bwd_input (gemm)",
-          [&] { in_.linear_backward_input(dinp, dout, w, N, IC, OC); });
+    timed(
+        linear_label("linear_bwd_input", IC, OC),
+        [&] { in_.linear_backward_input(dinp, dout, w, N, IC, OC); }, 2.0 * N * IC * OC);
   }
   void linear_backward_weight(float* dw, float* db, const float* dout, const float* inp, int N,
                               int IC, int OC) override {
-    timed(OC > kHeadWidth ? "lm_head_bwd_weight (gemm)" : "linear_bwd_weight (gemm+dbias)",
-          [&] { in_.linear_backward_weight(dw, db, dout, inp, N, IC, OC); });
+    timed(
+        linear_label("linear_bwd_weight", IC, OC),
+        [&] { in_.linear_backward_weight(dw, db, dout, inp, N, IC, OC); }, 2.0 * N * IC * OC);
   }
   void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
                          int B, int T, int Hq, int Hkv, int D, int64_t qs, int64_t kvs) override {
@@ -180,7 +188,7 @@ class TimedBackend final : public Backend {
     });
     return r;
   }
-  void adamw_update(float* p, const float* g, float* m, float* v, int64_t n,
+  void adamw_update(float* p, float* g, float* m, float* v, int64_t n,
                     const tessel::kernels::AdamWConfig& cfg) override {
     timed("adamw_update", [&] { in_.adamw_update(p, g, m, v, n, cfg); });
   }
@@ -194,20 +202,27 @@ class TimedBackend final : public Backend {
   }
 
  private:
-  // Widths above this are the LM head (vocabulary-wide); memsets at least this big are the
-  // gradient buffer (zero_grad), smaller ones the backward scratch.
-  static constexpr int kHeadWidth = 16384;
+  // Memsets at least this big are whole parameter-sized buffers (zero_grad), smaller ones the
+  // backward scratch.
   static constexpr size_t kBigMemset = size_t(64) << 20;
 
+  // "linear_fwd 768x2304" (in x out features): one line per layer shape; the GEMM inside
+  // linear_fwd also covers the bias prefill, linear_bwd_weight the bias gradient.
+  static std::string linear_label(const char* op, int IC, int OC) {
+    return std::string(op) + " " + std::to_string(IC) + "x" + std::to_string(OC);
+  }
+
   template <typename F>
-  void timed(const char* op, F&& f) {
+  void timed(const std::string& op, F&& f, double flops = 0) {
     if (!enabled) {
       f();
       return;
     }
     const auto t0 = Clock::now();
     f();
-    totals_ms[op] += ms_since(t0);
+    OpTotals& t = totals[op];
+    t.ms += ms_since(t0);
+    t.flops += flops;
   }
 
   Backend& in_;
@@ -291,7 +306,7 @@ GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
         const double ms = ms_since(t0);
         best = std::min(best, ms);
         spent += ms;
-        if (rep >= 50) break;
+        if (rep >= 1000) break;
       }
       const double gf = flop / (best * 1e6);
       std::fprintf(stderr, " %9.1f", gf);
@@ -350,10 +365,10 @@ int main(int argc, char** argv) {
   uint64_t seed = 1234;
   app.add_option("--model", model, "model preset, or gpt2-small-bench (L=4, C=256, 4 heads)");
   app.add_option("--backend", backend_name, "kernel backend");
-  app.add_option("--batch", B, "B");
-  app.add_option("--seq", T, "T");
-  app.add_option("--warmup", warmup, "untimed steps first");
-  app.add_option("--steps", steps, "timed steps");
+  app.add_option("--batch", B, "B")->check(CLI::PositiveNumber);
+  app.add_option("--seq", T, "T")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--seed", seed, "init and token seed");
   app.add_flag("--gemm-peak", gemm_peak, "also measure SGEMM on the model's shapes");
   CLI11_PARSE(app, argc, argv);
@@ -361,6 +376,12 @@ int main(int argc, char** argv) {
   try {
     namespace k = tessel::kernels;
     const tessel::model::ModelConfig cfg = bench_config(model);
+    if (cfg.family != tessel::model::Family::gpt2) {
+      // step_matmul_flops counts GPT-2 blocks (fused QKV, 2-matrix MLP, tied head).
+      std::fprintf(stderr, "bench_step: '%s' is not a gpt2-family model; pick a gpt2 preset\n",
+                   model.c_str());
+      return 2;
+    }
     auto inner = k::make_backend(backend_name);
     TimedBackend backend(*inner);
     tessel::model::Transformer net(cfg, backend, B, T);
@@ -390,8 +411,8 @@ int main(int argc, char** argv) {
     const float weight_decay = 0.1f, max_norm = 1.0f;
     const float grad_scale = 1.0f / float(N);
 
-    enum Phase { kZero, kForward, kBackward, kClip, kAdam, kNumPhases };
-    const char* phase_names[kNumPhases] = {"zero_grad", "forward", "backward", "clip", "adamw"};
+    enum Phase { kForward, kBackward, kGradNorm, kAdam, kNumPhases };
+    const char* phase_names[kNumPhases] = {"forward", "backward", "grad_norm", "adamw"};
     std::array<std::vector<double>, kNumPhases> phase_ms;
     std::vector<double> step_ms, cpu_ms, losses, norms;
     int clipped = 0;
@@ -402,12 +423,9 @@ int main(int argc, char** argv) {
       std::array<double, kNumPhases> ph{};
       const auto t_step = Clock::now();
       const double cpu0 = process_cpu_ms();
+      // No zero_grad pass: the gradients start at zero and AdamW zeroes each one as it reads it
+      // (AdamWConfig::zero_grad), as the trainer does.
       auto t0 = Clock::now();
-      net.zero_grad();
-      backend.synchronize();
-      ph[kZero] = ms_since(t0);
-
-      t0 = Clock::now();
       const auto r = net.forward_stage(tokens.data(), targets.data(), grad_scale);
       backend.synchronize();
       ph[kForward] = ms_since(t0);
@@ -420,12 +438,15 @@ int main(int argc, char** argv) {
       t0 = Clock::now();
       const double norm = std::sqrt(backend.sum_of_squares(grads, P));
       const float factor = k::clip_factor(norm, max_norm);
-      if (factor < 1.0f) backend.scale(grads, P, factor);
       backend.synchronize();
-      ph[kClip] = ms_since(t0);
+      ph[kGradNorm] = ms_since(t0);
 
+      // The clip factor is applied inside AdamW as it reads each gradient (AdamWConfig::
+      // grad_scale): the same multiply as clip_grad_norm_'s, without a pass of its own.
       t0 = Clock::now();
       opt.step = s + 1;
+      opt.grad_scale = factor;
+      opt.zero_grad = true;
       for (const auto& view : net.param_views()) {
         opt.weight_decay = view.weight_decay ? weight_decay : 0.0f;
         backend.adamw_update(params + view.offset, grads + view.offset, m + view.offset,
@@ -496,15 +517,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\n");
     out["phases_ms"] = phases;
 
-    // Per-op totals, averaged per timed step, largest first.
+    // Per-op totals, averaged per timed step, largest first; GEMM rates for the linear ops.
     std::vector<std::pair<double, std::string>> ops;
-    for (const auto& [op, total] : backend.totals_ms) ops.emplace_back(total / steps, op);
+    for (const auto& [op, t] : backend.totals) ops.emplace_back(t.ms / steps, op);
     std::sort(ops.rbegin(), ops.rend());
     nlohmann::ordered_json ops_json;
     std::fprintf(stderr, "  ops (ms per step):\n");
     for (const auto& [ms, op] : ops) {
+      const double flops = backend.totals[op].flops;
       ops_json[op] = ms;
-      std::fprintf(stderr, "    %-32s %8.2f  (%4.1f%%)\n", op.c_str(), ms, 100.0 * ms / ms_med);
+      std::fprintf(stderr, "    %-28s %8.2f  (%4.1f%%)", op.c_str(), ms, 100.0 * ms / ms_med);
+      if (flops > 0) {
+        std::fprintf(stderr, "  %6.1f GFLOP/s", flops / (backend.totals[op].ms * 1e6));
+      }
+      std::fprintf(stderr, "\n");
     }
     out["ops_ms"] = ops_json;
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""One GPT-2 training step in PyTorch, timed: the baseline `scripts/bench step` compares tessel with.
+"""One GPT-2 training step in PyTorch, timed: the baseline `scripts/bench step` measures tessel by.
 
 The model is the textbook GPT-2 (as in nanoGPT): learned positions, pre-LayerNorm, fused c_attn,
 causal softmax attention, GELU (tanh), tied token embedding / LM head, biases everywhere. A step is
 what a PyTorch user writes: zero_grad, forward, cross-entropy, backward, clip_grad_norm_(1.0),
-AdamW(lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on the 2-D weights only).
+AdamW(lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on the 2-D parameters: matrices and embeddings).
 
 The options default to the fastest settings measured on the benchmark machines (bench/README.md):
 the real vocabulary (50257), AdamW foreach, zero_grad(set_to_none=True). Flags let anyone re-check
-them. The thread count and the environment (jemalloc, OMP_WAIT_POLICY, OPENBLAS_CORETYPE) are set
-by scripts/bench before Python starts, since OpenBLAS and libgomp read them at load time.
+them. The environment (OMP_NUM_THREADS, OMP_WAIT_POLICY, jemalloc and MALLOC_CONF,
+OPENBLAS_CORETYPE, ATEN_CPU_CAPABILITY) is set by scripts/bench before Python starts: libgomp,
+jemalloc, OpenBLAS and ATen read it at load time.
 
 The last line printed is one JSON object with the median and mean step time in milliseconds.
 """
@@ -37,8 +38,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(C)
         self.c_fc = nn.Linear(C, 4 * C)
         self.mlp_proj = nn.Linear(4 * C, C)
-        self.register_buffer("mask", torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool)).view(1, 1, max_seq, max_seq),
-                             persistent=False)
+        # True above the diagonal: the later positions a query must not attend to.
+        future = torch.ones(max_seq, max_seq, dtype=torch.bool).triu(diagonal=1)
+        self.register_buffer("future", future.view(1, 1, max_seq, max_seq), persistent=False)
 
     def attention(self, x):
         B, T, C = x.shape
@@ -48,7 +50,7 @@ class Block(nn.Module):
         k = k.view(B, T, H, C // H).transpose(1, 2)
         v = v.view(B, T, H, C // H).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
-        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+        att = att.masked_fill(self.future[:, :, :T, :T], float("-inf"))
         att = F.softmax(att, dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         return self.attn_proj(y)
@@ -101,23 +103,29 @@ def parse_bool(s):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-124m", help="label for the JSON output")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50257, help="real vocabulary (targets are drawn below it)")
+    ap.add_argument("--vocab", type=int, default=50257,
+                    help="real vocabulary (tokens and targets are drawn below it)")
     ap.add_argument("--pad-vocab", type=int, default=0,
                     help="round the embedding/head rows up to a multiple of this (0: no padding)")
-    ap.add_argument("--max-seq", type=int, default=1024, help="rows of the position embedding (GPT-2: 1024)")
+    ap.add_argument("--max-seq", type=int, default=1024,
+                    help="rows of the position embedding (GPT-2: 1024)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--foreach", type=parse_bool, default=True, help="AdamW foreach implementation")
-    ap.add_argument("--set-to-none", type=parse_bool, default=True, help="zero_grad(set_to_none=...)")
-    ap.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_ max norm (<= 0: no clipping)")
+    ap.add_argument("--foreach", type=parse_bool, default=True,
+                    help="AdamW foreach implementation")
+    ap.add_argument("--set-to-none", type=parse_bool, default=True,
+                    help="zero_grad(set_to_none=...)")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="clip_grad_norm_ max norm (<= 0: no clipping)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
 
@@ -179,11 +187,14 @@ def main():
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", ""),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "LD_PRELOAD",
+                                           "MALLOC_CONF", "OPENBLAS_CORETYPE",
+                                           "ATEN_CPU_CAPABILITY") if k in os.environ},
     }
-    print(f"torch {args.model}: median {result['ms_median']:.1f} ms/step, mean {result['ms_mean']:.1f} "
-          f"min {result['ms_min']:.1f}, cpu {result['cpu_ms_median']:.1f} (loss {losses[0]:.3f} -> {losses[-1]:.3f})", file=sys.stderr)
+    print(f"torch {args.model}: median {result['ms_median']:.1f} ms/step, "
+          f"mean {result['ms_mean']:.1f}, min {result['ms_min']:.1f}, "
+          f"cpu {result['cpu_ms_median']:.1f} (loss {losses[0]:.3f} -> {losses[-1]:.3f})",
+          file=sys.stderr)
     print(json.dumps(result))
 
 

@@ -10,6 +10,7 @@
 #include "tessel/core/log.h"
 #include "tessel/data/tokenizer.h"
 #include "tessel/model/model_config.h"
+#include "tessel/runtime/launcher.h"
 #include "tessel/runtime/trainer.h"
 
 namespace tessel::cli {
@@ -23,6 +24,10 @@ struct Args {
   int64_t steps = 0;
   std::vector<std::string> inputs;
   std::string output;
+  int nproc = 1;
+  std::string log_dir = "logs";
+  double stop_timeout_s = 10;
+  std::vector<std::string> worker_command;
 };
 
 void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
@@ -58,6 +63,29 @@ void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
   });
 }
 
+void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
+  auto* cmd = app.add_subcommand(
+      "launch", "run N local copies of a worker command, torchrun style (rank and world in the environment)");
+  cmd->add_option("-n,--nproc", args.nproc, "number of workers")->required();
+  cmd->add_option("--log-dir", args.log_dir, "directory for one log file per rank");
+  cmd->add_option("--stop-timeout", args.stop_timeout_s,
+                  "seconds the other workers get to stop after one fails, before SIGKILL");
+  cmd->add_option("command", args.worker_command, "worker command (after --)")->required();
+  cmd->callback([&] {
+    action = [&] {
+      runtime::LaunchOptions opt;
+      opt.nproc = args.nproc;
+      opt.command = args.worker_command;
+      opt.log_dir = args.log_dir;
+      opt.stop_timeout = std::chrono::milliseconds(int64_t(args.stop_timeout_s * 1000));
+      std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
+      auto result = runtime::launch(opt);
+      if (result.exit_code != 0) fmt::print(stderr, "tessel: launch failed: {}\n", result.failure);
+      return result.exit_code;
+    };
+  });
+}
+
 void add_presets(CLI::App& app, std::function<int()>& action) {
   auto* cmd = app.add_subcommand("presets", "list the named model presets");
   cmd->callback([&action] {
@@ -83,6 +111,7 @@ int run(int argc, char** argv) {
   std::function<int()> action;
   add_train(app, args, action);
   add_data(app, args, action);
+  add_launch(app, args, action);
   add_presets(app, action);
   try {
     app.parse(argc, argv);

@@ -73,6 +73,20 @@ TEST(Cli, MissingDataAndInputsAreIoErrors) {
   EXPECT_FALSE(fs::exists(dir / "o.tok"));  // nothing that looks complete is left behind
 }
 
+TEST(Cli, LaunchRunsWorkersAndNamesTheOneThatDies) {
+  TempDir dir;
+  auto logs = (dir / "logs").string();
+  auto r = tessel("launch -n 3 --log-dir " + logs + " -- /bin/sh -c 'echo hi $RANK/$WORLD_SIZE'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 2] hi 2/3"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(logs) / "rank1.log"));
+  r = tessel("launch -n 2 --stop-timeout 1 --log-dir " + logs +
+             " -- /bin/sh -c 'if [ $RANK = 1 ]; then kill -9 $$; else sleep 30; fi'");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("SIGKILL"), std::string::npos) << r.output;
+}
+
 TEST(Cli, UsageErrors) {
   EXPECT_NE(tessel("").status, 0);
   EXPECT_NE(tessel("frobnicate").status, 0);

@@ -188,6 +188,31 @@ class TimedBackend final : public Backend {
     });
     return r;
   }
+  void vp_ce_local_max(float* row_max, const float* logits, const int32_t* targets, int N, int V,
+                       int vocab_start, int rows, int ignore_index) override {
+    timed("vp_ce", [&] {
+      in_.vp_ce_local_max(row_max, logits, targets, N, V, vocab_start, rows, ignore_index);
+    });
+  }
+  void vp_ce_local_sums(float* sums, const float* logits, const float* row_max,
+                        const int32_t* targets, int N, int V, int vocab_start, int rows,
+                        int ignore_index) override {
+    timed("vp_ce", [&] {
+      in_.vp_ce_local_sums(sums, logits, row_max, targets, N, V, vocab_start, rows, ignore_index);
+    });
+  }
+  tessel::kernels::CrossEntropyResult vp_ce_finish(float* dlogits, float* losses,
+                                                   const float* logits, const float* row_max,
+                                                   const float* sums, const int32_t* targets,
+                                                   int N, int V, int vocab_start, int rows,
+                                                   int ignore_index, float grad_scale) override {
+    tessel::kernels::CrossEntropyResult r;
+    timed("vp_ce", [&] {
+      r = in_.vp_ce_finish(dlogits, losses, logits, row_max, sums, targets, N, V, vocab_start,
+                           rows, ignore_index, grad_scale);
+    });
+    return r;
+  }
   void adamw_update(float* p, float* g, float* m, float* v, int64_t n,
                     const tessel::kernels::AdamWConfig& cfg) override {
     timed("adamw_update", [&] { in_.adamw_update(p, g, m, v, n, cfg); });

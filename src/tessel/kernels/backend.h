@@ -20,6 +20,7 @@
 
 #include "tessel/kernels/cross_entropy.h"
 #include "tessel/kernels/optimizer.h"
+#include "tessel/kernels/vocab_parallel_ce.h"
 
 namespace tessel::kernels {
 
@@ -36,6 +37,7 @@ enum class Op {
   swiglu,
   residual,
   cross_entropy,
+  vocab_parallel_ce,  // the three vp_ce_* steps (tensor-parallel head)
   adamw,
   grad_norm,
 };
@@ -110,6 +112,15 @@ class Backend {
   virtual CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,
                                            const int32_t* targets, int N, int V, int Vp,
                                            int ignore_index, float grad_scale) = 0;
+  virtual void vp_ce_local_max(float* row_max, const float* logits, const int32_t* targets, int N,
+                               int V, int vocab_start, int rows, int ignore_index) = 0;
+  virtual void vp_ce_local_sums(float* sums, const float* logits, const float* row_max,
+                                const int32_t* targets, int N, int V, int vocab_start, int rows,
+                                int ignore_index) = 0;
+  virtual CrossEntropyResult vp_ce_finish(float* dlogits, float* losses, const float* logits,
+                                          const float* row_max, const float* sums,
+                                          const int32_t* targets, int N, int V, int vocab_start,
+                                          int rows, int ignore_index, float grad_scale) = 0;
   virtual void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,
                             const AdamWConfig& cfg) = 0;
   virtual double sum_of_squares(const float* x, int64_t n) = 0;

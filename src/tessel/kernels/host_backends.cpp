@@ -39,6 +39,8 @@ std::string_view op_name(Op op) {
       return "residual";
     case Op::cross_entropy:
       return "cross_entropy";
+    case Op::vocab_parallel_ce:
+      return "vocab_parallel_ce";
     case Op::adamw:
       return "adamw";
     case Op::grad_norm:
@@ -93,6 +95,9 @@ struct KernelTable {
   decltype(&cpu::residual_forward) residual_forward;
   decltype(&cpu::residual_backward) residual_backward;
   decltype(&cpu::cross_entropy) cross_entropy;
+  decltype(&cpu::vp_ce_local_max) vp_ce_local_max;
+  decltype(&cpu::vp_ce_local_sums) vp_ce_local_sums;
+  decltype(&cpu::vp_ce_finish) vp_ce_finish;
   decltype(&cpu::adamw_update) adamw_update;
   decltype(&cpu::sum_of_squares) sum_of_squares;
   decltype(&cpu::scale) scale;
@@ -119,6 +124,9 @@ constexpr KernelTable kCpuKernels = {
     &cpu::residual_forward,
     &cpu::residual_backward,
     &cpu::cross_entropy,
+    &cpu::vp_ce_local_max,
+    &cpu::vp_ce_local_sums,
+    &cpu::vp_ce_finish,
     &cpu::adamw_update,
     &cpu::sum_of_squares,
     &cpu::scale,
@@ -145,6 +153,9 @@ constexpr KernelTable kRefKernels = {
     &ref::residual_forward,
     &ref::residual_backward,
     &ref::cross_entropy,
+    &ref::vp_ce_local_max,
+    &ref::vp_ce_local_sums,
+    &ref::vp_ce_finish,
     &ref::adamw_update,
     &ref::sum_of_squares,
     &ref::scale,
@@ -241,6 +252,20 @@ class HostBackend final : public Backend {
                                    const int32_t* targets, int N, int V, int Vp, int ignore,
                                    float gs) override {
     return k_.cross_entropy(dl, losses, logits, targets, N, V, Vp, ignore, gs);
+  }
+  void vp_ce_local_max(float* row_max, const float* logits, const int32_t* targets, int N, int V,
+                       int vs, int rows, int ignore) override {
+    k_.vp_ce_local_max(row_max, logits, targets, N, V, vs, rows, ignore);
+  }
+  void vp_ce_local_sums(float* sums, const float* logits, const float* row_max,
+                        const int32_t* targets, int N, int V, int vs, int rows,
+                        int ignore) override {
+    k_.vp_ce_local_sums(sums, logits, row_max, targets, N, V, vs, rows, ignore);
+  }
+  CrossEntropyResult vp_ce_finish(float* dl, float* losses, const float* logits,
+                                  const float* row_max, const float* sums, const int32_t* targets,
+                                  int N, int V, int vs, int rows, int ignore, float gs) override {
+    return k_.vp_ce_finish(dl, losses, logits, row_max, sums, targets, N, V, vs, rows, ignore, gs);
   }
   void adamw_update(float* p, float* g, float* m, float* v, int64_t n,
                     const AdamWConfig& cfg) override {

@@ -30,6 +30,8 @@ std::string_view tp_split_name(TpSplit s) {
       return "vocab";
     case TpSplit::qkv_fused_per_head:
       return "qkv_fused_per_head";
+    case TpSplit::kv_heads:
+      return "kv_heads";
   }
   return "?";
 }
@@ -208,8 +210,8 @@ ModelSpec ModelSpec::from(const ModelConfig& c) {
     } else {
       s.add(vector_of(lname(l, LP::norm1_weight), C, InitKind::ones, TS::replicated, l));
       s.add(matrix(lname(l, LP::q_weight), q_rows, C, kInitStd, TS::column, l));
-      s.add(matrix(lname(l, LP::k_weight), kv_rows, C, kInitStd, TS::column, l));
-      s.add(matrix(lname(l, LP::v_weight), kv_rows, C, kInitStd, TS::column, l));
+      s.add(matrix(lname(l, LP::k_weight), kv_rows, C, kInitStd, TS::kv_heads, l));
+      s.add(matrix(lname(l, LP::v_weight), kv_rows, C, kInitStd, TS::kv_heads, l));
       s.add(matrix(lname(l, LP::attn_out_weight), C, q_rows, residual_std, TS::row, l));
       s.add(vector_of(lname(l, LP::norm2_weight), C, InitKind::ones, TS::replicated, l));
       s.add(matrix(lname(l, LP::mlp_in_weight), F, C, kInitStd, TS::column, l));

@@ -45,13 +45,15 @@ namespace tessel::model {
 enum class InitKind { normal, zeros, ones };
 std::string_view init_kind_name(InitKind k);
 
-// How tensor parallelism (a later stage of the project) cuts a tensor across ranks.
+// How tensor parallelism cuts a tensor across ranks (tp_shard.h has the exact boxes).
 enum class TpSplit {
   replicated,          // every rank holds all of it (norms, row-parallel biases, positions)
   column,              // split dim 0: output features of a column-parallel linear (and its bias)
   row,                 // split dim 1: input features of a row-parallel linear
   vocab,               // split dim 0 of the token embedding / head: vocabulary-parallel
   qkv_fused_per_head,  // dim 0 is [q; k; v]: each rank takes its heads from each of the three
+  kv_heads,            // llama k/v: split dim 0 by kv heads when tp divides n_kv_head, else each
+                       // rank holds the one kv head its query heads use (replicated)
 };
 std::string_view tp_split_name(TpSplit s);
 

@@ -108,7 +108,9 @@ TEST(ModelSpec, LlamaInitDecayAndSplit) {
       EXPECT_FLOAT_EQ(p.std, 0.02f) << p.name;
     }
   }
-  EXPECT_EQ(s.at("model.layers.1.self_attn.k_proj.weight").split, TpSplit::column);
+  EXPECT_EQ(s.at("model.layers.1.self_attn.k_proj.weight").split, TpSplit::kv_heads);
+  EXPECT_EQ(s.at("model.layers.1.self_attn.v_proj.weight").split, TpSplit::kv_heads);
+  EXPECT_EQ(s.at("model.layers.1.self_attn.q_proj.weight").split, TpSplit::column);
   EXPECT_EQ(s.at("model.layers.1.self_attn.o_proj.weight").split, TpSplit::row);
   EXPECT_EQ(s.at("model.layers.1.mlp.up_proj.weight").split, TpSplit::column);
   EXPECT_EQ(s.at("model.layers.1.mlp.down_proj.weight").split, TpSplit::row);

@@ -4,6 +4,8 @@
 
 #include "tessel/core/check.h"
 #include "tessel/model/init.h"
+#include "tessel/model/tp_shard.h"
+#include "tessel/tensor/box_copy.h"
 
 namespace tessel::model {
 
@@ -29,10 +31,24 @@ constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
 }  // namespace
 
 Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-                         StageRange stage)
+                         StageRange stage, TpGroup* tp)
     : config_(config), backend_(backend), B_(B), T_(T) {
   config_.validate();
   stage_ = stage.resolved(config_);
+  if (tp != nullptr) {
+    TESSEL_CHECK(tp->size() >= 1 && tp->rank() >= 0 && tp->rank() < tp->size(),
+                 InvalidArgumentError, "tensor-parallel group has rank {} of size {}", tp->rank(),
+                 tp->size());
+    if (tp->size() > 1) tp_ = tp;
+  }
+  validate_tp(config_, tp_size());
+  {
+    const TpHeads h = tp_heads(config_, tp_rank(), tp_size());
+    const TpVocabRange vr = tp_vocab_range(config_, tp_rank(), tp_size());
+    local_ =
+        Local{h.q_heads, h.kv_heads, h.kv_begin, h.kv_replicated, config_.ffn_hidden / tp_size(),
+              vr.rows,   vr.start};
+  }
   TESSEL_CHECK(B > 0, ConfigError, "micro-batch size B is {}; it must be positive", B);
   TESSEL_CHECK(T > 0 && T <= config_.max_seq_len, ConfigError,
                "sequence length T = {} must be in [1, max_seq_len = {}] for model '{}'", T,
@@ -45,6 +61,7 @@ Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, i
   } else {
     needed.insert(needed.end(), {Op::rmsnorm, Op::rope, Op::swiglu});
   }
+  if (tp_ != nullptr && stage_.has_head) needed.push_back(Op::vocab_parallel_ce);
   for (Op op : needed) {
     TESSEL_CHECK(backend_.supports(op), UnsupportedError,
                  "backend '{}' does not support op '{}', which the {} family needs; use the cpu "
@@ -52,11 +69,15 @@ Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, i
                  backend_.name(), kernels::op_name(op), family_name(config_.family));
   }
 
-  // Parameters: this stage's subset of the spec, packed in canonical order.
+  // Parameters: this stage's subset of the spec, packed in canonical order; with tensor
+  // parallelism only this rank's shard of each.
   spec_ = ModelSpec::from(config_).for_stage(stage_);
   for (const ParamSpec& ps : spec_) {
-    views_.push_back(ParamView{ps.name, ps.shape, num_params_, ps.numel(), ps.weight_decay});
-    num_params_ += ps.numel();
+    const Shape local = tp_local_shape(ps, config_, tp_rank(), tp_size());
+    views_.push_back(ParamView{ps.name, local, num_params_, local.numel(), ps.weight_decay,
+                               tp_copies(ps, config_, tp_size()),
+                               tp_is_primary(ps, config_, tp_rank(), tp_size())});
+    num_params_ += local.numel();
   }
   auto offset_of = [&](const std::string& name) -> int64_t {
     if (name.empty()) return -1;
@@ -105,8 +126,8 @@ void* Transformer::allocate(size_t bytes) {
 
 int64_t Transformer::plan_activations(float* base) {
   Carver c{base};
-  const int64_t N = int64_t(B_) * T_, C = config_.n_embd, F = config_.ffn_hidden;
-  const int64_t D = config_.head_dim(), Hq = config_.n_head, Hkv = config_.n_kv_head;
+  const int64_t N = int64_t(B_) * T_, C = config_.n_embd, F = local_.F;
+  const int64_t D = config_.head_dim(), Hq = local_.Hq, Hkv = local_.Hkv;
   const int64_t qkv = (Hq + 2 * Hkv) * D;
   const bool gpt2 = config_.family == Family::gpt2;
   a_ = Globals{};
@@ -133,8 +154,12 @@ int64_t Transformer::plan_activations(float* base) {
     a_.lnf = c.take(N * C);
     if (gpt2) a_.lnf_mean = c.take(N);
     a_.lnf_rstd = c.take(N);
-    a_.logits = c.take(N * config_.padded_vocab());
+    a_.logits = c.take(N * local_.Vp);
     a_.losses = c.take(N);
+    if (tp_ != nullptr) {
+      a_.ce_max = c.take(N);
+      a_.ce_sums = c.take(2 * N);
+    }
   }
   a_.dres = c.take(N * C);
   a_.dln = c.take(N * C);
@@ -144,6 +169,7 @@ int64_t Transformer::plan_activations(float* base) {
     a_.df0 = c.take(N * F);
     a_.df1 = c.take(N * F);
     if (!gpt2) a_.df2 = c.take(N * F);
+    if (local_.kv_replicated) a_.kv_stage = c.take(2 * int64_t(config_.n_kv_head) * D * C);
   }
   return c.used;
 }
@@ -169,17 +195,29 @@ Tensor Transformer::grad(std::string_view name) const {
 
 void Transformer::init(uint64_t seed) {
   const bool host = backend_.device() == kernels::DeviceKind::cpu;
-  std::vector<float> staging;
+  std::vector<float> staging, piece;
   for (size_t i = 0; i < spec_.size(); ++i) {
     const ParamSpec& ps = spec_[i];
-    float* dst = params_ + views_[i].offset;
-    if (host) {
-      init_full(ps, seed, dst);
-    } else {
-      staging.resize(size_t(ps.numel()));
-      init_full(ps, seed, staging.data());
-      backend_.copy_from_host(dst, staging.data(), staging.size() * sizeof(float));
+    const ParamView& view = views_[i];
+    float* dst = params_ + view.offset;
+    // Each piece of the shard is generated as its box of the GLOBAL tensor, so a shard equals the
+    // same slice of the unsharded parameter bit for bit.
+    const std::vector<ShardPiece> pieces = tp_shard_pieces(ps, config_, tp_rank(), tp_size());
+    float* local = dst;
+    if (!host) {
+      staging.resize(size_t(view.numel));
+      local = staging.data();
     }
+    if (pieces.size() == 1 && pieces[0].local == Box::of(view.shape)) {
+      init_box(ps, seed, pieces[0].global, local);
+    } else {
+      for (const ShardPiece& pc : pieces) {
+        piece.resize(size_t(pc.global.volume()));
+        init_box(ps, seed, pc.global, piece.data());
+        unpack_box(piece.data(), pc.local, local, view.shape, sizeof(float));
+      }
+    }
+    if (!host) backend_.copy_from_host(dst, staging.data(), staging.size() * sizeof(float));
   }
 }
 
@@ -191,7 +229,7 @@ void Transformer::zero_grad() {
 
 Tensor Transformer::logits() const {
   TESSEL_CHECK(stage_.has_head, InvalidArgumentError, "this pipeline stage has no head/logits");
-  return Tensor::wrap(a_.logits, Shape{B_, T_, config_.padded_vocab()});
+  return Tensor::wrap(a_.logits, Shape{B_, T_, local_.Vp});
 }
 
 const float* Transformer::stage_output() const {
@@ -228,7 +266,7 @@ void Transformer::check_ids(const int32_t* ids, bool targets) const {
 
 CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32_t* targets,
                                               std::optional<float> grad_scale) {
-  const int N = B_ * T_, C = config_.n_embd, Vp = config_.padded_vocab();
+  const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const bool gpt2 = config_.family == Family::gpt2;
   forward_ready_ = dlogits_ready_ = false;
   // Validate every input before running anything.
@@ -244,7 +282,12 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
 
   if (stage_.has_embedding) {
     backend_.copy_from_host(tokens_, tokens, size_t(N) * sizeof(int32_t));
-    backend_.embedding_forward(a_.x0, tokens_, p(wte_off_), p(wpe_off_), B_, T_, C, 0, Vp);
+    // Vocabulary-parallel: each rank looks up the tokens of its vocabulary rows (zero rows for
+    // the others) and the sum over ranks is the embedding; rank 0 alone adds the positions so
+    // that the sum counts them once.
+    const float* wpe = tp_rank() == 0 ? p(wpe_off_) : nullptr;
+    backend_.embedding_forward(a_.x0, tokens_, p(wte_off_), wpe, B_, T_, C, local_.vocab_start, Vp);
+    tp_sum(a_.x0, int64_t(N) * C);
   }
   const float* x = a_.x0;
   for (int l = 0; l < stage_.num_layers(); ++l) {
@@ -264,14 +307,37 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
       backend_.copy_from_host(targets_, targets, size_t(N) * sizeof(int32_t));
       // With a grad_scale, dlogits overwrite the logits in place: backward needs no [N, Vp]
       // buffer of its own.
-      result = backend_.cross_entropy(grad_scale ? a_.logits : nullptr, a_.losses, a_.logits,
-                                      targets_, N, config_.vocab_size, Vp, kIgnoreIndex,
-                                      grad_scale.value_or(0.0f));
+      float* dlogits = grad_scale ? a_.logits : nullptr;
+      if (tp_ != nullptr) {
+        result = vocab_parallel_loss(dlogits, grad_scale.value_or(0.0f));
+      } else {
+        result =
+            backend_.cross_entropy(dlogits, a_.losses, a_.logits, targets_, N, config_.vocab_size,
+                                   Vp, kIgnoreIndex, grad_scale.value_or(0.0f));
+      }
       dlogits_ready_ = grad_scale.has_value();
     }
   }
   forward_ready_ = true;
   return result;
+}
+
+// The softmax over the whole vocabulary from this rank's logit columns: a max and a sum
+// all-reduce between the local steps (vocab_parallel_ce.h). Every rank gets the same loss.
+CrossEntropyResult Transformer::vocab_parallel_loss(float* dlogits, float grad_scale) {
+  const int N = B_ * T_, V = config_.vocab_size;
+  backend_.vp_ce_local_max(a_.ce_max, a_.logits, targets_, N, V, local_.vocab_start, local_.Vp,
+                           kIgnoreIndex);
+  tp_->all_reduce_max(a_.ce_max, size_t(N));
+  backend_.vp_ce_local_sums(a_.ce_sums, a_.logits, a_.ce_max, targets_, N, V, local_.vocab_start,
+                            local_.Vp, kIgnoreIndex);
+  tp_->all_reduce_sum(a_.ce_sums, 2 * size_t(N));
+  return backend_.vp_ce_finish(dlogits, a_.losses, a_.logits, a_.ce_max, a_.ce_sums, targets_, N, V,
+                               local_.vocab_start, local_.Vp, kIgnoreIndex, grad_scale);
+}
+
+void Transformer::tp_sum(float* data, int64_t n) {
+  if (tp_ != nullptr) tp_->all_reduce_sum(data, size_t(n));
 }
 
 void Transformer::block_forward(int l, const float* x) {
@@ -314,10 +380,12 @@ CrossEntropyResult Transformer::forward_backward(const int32_t* tokens, const in
 // ---- backward -----------------------------------------------------------------------------------
 
 void Transformer::head_backward() {
-  const int N = B_ * T_, C = config_.n_embd, Vp = config_.padded_vocab();
+  const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const size_t nc_bytes = size_t(N) * size_t(C) * sizeof(float);
   backend_.memset_zero(a_.dln, nc_bytes);
+  // The head is column-parallel over the vocabulary: its input gradient is summed over ranks.
   backend_.linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
+  tp_sum(a_.dln, int64_t(N) * C);
   backend_.linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
   backend_.memset_zero(a_.dres, nc_bytes);
   if (config_.family == Family::gpt2) {
@@ -341,43 +409,54 @@ void Transformer::backward_stage() {
     block_backward(l, l == 0 ? a_.x0 : acts_[size_t(l - 1)].res3);
   }
   if (stage_.has_embedding) {
+    // d(x0) is the same on every rank, so every rank's position gradient is the full one.
     backend_.embedding_backward(g(wte_off_), g(wpe_off_), a_.dres, tokens_, B_, T_, config_.n_embd,
-                                0, config_.padded_vocab());
+                                local_.vocab_start, local_.Vp);
   }
 }
 
 // ---- GPT-2 block --------------------------------------------------------------------------------
 // x += attn.c_proj(attention(c_attn(ln_1(x)))); x += mlp.c_proj(gelu(c_fc(ln_2(x))))
+// With tensor parallelism (local sizes: H heads of width D, CH = H D, F features): c_attn and
+// c_fc are column-parallel, attention runs on the rank's heads, attn.c_proj and mlp.c_proj are
+// row-parallel (output summed over ranks, bias added by rank 0).
 
 void Transformer::gpt2_block_forward(int l, const float* x) {
-  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden, H = config_.n_head;
-  const int D = config_.head_dim();
+  const int N = B_ * T_, C = config_.n_embd, F = local_.F, H = local_.Hq;
+  const int D = config_.head_dim(), CH = H * D;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
+  // A row-parallel bias enters the sum over ranks once.
+  auto row_bias = [&](LayerParam k) { return tp_rank() == 0 ? w(k) : nullptr; };
   LayerActs& a = acts_[size_t(l)];
   using LP = LayerParam;
   backend_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w(LP::norm1_weight),
                              w(LP::norm1_bias), N, C, config_.norm_eps);
-  backend_.linear_forward(a.qkv, a.ln1, w(LP::qkv_weight), w(LP::qkv_bias), N, C, 3 * C);
-  // q, k and v are read straight out of the fused [N, 3C] buffer.
-  backend_.attention_forward(a.atty, a.probs, a.qkv, a.qkv + C, a.qkv + 2 * C, B_, T_, H, H, D,
-                             3 * C, 3 * C);
-  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), w(LP::attn_out_bias), N, C, C);
+  backend_.linear_forward(a.qkv, a.ln1, w(LP::qkv_weight), w(LP::qkv_bias), N, C, 3 * CH);
+  // q, k and v are read straight out of the fused [N, 3 CH] buffer.
+  backend_.attention_forward(a.atty, a.probs, a.qkv, a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D,
+                             3 * CH, 3 * CH);
+  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), row_bias(LP::attn_out_bias), N,
+                          CH, C);
+  tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
   backend_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w(LP::norm2_weight),
                              w(LP::norm2_bias), N, C, config_.norm_eps);
   backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), w(LP::mlp_in_bias), N, C, F);
   backend_.gelu_forward(a.act, a.fc, int64_t(N) * F);
-  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), w(LP::mlp_out_bias), N, F, C);
+  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), row_bias(LP::mlp_out_bias), N, F,
+                          C);
+  tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
 }
 
 // On entry dres = d(block output). The residual adds pass the gradient through unchanged, so
 // the branch gradients are accumulated into dres directly (the norms' dinp), leaving
-// d(block input) there.
+// d(block input) there. dres is the same on every tp rank; the input gradients of the
+// column-parallel linears are partial per rank and summed before each norm's backward.
 void Transformer::gpt2_block_backward(int l, const float* x) {
-  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden, H = config_.n_head;
-  const int D = config_.head_dim();
+  const int N = B_ * T_, C = config_.n_embd, F = local_.F, H = local_.Hq;
+  const int D = config_.head_dim(), CH = H * D;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
   auto dw = [&](LayerParam k) { return g(o[size_t(k)]); };
@@ -388,7 +467,7 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
   float* dact = a_.df1;
   float* dfc = a_.df0;
 
-  // MLP
+  // MLP. A row-parallel bias's gradient is computed on every rank (dres is replicated).
   backend_.memset_zero(dact, nf);
   backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
   backend_.linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), a_.dres, a.act, N,
@@ -397,21 +476,23 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
   backend_.gelu_backward(dfc, a.fc, dact, int64_t(N) * F);
   backend_.memset_zero(a_.dln, nc);
   backend_.linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
+  tp_sum(a_.dln, int64_t(N) * C);
   backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C, F);
   backend_.layernorm_backward(a_.dres, dw(LP::norm2_weight), dw(LP::norm2_bias), a_.dln, a.res2,
                               w(LP::norm2_weight), a.ln2_mean, a.ln2_rstd, N, C);
   // attention
-  backend_.memset_zero(a_.datty, nc);
-  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, C, C);
+  backend_.memset_zero(a_.datty, size_t(N) * size_t(CH) * sizeof(float));
+  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
   backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), a_.dres, a.atty,
-                                  N, C, C);
-  backend_.memset_zero(a_.dqkv, size_t(N) * 3 * size_t(C) * sizeof(float));
-  backend_.attention_backward(a_.dqkv, a_.dqkv + C, a_.dqkv + 2 * C, a_.datty, a.probs, a.qkv,
-                              a.qkv + C, a.qkv + 2 * C, B_, T_, H, H, D, 3 * C, 3 * C);
+                                  N, CH, C);
+  backend_.memset_zero(a_.dqkv, size_t(N) * 3 * size_t(CH) * sizeof(float));
+  backend_.attention_backward(a_.dqkv, a_.dqkv + CH, a_.dqkv + 2 * CH, a_.datty, a.probs, a.qkv,
+                              a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D, 3 * CH, 3 * CH);
   backend_.memset_zero(a_.dln, nc);
-  backend_.linear_backward_input(a_.dln, a_.dqkv, w(LP::qkv_weight), N, C, 3 * C);
+  backend_.linear_backward_input(a_.dln, a_.dqkv, w(LP::qkv_weight), N, C, 3 * CH);
+  tp_sum(a_.dln, int64_t(N) * C);
   backend_.linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), a_.dqkv, a.ln1, N, C,
-                                  3 * C);
+                                  3 * CH);
   backend_.layernorm_backward(a_.dres, dw(LP::norm1_weight), dw(LP::norm1_bias), a_.dln, x,
                               w(LP::norm1_weight), a.ln1_mean, a.ln1_rstd, N, C);
 }
@@ -419,10 +500,13 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
 // ---- LLaMA block --------------------------------------------------------------------------------
 // h = rmsnorm(x); x += o_proj(attention(rope(q(h)), rope(k(h)), v(h)));
 // h = rmsnorm2(x); x += down(silu(gate(h)) * up(h))
+// With tensor parallelism (local sizes): q, k, v, gate and up are column-parallel, o_proj and
+// down row-parallel. RoPE depends only on position and dimension, never on the head index, so
+// it runs unchanged on a rank's heads.
 
 void Transformer::llama_block_forward(int l, const float* x) {
-  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden;
-  const int Hq = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int N = B_ * T_, C = config_.n_embd, F = local_.F;
+  const int Hq = local_.Hq, Hkv = local_.Hkv, D = config_.head_dim();
   const int QD = Hq * D, KD = Hkv * D;
   const float theta = config_.rope_theta;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
@@ -439,20 +523,25 @@ void Transformer::llama_block_forward(int l, const float* x) {
   // Rotated in place: backward needs the rotated q and k (attention's inputs), not the raw ones.
   backend_.rope_forward(q, B_, T_, Hq, D, QD, theta);
   backend_.rope_forward(k, B_, T_, Hkv, D, KD, theta);
+  // The rank's Hq query heads use its Hkv kv heads in groups of Hq / Hkv, as globally: with split
+  // kv heads both are contiguous blocks of the global heads; with a replicated kv head all of the
+  // rank's query heads belong to that head's group.
   backend_.attention_forward(a.atty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
   backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), nullptr, N, QD, C);
+  tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
   backend_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.res2, w(LP::norm2_weight), N, C, config_.norm_eps);
   backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), nullptr, N, C, F);
   backend_.linear_forward(a.up, a.ln2, w(LP::mlp_up_weight), nullptr, N, C, F);
   backend_.swiglu_forward(a.act, a.fc, a.up, int64_t(N) * F);
   backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), nullptr, N, F, C);
+  tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
 }
 
 void Transformer::llama_block_backward(int l, const float* x) {
-  const int N = B_ * T_, C = config_.n_embd, F = config_.ffn_hidden;
-  const int Hq = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int N = B_ * T_, C = config_.n_embd, F = local_.F;
+  const int Hq = local_.Hq, Hkv = local_.Hkv, D = config_.head_dim();
   const int QD = Hq * D, KD = Hkv * D;
   const float theta = config_.rope_theta;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
@@ -482,6 +571,7 @@ void Transformer::llama_block_backward(int l, const float* x) {
   backend_.memset_zero(a_.dln, nc);
   backend_.linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
   backend_.linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
+  tp_sum(a_.dln, int64_t(N) * C);
   backend_.linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
   backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
   backend_.rmsnorm_backward(a_.dres, dw(LP::norm2_weight), a_.dln, a.res2, w(LP::norm2_weight),
@@ -494,13 +584,36 @@ void Transformer::llama_block_backward(int l, const float* x) {
   backend_.attention_backward(dq, dk, dv, a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
   backend_.rope_backward(dq, B_, T_, Hq, D, QD, theta);
   backend_.rope_backward(dk, B_, T_, Hkv, D, KD, theta);
+  // dk and dv hold this rank's query heads' share of its kv heads' gradients; that is all of it
+  // when kv heads are split, and a part when a kv head is replicated -- in both cases the input
+  // gradient through k and v is then a per-rank partial sum like the one through q.
   backend_.memset_zero(a_.dln, nc);
   backend_.linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
   backend_.linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
   backend_.linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
+  tp_sum(a_.dln, int64_t(N) * C);
   backend_.linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
-  backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
-  backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+  if (local_.kv_replicated) {
+    // A replicated kv head's weight gradient is the sum of the shares of the ranks holding it.
+    // Each rank writes its share into its head's rows of a zeroed [Hkv D, C] staging buffer (one
+    // for k, one for v) and one all-reduce over the whole group sums every head's shares (rows
+    // of heads a rank does not hold stay zero there). Every holder then adds the same full
+    // gradient, so the copies stay identical. Staged per backward, not accumulated: summing the
+    // accumulated gradient buffer itself would count earlier micro-batches tp times.
+    const int64_t head_rows = int64_t(config_.n_kv_head) * D * C;
+    float* stage_k = a_.kv_stage;
+    float* stage_v = a_.kv_stage + head_rows;
+    const int64_t mine = int64_t(local_.kv_begin) * D * C;
+    backend_.memset_zero(a_.kv_stage, 2 * size_t(head_rows) * sizeof(float));
+    backend_.linear_backward_weight(stage_k + mine, nullptr, dk, a.ln1, N, C, KD);
+    backend_.linear_backward_weight(stage_v + mine, nullptr, dv, a.ln1, N, C, KD);
+    tp_sum(a_.kv_stage, 2 * head_rows);
+    backend_.residual_forward(dw(LP::k_weight), dw(LP::k_weight), stage_k + mine, int64_t(KD) * C);
+    backend_.residual_forward(dw(LP::v_weight), dw(LP::v_weight), stage_v + mine, int64_t(KD) * C);
+  } else {
+    backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
+    backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+  }
   backend_.rmsnorm_backward(a_.dres, dw(LP::norm1_weight), a_.dln, x, w(LP::norm1_weight),
                             a.ln1_rstd, N, C);
 }

@@ -14,12 +14,34 @@
 //   the final norm and the [B, T, Vp] logits, which backward overwrites with dlogits in place.
 // - ONE set of activation-gradient scratch buffers shared by all blocks during backward.
 // Per block that is about N (8C + 2F) floats for gpt2, N (6C + 2 Hkv D + 3F) for llama (N = B T),
-// plus B Hq T^2 attention probabilities.
+// plus B Hq T^2 attention probabilities (with tensor parallelism: Hq, Hkv, F per rank).
 //
 // Numerics follow the kernels: the loss is summed per valid token; forward_backward seeds
 // dlogits with (softmax - onehot) * grad_scale, so passing 1 / (valid tokens in the global batch)
 // to every micro-batch gives the gradient of the global mean loss. Gradients accumulate across
 // forward_backward calls until zero_grad().
+//
+// Tensor parallelism (Megatron-LM). Given a TpGroup of size tp > 1, the model holds only its
+// rank's shard of every parameter (tp_shard.h: column / row / vocab / per-head splits; norms,
+// positions and row-parallel biases replicated) and inserts the Megatron f/g collectives:
+// column-parallel linears (c_attn, q/k/v, c_fc, gate/up, and the head over the vocabulary) take a
+// replicated input and all-reduce its gradient in backward; row-parallel linears (attention
+// output, MLP output) all-reduce their output in forward, their bias added by rank 0 only. The
+// token embedding is vocabulary-parallel (each rank looks up its vocabulary range, the sum over
+// ranks is the embedding; positions added once, by rank 0), and the loss is the vocabulary-
+// parallel cross-entropy (vocab_parallel_ce.h), so the full [N, Vp] logits never exist on one
+// rank. With GQA, kv heads are split when tp divides n_kv_head and replicated otherwise (each rank
+// holds the kv head its query heads use); a replicated kv head's gradient is the sum of the
+// contributions of the ranks sharing it, formed by an all-reduce of a zero-padded [Hkv D, C]
+// staging buffer in every backward. Everything between the collectives -- the residual stream,
+// norms, the stage boundary buffers, the loss, every replicated parameter's gradient -- is
+// bit-identical on all ranks of the group, given a TpGroup whose results are identical on every
+// rank (its contract): replicated parameters stay in sync under identical optimizer updates.
+// Per-rank views: param_views(), param(), grad() and logits() are the rank's local shards (logits
+// [B, T, Vp / tp], columns [vocab_start, +Vp / tp) of the vocabulary); spec() still describes the
+// whole (stage) model with global shapes. A group of size 1 (or none) is plain single-rank
+// execution. All ranks of the group must make the same calls in the same order (every collective
+// is unconditional) with the same tokens and targets.
 //
 // Host/device: tokens and targets are host arrays, copied to backend memory. Tensors returned by
 // param/grad/logits/... are views of backend memory (host-readable on CPU backends only) that do
@@ -38,6 +60,7 @@
 #include "tessel/model/model_config.h"
 #include "tessel/model/model_spec.h"
 #include "tessel/model/stage_range.h"
+#include "tessel/model/tp_group.h"
 #include "tessel/tensor/tensor.h"
 
 namespace tessel::model {
@@ -45,10 +68,15 @@ namespace tessel::model {
 // Where one parameter lives in the flat parameter / gradient buffers (offsets in floats).
 struct ParamView {
   std::string name;
-  Shape shape;
+  Shape shape;  // this rank's shard (the whole tensor without tensor parallelism)
   int64_t offset = 0;
   int64_t numel = 0;
   bool weight_decay = false;
+  // Tensor parallelism: how many tp ranks hold a copy of each element of this shard (1 for split
+  // tensors), and whether this rank's copy is the primary one -- the one to count once in a global
+  // gradient norm or to write to a checkpoint (tp_shard.h).
+  int tp_copies = 1;
+  bool tp_primary = true;
 };
 
 class Transformer {
@@ -59,9 +87,10 @@ class Transformer {
   // Throws ConfigError for an invalid config/stage or T outside [1, max_seq_len],
   // UnsupportedError when the backend lacks an op the family needs. Parameters and gradients
   // start at zero (call init() or write the parameters). The backend must outlive the
-  // model.
+  // model. `tp`, when not null, is this rank's tensor-parallel group (see above); it must outlive
+  // the model. Throws ConfigError when the model cannot be split tp ways (validate_tp).
   Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-              StageRange stage = {});
+              StageRange stage = {}, TpGroup* tp = nullptr);
   ~Transformer() = default;
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -73,6 +102,10 @@ class Transformer {
   kernels::Backend& backend() const { return backend_; }
   int batch_size() const { return B_; }
   int seq_len() const { return T_; }
+  // The tensor-parallel group (null without tensor parallelism), this rank in it and its size.
+  TpGroup* tp_group() const { return tp_; }
+  int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
+  int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
   int64_t num_params() const { return num_params_; }
   // Flat [num_params] views of all parameters / gradients.
@@ -84,7 +117,8 @@ class Transformer {
   const std::vector<ParamView>& param_views() const { return views_; }
 
   // Deterministic initialisation (see init.h): equal to the same parameters of any other
-  // stage or shard layout initialised with the same seed.
+  // stage or shard layout initialised with the same seed (a tp shard is bit-identical to the
+  // same slice of the unsharded parameter).
   void init(uint64_t seed);
   void zero_grad();
 
@@ -95,8 +129,9 @@ class Transformer {
   // Forward, then backward accumulating into the gradients. targets must not be null.
   kernels::CrossEntropyResult forward_backward(const int32_t* tokens, const int32_t* targets,
                                                float grad_scale);
-  // [B, T, Vp] logits (only the first vocab_size columns are real classes). Valid after
-  // forward(); after forward_backward() the buffer holds dlogits instead.
+  // [B, T, Vp] logits (only the first vocab_size columns are real classes); with tensor
+  // parallelism this rank's [B, T, Vp / tp] columns. Valid after forward(); after
+  // forward_backward() the buffer holds dlogits instead.
   Tensor logits() const;
 
   // Pipeline-stage entry points. forward_stage reads tokens (first stage; null otherwise) or
@@ -159,10 +194,24 @@ class Transformer {
   void llama_block_forward(int l, const float* x);
   void llama_block_backward(int l, const float* x);
   void head_backward();
+  kernels::CrossEntropyResult vocab_parallel_loss(float* dlogits, float grad_scale);
+  // The Megatron all-reduce (no-op without tensor parallelism).
+  void tp_sum(float* data, int64_t n);
 
   ModelConfig config_;
   kernels::Backend& backend_;
   int B_, T_;
+  TpGroup* tp_ = nullptr;  // null unless tensor-parallel with size > 1
+  // This rank's share of the split dimensions (the whole model's without tensor parallelism).
+  struct Local {
+    int Hq = 0;        // query heads
+    int Hkv = 0;       // kv heads held
+    int kv_begin = 0;  // first global kv head held
+    bool kv_replicated = false;
+    int F = 0;            // MLP hidden features
+    int Vp = 0;           // vocabulary rows
+    int vocab_start = 0;  // first vocabulary row
+  } local_;
   StageRange stage_;
   ModelSpec spec_;
   std::vector<ParamView> views_;
@@ -182,9 +231,11 @@ class Transformer {
     float* lnf = nullptr;
     float* lnf_mean = nullptr;
     float* lnf_rstd = nullptr;
-    float* logits = nullptr;  // [N, Vp]; dlogits in place
-    float* losses = nullptr;  // [N]
-    float* proj = nullptr;    // [N, C] projection output before the residual add
+    float* logits = nullptr;   // [N, Vp]; dlogits in place
+    float* losses = nullptr;   // [N]
+    float* ce_max = nullptr;   // [N] vocabulary-parallel loss statistics (tp only)
+    float* ce_sums = nullptr;  // [2N]
+    float* proj = nullptr;     // [N, C] projection output before the residual add
     // backward scratch, shared by all blocks
     float* dres = nullptr;   // [N, C] residual-stream gradient
     float* dln = nullptr;    // [N, C] gradient of a norm output
@@ -193,6 +244,7 @@ class Transformer {
     float* df0 = nullptr;    // [N, F] each
     float* df1 = nullptr;
     float* df2 = nullptr;
+    float* kv_stage = nullptr;  // [2, Hkv D, C] replicated kv heads' gradients (tp only)
   } a_;
   int32_t* tokens_ = nullptr;  // [N] in backend memory
   int32_t* targets_ = nullptr;

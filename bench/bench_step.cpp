@@ -203,13 +203,13 @@ class TimedBackend final : public Backend {
   }
   tessel::kernels::CrossEntropyResult vp_ce_finish(float* dlogits, float* losses,
                                                    const float* logits, const float* row_max,
-                                                   const float* sums, const int32_t* targets,
-                                                   int N, int V, int vocab_start, int rows,
+                                                   const float* sums, const int32_t* targets, int N,
+                                                   int V, int vocab_start, int rows,
                                                    int ignore_index, float grad_scale) override {
     tessel::kernels::CrossEntropyResult r;
     timed("vp_ce", [&] {
-      r = in_.vp_ce_finish(dlogits, losses, logits, row_max, sums, targets, N, V, vocab_start,
-                           rows, ignore_index, grad_scale);
+      r = in_.vp_ce_finish(dlogits, losses, logits, row_max, sums, targets, N, V, vocab_start, rows,
+                           ignore_index, grad_scale);
     });
     return r;
   }

@@ -1,3 +1,5 @@
 #include "tessel/cli/app.h"
 
-int main(int argc, char** argv) { return tessel::cli::run(argc, argv); }
+int main(int argc, char** argv) {
+  return tessel::cli::run(argc, argv);
+}

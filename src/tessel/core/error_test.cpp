@@ -9,7 +9,8 @@ namespace {
 TEST(Check, ThrowsTypedErrorWithMessageAndLocation) {
   try {
     int heads = 3;
-    TESSEL_CHECK(64 % heads == 0, ConfigError, "n_embd {} is not divisible by n_head {}", 64, heads);
+    TESSEL_CHECK(64 % heads == 0, ConfigError, "n_embd {} is not divisible by n_head {}", 64,
+                 heads);
     FAIL() << "check did not throw";
   } catch (const ConfigError& e) {
     std::string what = e.what();

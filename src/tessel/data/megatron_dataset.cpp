@@ -8,8 +8,8 @@
 #include <limits>
 #include <mutex>
 
-#include "tessel/core/check.h"
 #include "tessel/core/atomic_file.h"
+#include "tessel/core/check.h"
 #include "tessel/data/little_endian.h"
 #include "tessel/data/token_convert.h"
 #include "tessel/data/token_dataset.h"

@@ -9,13 +9,13 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_ACTIVATION_SIGNATURES                                                           \
-  void gelu_forward(float* out, const float* inp, int64_t n);                                  \
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);             \
-  void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);              \
-  void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,         \
-                       const float* up, int64_t n);                                            \
-  void residual_forward(float* out, const float* a, const float* b, int64_t n);                \
+#define TESSEL_ACTIVATION_SIGNATURES                                                   \
+  void gelu_forward(float* out, const float* inp, int64_t n);                          \
+  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);     \
+  void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);      \
+  void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, \
+                       const float* up, int64_t n);                                    \
+  void residual_forward(float* out, const float* a, const float* b, int64_t n);        \
   void residual_backward(float* da, float* db, const float* dout, int64_t n);
 
 namespace ref {

@@ -13,12 +13,12 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_ATTENTION_SIGNATURES                                                            \
-  void attention_forward(float* out, float* probs, const float* q, const float* k,             \
-                         const float* v, int B, int T, int Hq, int Hkv, int D, int64_t q_stride, \
-                         int64_t kv_stride);                                                   \
-  void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* probs, \
-                          const float* q, const float* k, const float* v, int B, int T, int Hq, \
+#define TESSEL_ATTENTION_SIGNATURES                                                                \
+  void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v, \
+                         int B, int T, int Hq, int Hkv, int D, int64_t q_stride,                   \
+                         int64_t kv_stride);                                                       \
+  void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* probs,  \
+                          const float* q, const float* k, const float* v, int B, int T, int Hq,    \
                           int Hkv, int D, int64_t q_stride, int64_t kv_stride);
 
 namespace ref {

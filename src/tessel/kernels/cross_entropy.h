@@ -22,10 +22,10 @@ struct CrossEntropyResult {
   int64_t valid = 0;
 };
 
-#define TESSEL_CROSS_ENTROPY_SIGNATURES                                                       \
-  CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,        \
-                                   const int32_t* targets, int N, int V, int Vp,              \
-                                   int ignore_index, float grad_scale);
+#define TESSEL_CROSS_ENTROPY_SIGNATURES                                                            \
+  CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,             \
+                                   const int32_t* targets, int N, int V, int Vp, int ignore_index, \
+                                   float grad_scale);
 
 namespace ref {
 TESSEL_CROSS_ENTROPY_SIGNATURES

@@ -11,11 +11,11 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_EMBEDDING_SIGNATURES                                                            \
+#define TESSEL_EMBEDDING_SIGNATURES                                                             \
   void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, \
-                         int B, int T, int C, int vocab_start, int vocab_rows);               \
-  /* dwte, dwpe accumulate; dwpe may be null. */                                              \
-  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,  \
+                         int B, int T, int C, int vocab_start, int vocab_rows);                 \
+  /* dwte, dwpe accumulate; dwpe may be null. */                                                \
+  void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,   \
                           int B, int T, int C, int vocab_start, int vocab_rows);
 
 namespace ref {

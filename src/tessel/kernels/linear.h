@@ -7,14 +7,14 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_LINEAR_SIGNATURES                                                                \
-  void linear_forward(float* out, const float* inp, const float* weight, const float* bias,     \
-                      int N, int IC, int OC);                                                   \
-  void linear_backward_input(float* dinp, const float* dout, const float* weight, int N, int IC, \
-                             int OC);                                                           \
-  void linear_backward_weight(float* dweight, float* dbias, const float* dout, const float* inp, \
-                              int N, int IC, int OC);                                           \
-  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,            \
+#define TESSEL_LINEAR_SIGNATURES                                                                   \
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N, \
+                      int IC, int OC);                                                             \
+  void linear_backward_input(float* dinp, const float* dout, const float* weight, int N, int IC,   \
+                             int OC);                                                              \
+  void linear_backward_weight(float* dweight, float* dbias, const float* dout, const float* inp,   \
+                              int N, int IC, int OC);                                              \
+  void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout,               \
                        const float* inp, const float* weight, int N, int IC, int OC);
 
 namespace ref {

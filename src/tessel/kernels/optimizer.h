@@ -29,10 +29,10 @@ struct AdamWConfig {
   bool zero_grad = false;
 };
 
-#define TESSEL_OPTIMIZER_SIGNATURES                                                          \
-  void adamw_update(float* param, float* grad, float* m, float* v, int64_t n,                \
-                    const AdamWConfig& cfg);                                                 \
-  double sum_of_squares(const float* x, int64_t n);                                          \
+#define TESSEL_OPTIMIZER_SIGNATURES                                           \
+  void adamw_update(float* param, float* grad, float* m, float* v, int64_t n, \
+                    const AdamWConfig& cfg);                                  \
+  double sum_of_squares(const float* x, int64_t n);                           \
   void scale(float* x, int64_t n, float factor);
 
 namespace ref {

@@ -100,7 +100,8 @@ TEST(AdamW, ConstantGradientClosedForm) {
 TEST(AdamW, FusedScaleAndZeroEqualSeparatePasses) {
   for (int64_t n : kSizes) {
     for (AdamWFn adamw : {&ref::adamw_update, &cpu::adamw_update}) {
-      SCOPED_TRACE(::testing::Message() << "n=" << n << (adamw == &cpu::adamw_update ? " cpu" : " ref"));
+      SCOPED_TRACE(::testing::Message()
+                   << "n=" << n << (adamw == &cpu::adamw_update ? " cpu" : " ref"));
       AdamWConfig cfg;
       cfg.lr = 0.01f;
       cfg.weight_decay = 0.1f;

@@ -3,10 +3,10 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_RMSNORM_SIGNATURES                                                              \
-  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int N,  \
-                       int C, float eps);                                                      \
-  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,      \
+#define TESSEL_RMSNORM_SIGNATURES                                                             \
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int N, \
+                       int C, float eps);                                                     \
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,     \
                         const float* weight, const float* rstd, int N, int C);
 
 namespace ref {

@@ -11,8 +11,8 @@
 
 namespace tessel::kernels {
 
-#define TESSEL_ROPE_SIGNATURES                                                                  \
-  void rope_forward(float* x, int B, int T, int H, int D, int64_t stride, float theta);        \
+#define TESSEL_ROPE_SIGNATURES                                                          \
+  void rope_forward(float* x, int B, int T, int H, int D, int64_t stride, float theta); \
   void rope_backward(float* dx, int B, int T, int H, int D, int64_t stride, float theta);
 
 namespace ref {

@@ -8,8 +8,8 @@
 #include <fstream>
 #include <map>
 
-#include "tessel/core/check.h"
 #include "tessel/core/atomic_file.h"
+#include "tessel/core/check.h"
 
 namespace tessel::runtime {
 
@@ -66,22 +66,26 @@ Parsed parse(const std::string& path) {
   const auto& b = p.bytes;
   constexpr size_t kFixed = 8 + 4 + 4 + 8;
   TESSEL_CHECK(b.size() >= kFixed + 8, CorruptDataError,
-               "checkpoint '{}' is truncated ({} bytes): delete it or restore it from a copy", path, b.size());
+               "checkpoint '{}' is truncated ({} bytes): delete it or restore it from a copy", path,
+               b.size());
   TESSEL_CHECK(std::memcmp(b.data(), kMagic, 8) == 0, CorruptDataError,
                "'{}' is not a tessel checkpoint (bad magic)", path);
   uint32_t version;
   std::memcpy(&version, b.data() + 8, 4);
   TESSEL_CHECK(version == kVersion, CorruptDataError,
-               "checkpoint '{}' has format version {}, this build reads version {}", path, version, kVersion);
+               "checkpoint '{}' has format version {}, this build reads version {}", path, version,
+               kVersion);
   uint64_t stored;
   std::memcpy(&stored, b.data() + b.size() - 8, 8);
   uint64_t actual = XXH3_64bits(b.data(), b.size() - 8);
   TESSEL_CHECK(stored == actual, CorruptDataError,
                "checkpoint '{}' fails its checksum (file truncated or modified): delete it to "
-               "resume from the previous checkpoint", path);
+               "resume from the previous checkpoint",
+               path);
   uint64_t header_len;
   std::memcpy(&header_len, b.data() + 16, 8);
-  TESSEL_CHECK(header_len <= b.size() - kFixed - 8, CorruptDataError, "checkpoint '{}' has a bad header length", path);
+  TESSEL_CHECK(header_len <= b.size() - kFixed - 8, CorruptDataError,
+               "checkpoint '{}' has a bad header length", path);
   try {
     p.header = nlohmann::json::parse(b.begin() + kFixed, b.begin() + kFixed + long(header_len));
   } catch (const nlohmann::json::exception& e) {
@@ -101,7 +105,8 @@ std::string save_checkpoint(const std::string& dir, int64_t step, const nlohmann
   nlohmann::json header = meta;
   header["step"] = step;
   header["sections"] = nlohmann::json::array();
-  for (const auto& s : sections) header["sections"].push_back({{"name", s.name}, {"count", s.count}});
+  for (const auto& s : sections)
+    header["sections"].push_back({{"name", s.name}, {"count", s.count}});
   std::string text = header.dump();
   fs::path dest = fs::path(dir) / step_name(step);
   {
@@ -125,7 +130,8 @@ std::string save_checkpoint(const std::string& dir, int64_t step, const nlohmann
   // Keep the newest `keep` checkpoints.
   std::vector<fs::path> all;
   for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == ".ckpt" && e.path().filename().string().starts_with("step_")) all.push_back(e.path());
+    if (e.path().extension() == ".ckpt" && e.path().filename().string().starts_with("step_"))
+      all.push_back(e.path());
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i + size_t(keep) < all.size(); ++i) fs::remove(all[i], ec);
   return dest.string();
@@ -140,13 +146,17 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
   fs::path path = fs::path(dir) / name;
   TESSEL_CHECK(!name.empty() && fs::exists(path), CorruptDataError,
                "'{}' names checkpoint '{}', which does not exist: restore it or delete '{}' to "
-               "start fresh", latest.string(), name, latest.string());
+               "start fresh",
+               latest.string(), name, latest.string());
   return path.string();
 }
 
-nlohmann::json read_checkpoint_meta(const std::string& path) { return parse(path).header; }
+nlohmann::json read_checkpoint_meta(const std::string& path) {
+  return parse(path).header;
+}
 
-nlohmann::json load_checkpoint(const std::string& path, const std::vector<CheckpointSection>& sections) {
+nlohmann::json load_checkpoint(const std::string& path,
+                               const std::vector<CheckpointSection>& sections) {
   Parsed p = parse(path);
   size_t offset = p.payload_offset;
   std::map<std::string, std::pair<size_t, int64_t>> where;  // name -> (offset, count)
@@ -160,7 +170,8 @@ nlohmann::json load_checkpoint(const std::string& path, const std::vector<Checkp
                offset + 8, p.bytes.size());
   for (const auto& s : sections) {
     auto it = where.find(s.name);
-    TESSEL_CHECK(it != where.end(), CorruptDataError, "checkpoint '{}' has no section '{}'", path, s.name);
+    TESSEL_CHECK(it != where.end(), CorruptDataError, "checkpoint '{}' has no section '{}'", path,
+                 s.name);
     TESSEL_CHECK(it->second.second == s.count, CorruptDataError,
                  "checkpoint '{}' section '{}' holds {} values but {} are needed (another model?)",
                  path, s.name, it->second.second, s.count);

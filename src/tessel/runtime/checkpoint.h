@@ -2,7 +2,8 @@
 // sharded safetensors + index + manifest).
 //
 // A checkpoint is one file `<dir>/step_<NNNNNNNN>.ckpt`:
-//   "TSLCKPT1" | u32 version | u32 0 | u64 header bytes | header JSON | section bytes ... | u64 xxh3
+//   "TSLCKPT1" | u32 version | u32 0 | u64 header bytes | header JSON | section bytes ... | u64
+//   xxh3
 // The JSON header holds the metadata (model config, step, data cursor, seeds) and the list of
 // sections (name, element count); the trailing xxh3-64 covers everything before it.
 //

@@ -21,7 +21,8 @@ namespace fs = std::filesystem;
 std::string save(const std::string& dir, int64_t step, std::vector<float>& a, std::vector<float>& b,
                  int keep = 2) {
   return save_checkpoint(dir, step, {{"note", "x"}},
-                         {{"a", a.data(), int64_t(a.size())}, {"b", b.data(), int64_t(b.size())}}, keep);
+                         {{"a", a.data(), int64_t(a.size())}, {"b", b.data(), int64_t(b.size())}},
+                         keep);
 }
 
 TEST(Checkpoint, RoundTripAndLatest) {

@@ -25,7 +25,9 @@ void MetricsWriter::write(const nlohmann::json& record) {
 }
 
 ProgressLine::ProgressLine(int64_t total_steps, int64_t log_every)
-    : total_(total_steps), log_every_(std::max<int64_t>(1, log_every)), tty_(::isatty(STDOUT_FILENO)) {}
+    : total_(total_steps),
+      log_every_(std::max<int64_t>(1, log_every)),
+      tty_(::isatty(STDOUT_FILENO)) {}
 
 std::string format_duration(double seconds) {
   if (!(seconds >= 0) || seconds > 1e7) return "?";
@@ -41,10 +43,11 @@ std::string format_rate(double v) {
   return fmt::format("{:.0f}", v);
 }
 
-void ProgressLine::step(int64_t step, double loss, double lr, double tokens_per_s, double seconds_per_step) {
+void ProgressLine::step(int64_t step, double loss, double lr, double tokens_per_s,
+                        double seconds_per_step) {
   int64_t done = step + 1;
-  std::string line = fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | {} tok/s | ETA {}", done, total_,
-                                 loss, lr, format_rate(tokens_per_s),
+  std::string line = fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | {} tok/s | ETA {}", done,
+                                 total_, loss, lr, format_rate(tokens_per_s),
                                  format_duration(seconds_per_step * double(total_ - done)));
   if (tty_) {
     std::fputs(("\r\033[K" + line).c_str(), stdout);

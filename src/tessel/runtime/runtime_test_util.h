@@ -13,8 +13,8 @@ namespace tessel::runtime::testing {
 // Writes a few KB of repetitive English-like text as a token file and returns its path.
 inline std::string make_corpus(const tessel::testing::TempDir& dir) {
   std::string text;
-  const char* words[] = {"the ", "model ", "trains ", "on ", "many ", "devices ", "and ", "keeps ",
-                         "going ", "when ", "they ", "change. "};
+  const char* words[] = {"the ", "model ", "trains ", "on ",   "many ", "devices ",
+                         "and ", "keeps ", "going ",  "when ", "they ", "change. "};
   uint32_t x = 12345;
   for (int i = 0; i < 3000; ++i) {
     x = x * 1103515245u + 12345u;

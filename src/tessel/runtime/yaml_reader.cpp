@@ -45,8 +45,8 @@ YAML::Node load_yaml_file(const std::string& path) {
                  path);
     return node;
   } catch (const YAML::ParserException& e) {
-    TESSEL_THROW(ConfigError, "{}: malformed YAML at line {}, column {}: {}", path,
-                 e.mark.line + 1, e.mark.column + 1, e.msg);
+    TESSEL_THROW(ConfigError, "{}: malformed YAML at line {}, column {}: {}", path, e.mark.line + 1,
+                 e.mark.column + 1, e.msg);
   } catch (const YAML::BadFile&) {
     TESSEL_THROW(IoError, "cannot read config file '{}'", path);
   }

@@ -16,11 +16,16 @@ namespace tessel::runtime {
 
 template <typename T>
 constexpr const char* type_name() {
-  if constexpr (std::is_same_v<T, bool>) return "true/false";
-  else if constexpr (std::is_integral_v<T>) return "an integer";
-  else if constexpr (std::is_floating_point_v<T>) return "a number";
-  else if constexpr (std::is_same_v<T, std::string>) return "a string";
-  else return "a list";
+  if constexpr (std::is_same_v<T, bool>)
+    return "true/false";
+  else if constexpr (std::is_integral_v<T>)
+    return "an integer";
+  else if constexpr (std::is_floating_point_v<T>)
+    return "a number";
+  else if constexpr (std::is_same_v<T, std::string>)
+    return "a string";
+  else
+    return "a list";
 }
 
 class YamlSection {

@@ -15,7 +15,9 @@ HostAllocator& HostAllocator::instance() {
   return *a;
 }
 
-HostAllocator::~HostAllocator() { release_cached(); }
+HostAllocator::~HostAllocator() {
+  release_cached();
+}
 
 size_t HostAllocator::round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
@@ -64,7 +66,8 @@ void HostAllocator::deallocate(void* ptr) {
   if (!ptr) return;
   std::lock_guard lock(mu_);
   auto it = live_.find(ptr);
-  TESSEL_CHECK(it != live_.end(), InvalidArgumentError, "deallocate of a pointer not from this allocator");
+  TESSEL_CHECK(it != live_.end(), InvalidArgumentError,
+               "deallocate of a pointer not from this allocator");
   size_t size = it->second;
   live_.erase(it);
   free_.emplace(size, ptr);

@@ -15,10 +15,10 @@
 namespace tessel {
 
 struct AllocatorStats {
-  size_t bytes_in_use = 0;     // handed out and not yet freed
-  size_t bytes_cached = 0;     // freed, kept for reuse
+  size_t bytes_in_use = 0;  // handed out and not yet freed
+  size_t bytes_cached = 0;  // freed, kept for reuse
   size_t peak_bytes_in_use = 0;
-  uint64_t fresh_allocations = 0;  // blocks obtained from the OS (each touches new pages)
+  uint64_t fresh_allocations = 0;   // blocks obtained from the OS (each touches new pages)
   uint64_t reused_allocations = 0;  // blocks served from the cache
 };
 

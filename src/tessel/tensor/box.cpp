@@ -9,12 +9,15 @@
 
 namespace tessel {
 
-Box::Box(std::vector<int64_t> lo, std::vector<int64_t> hi) : lo_(std::move(lo)), hi_(std::move(hi)) {
+Box::Box(std::vector<int64_t> lo, std::vector<int64_t> hi)
+    : lo_(std::move(lo)), hi_(std::move(hi)) {
   TESSEL_CHECK(lo_.size() == hi_.size(), InvalidArgumentError, "box corners of ranks {} and {}",
                lo_.size(), hi_.size());
 }
 
-Box Box::of(const Shape& shape) { return Box(std::vector<int64_t>(shape.rank(), 0), shape.dims()); }
+Box Box::of(const Shape& shape) {
+  return Box(std::vector<int64_t>(shape.rank(), 0), shape.dims());
+}
 
 namespace {
 

@@ -58,17 +58,22 @@ void copy_box(const void* src, const Shape& src_shape, const Box& src_box, void*
   }
 }
 
-void copy_box(const Tensor& src, const Box& src_box, Tensor& dst, const std::vector<int64_t>& dst_lo) {
+void copy_box(const Tensor& src, const Box& src_box, Tensor& dst,
+              const std::vector<int64_t>& dst_lo) {
   TESSEL_CHECK(src.dtype() == dst.dtype(), InvalidArgumentError, "copy_box from {} to {}",
                src.str(), dst.str());
-  copy_box(src.raw(), src.shape(), src_box, dst.raw(), dst.shape(), dst_lo, dtype_size(src.dtype()));
+  copy_box(src.raw(), src.shape(), src_box, dst.raw(), dst.shape(), dst_lo,
+           dtype_size(src.dtype()));
 }
 
-void pack_box(const void* src, const Shape& src_shape, const Box& box, void* packed, size_t elem_size) {
-  copy_box(src, src_shape, box, packed, box.shape(), std::vector<int64_t>(box.rank(), 0), elem_size);
+void pack_box(const void* src, const Shape& src_shape, const Box& box, void* packed,
+              size_t elem_size) {
+  copy_box(src, src_shape, box, packed, box.shape(), std::vector<int64_t>(box.rank(), 0),
+           elem_size);
 }
 
-void unpack_box(const void* packed, const Box& box, void* dst, const Shape& dst_shape, size_t elem_size) {
+void unpack_box(const void* packed, const Box& box, void* dst, const Shape& dst_shape,
+                size_t elem_size) {
   copy_box(packed, box.shape(), Box::of(box.shape()), dst, dst_shape, box.lo(), elem_size);
 }
 

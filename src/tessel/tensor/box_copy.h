@@ -19,10 +19,13 @@ void copy_box(const void* src, const Shape& src_shape, const Box& src_box, void*
               const Shape& dst_shape, const std::vector<int64_t>& dst_lo, size_t elem_size);
 
 // Tensor form: dtypes must match.
-void copy_box(const Tensor& src, const Box& src_box, Tensor& dst, const std::vector<int64_t>& dst_lo);
+void copy_box(const Tensor& src, const Box& src_box, Tensor& dst,
+              const std::vector<int64_t>& dst_lo);
 
 // Packs the box into a contiguous row-major buffer of box.volume() elements, and back.
-void pack_box(const void* src, const Shape& src_shape, const Box& box, void* packed, size_t elem_size);
-void unpack_box(const void* packed, const Box& box, void* dst, const Shape& dst_shape, size_t elem_size);
+void pack_box(const void* src, const Shape& src_shape, const Box& box, void* packed,
+              size_t elem_size);
+void unpack_box(const void* packed, const Box& box, void* dst, const Shape& dst_shape,
+                size_t elem_size);
 
 }  // namespace tessel

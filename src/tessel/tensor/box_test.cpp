@@ -103,10 +103,12 @@ TEST(BoxCopy, PackUnpackRoundTrip) {
 
 TEST(BoxCopy, RejectsBoxesOutsideArrays) {
   std::vector<float> a(12), b(12);
-  EXPECT_THROW(copy_box(a.data(), Shape{3, 4}, Box({0, 0}, {4, 4}), b.data(), Shape{3, 4}, {0, 0}, 4),
-               InvalidArgumentError);
-  EXPECT_THROW(copy_box(a.data(), Shape{3, 4}, Box({0, 0}, {2, 2}), b.data(), Shape{3, 4}, {2, 0}, 4),
-               InvalidArgumentError);
+  EXPECT_THROW(
+      copy_box(a.data(), Shape{3, 4}, Box({0, 0}, {4, 4}), b.data(), Shape{3, 4}, {0, 0}, 4),
+      InvalidArgumentError);
+  EXPECT_THROW(
+      copy_box(a.data(), Shape{3, 4}, Box({0, 0}, {2, 2}), b.data(), Shape{3, 4}, {2, 0}, 4),
+      InvalidArgumentError);
 }
 
 }  // namespace

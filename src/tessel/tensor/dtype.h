@@ -43,11 +43,13 @@ inline uint32_t f32_to_bits(float f) {
   return u;
 }
 
-inline float bf16_to_f32(bf16 x) { return bits_to_f32(uint32_t(x.bits) << 16); }
+inline float bf16_to_f32(bf16 x) {
+  return bits_to_f32(uint32_t(x.bits) << 16);
+}
 inline bf16 f32_to_bf16(float f) {
   uint32_t u = f32_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x0040u)};  // quiet NaN
-  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);  // ties to even
+  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);                                   // ties to even
   return bf16{uint16_t((u + rounding) >> 16)};
 }
 

@@ -16,7 +16,8 @@ TEST(DType, SizesAndNames) {
   EXPECT_EQ(dtype_size(DType::bf16), 2u);
   EXPECT_EQ(dtype_size(DType::i64), 8u);
   EXPECT_EQ(dtype_size(DType::u8), 1u);
-  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::u16}) {
+  for (DType t :
+       {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::u16}) {
     EXPECT_EQ(parse_dtype(dtype_name(t)), t);
     EXPECT_EQ(parse_dtype(dtype_safetensors_name(t)), t);
   }

@@ -25,6 +25,8 @@ std::vector<int64_t> Shape::strides() const {
   return s;
 }
 
-std::string Shape::str() const { return fmt::format("[{}]", fmt::join(dims_, ", ")); }
+std::string Shape::str() const {
+  return fmt::format("[{}]", fmt::join(dims_, ", "));
+}
 
 }  // namespace tessel

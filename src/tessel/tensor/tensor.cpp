@@ -73,13 +73,17 @@ Tensor Tensor::to(DType dtype) const {
   return t;
 }
 
-void Tensor::fill_zero() { std::memset(raw(), 0, nbytes()); }
+void Tensor::fill_zero() {
+  std::memset(raw(), 0, nbytes());
+}
 
 void Tensor::copy_from(const Tensor& src) {
   TESSEL_CHECK(src.shape() == shape_, InvalidArgumentError, "copy {} into {}", src.str(), str());
   convert(src.raw(), src.dtype(), raw(), dtype_, size_t(numel()));
 }
 
-std::string Tensor::str() const { return std::string(dtype_name(dtype_)) + shape_.str(); }
+std::string Tensor::str() const {
+  return std::string(dtype_name(dtype_)) + shape_.str();
+}
 
 }  // namespace tessel

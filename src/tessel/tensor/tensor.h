@@ -82,25 +82,40 @@ class Tensor {
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::f32; }
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
 template <>
-constexpr DType dtype_of<bf16>() { return DType::bf16; }
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
+}
 template <>
-constexpr DType dtype_of<f16>() { return DType::f16; }
+constexpr DType dtype_of<f16>() {
+  return DType::f16;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::i32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::i32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::i64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::i64;
+}
 template <>
-constexpr DType dtype_of<uint8_t>() { return DType::u8; }
+constexpr DType dtype_of<uint8_t>() {
+  return DType::u8;
+}
 template <>
-constexpr DType dtype_of<uint16_t>() { return DType::u16; }
+constexpr DType dtype_of<uint16_t>() {
+  return DType::u16;
+}
 
 void throw_dtype_mismatch(DType have, DType want);
 
 template <typename T>
 T* Tensor::data() const {
-  if (dtype_of<std::remove_const_t<T>>() != dtype_) throw_dtype_mismatch(dtype_, dtype_of<std::remove_const_t<T>>());
+  if (dtype_of<std::remove_const_t<T>>() != dtype_)
+    throw_dtype_mismatch(dtype_, dtype_of<std::remove_const_t<T>>());
   return static_cast<T*>(raw());
 }
 

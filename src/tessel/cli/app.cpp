@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "tessel/core/error.h"
@@ -11,6 +12,7 @@
 #include "tessel/data/tokenizer.h"
 #include "tessel/model/model_config.h"
 #include "tessel/runtime/launcher.h"
+#include "tessel/runtime/parallel_trainer.h"
 #include "tessel/runtime/trainer.h"
 
 namespace tessel::cli {
@@ -28,17 +30,63 @@ struct Args {
   std::string log_dir = "logs";
   double stop_timeout_s = 10;
   std::vector<std::string> worker_command;
+  std::string train_log_dir;
 };
+
+runtime::TrainConfig load_train_config(const Args& args) {
+  auto cfg = runtime::TrainConfig::load(args.config);
+  if (args.steps > 0) cfg.training.steps = args.steps;
+  return cfg;
+}
+
+// Validates the config and plan here, before any worker starts, then runs `nproc` copies of this
+// executable as `tessel worker CONFIG` under the launcher.
+int launch_training(const Args& args) {
+  auto cfg = load_train_config(args);
+  cfg.validate_for_workers(args.nproc);
+  runtime::LaunchOptions opt;
+  opt.nproc = args.nproc;
+  opt.command = {std::filesystem::read_symlink("/proc/self/exe").string(), "--log-level",
+                 args.log_level, "worker", args.config};
+  if (args.steps > 0) {
+    opt.command.push_back("--steps");
+    opt.command.push_back(std::to_string(args.steps));
+  }
+  opt.log_dir = args.train_log_dir;
+  opt.stop_timeout = std::chrono::milliseconds(int64_t(args.stop_timeout_s * 1000));
+  std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
+  auto result = runtime::launch(opt);
+  if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);
+  return result.exit_code;
+}
 
 void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* cmd = app.add_subcommand("train", "train a model from a YAML config");
   cmd->add_option("config", args.config, "YAML config file")->required();
   cmd->add_option("--steps", args.steps, "override training.steps");
+  cmd->add_option("--nproc", args.nproc,
+                  "local worker processes; must equal dp * tp * pp of the config's parallel section");
+  cmd->add_option("--log-dir", args.train_log_dir, "directory for one log file per worker (--nproc > 1)");
   cmd->callback([&] {
     action = [&] {
-      auto cfg = runtime::TrainConfig::load(args.config);
-      if (args.steps > 0) cfg.training.steps = args.steps;
-      runtime::Trainer trainer(cfg);
+      auto cfg = load_train_config(args);
+      if (args.nproc == 1 && !cfg.is_parallel()) {
+        runtime::Trainer trainer(cfg);
+        trainer.run();
+        return 0;
+      }
+      return launch_training(args);
+    };
+  });
+  // One rank of `tessel train --nproc N`; started by it, not meant to be run by hand.
+  auto* worker = app.add_subcommand("worker", "");
+  worker->group("");  // hidden
+  worker->add_option("config", args.config, "YAML config file")->required();
+  worker->add_option("--steps", args.steps, "override training.steps");
+  worker->callback([&] {
+    action = [&] {
+      auto cfg = load_train_config(args);
+      runtime::ParallelTrainer trainer(cfg, runtime::WorkerEnv::from_environment());
       trainer.run();
       return 0;
     };

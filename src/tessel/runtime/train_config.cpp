@@ -1,5 +1,6 @@
 #include "tessel/runtime/train_config.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <numeric>
 
@@ -23,7 +24,8 @@ model::ModelConfig read_model(YamlSection s) {
   } else {
     TESSEL_CHECK(s.has("family"), ConfigError,
                  "{}: give either 'preset' (one of the named models) or 'family' (gpt2 or llama) "
-                 "with the sizes", s.where("preset"));
+                 "with the sizes",
+                 s.where("preset"));
   }
   if (s.has("family")) {
     std::string family;
@@ -43,10 +45,48 @@ model::ModelConfig read_model(YamlSection s) {
   s.read("tie_embeddings", m.tie_embeddings);
   s.read("bias", m.bias);
   // A preset's kv heads follow its heads unless set: changing n_head alone keeps MHA models MHA.
-  if (s.has("n_head") && !s.has("n_kv_head") && m.family == model::Family::gpt2) m.n_kv_head = m.n_head;
+  if (s.has("n_head") && !s.has("n_kv_head") && m.family == model::Family::gpt2)
+    m.n_kv_head = m.n_head;
   if (m.name.empty()) m.name = preset.empty() ? "custom" : preset;
   s.reject_unknown_keys();
   return m;
+}
+
+// Reads the optional `parallel:` section into c.plan (after `training`, whose batch sizes it uses).
+void read_parallel(YamlSection s, TrainConfig& c) {
+  layout::Plan& p = c.plan;
+  s.read("dp", p.dp);
+  s.read("tp", p.tp);
+  s.read("pp", p.pp);
+  s.read("virtual_stages", p.virtual_stages);
+  s.read("zero_stage", p.zero_stage);
+  s.read("layers_per_stage", p.layers_per_stage);
+  std::string schedule = std::string(layout::schedule_name(p.schedule));
+  s.read("schedule", schedule);
+  p.schedule = layout::parse_schedule(schedule);
+  std::string order = std::string(layout::rank_order_name(p.order));
+  s.read("rank_order", order);
+  p.order = layout::parse_rank_order(order);
+  TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
+  const int64_t G = c.training.global_batch;
+  const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
+  if (s.has("micro_batch")) {
+    s.read("micro_batch", p.micro_batch);
+  } else if (p.dp == 1) {
+    p.micro_batch =
+        c.training.micro_batch;  // validate() explains a micro_batch that does not divide
+  } else if (per_replica > 0) {
+    int64_t mb = std::min(std::max<int64_t>(c.training.micro_batch, 1), per_replica);
+    while (per_replica % mb != 0) --mb;
+    p.micro_batch = mb;
+  } else {
+    p.micro_batch = std::max<int64_t>(c.training.micro_batch, 1);
+  }
+  // A count that does not divide leaves micro_batches at 0 for validate() to explain.
+  // When the sizes do not divide, the floor still makes validate() explain which one to change.
+  p.micro_batches = p.micro_batch >= 1 ? std::max<int64_t>(1, per_replica / p.micro_batch) : 1;
+  if (p.micro_batch >= 1) c.training.micro_batch = p.micro_batch;
+  s.reject_unknown_keys();
 }
 
 }  // namespace
@@ -57,7 +97,8 @@ TrainConfig TrainConfig::load(const std::string& path) {
   TrainConfig c;
   c.source = path;
   YamlSection top(root, "", path);
-  TESSEL_CHECK(top.has("model"), ConfigError, "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}})", path);
+  TESSEL_CHECK(top.has("model"), ConfigError,
+               "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}})", path);
   c.model = read_model(top.section("model"));
 
   auto data = top.section("data");
@@ -106,8 +147,11 @@ TrainConfig TrainConfig::load(const std::string& path) {
   out.reject_unknown_keys();
   c.metrics_path = resolve(c.metrics_path, base);
 
+  read_parallel(top.section("parallel"), c);
+
   top.reject_unknown_keys();
   c.validate();
+  c.plan = c.plan.with_defaults(c.model);
   return c;
 }
 
@@ -126,24 +170,55 @@ void TrainConfig::validate() const {
                "{}: 'training.global_batch' and 'training.micro_batch' must be >= 1", f);
   TESSEL_CHECK(training.global_batch % training.micro_batch == 0, ConfigError,
                "{}: 'training.micro_batch' ({}) must divide 'training.global_batch' ({}); e.g. "
-               "micro_batch {}", f, training.micro_batch, training.global_batch,
+               "micro_batch {}",
+               f, training.micro_batch, training.global_batch,
                std::gcd(training.micro_batch, training.global_batch));
   TESSEL_CHECK(training.eval_every >= 0 && training.eval_batches >= 1, ConfigError,
                "{}: 'training.eval_every' must be >= 0 and 'training.eval_batches' >= 1", f);
   TESSEL_CHECK(training.eval_every == 0 || data.eval_fraction > 0, ConfigError,
                "{}: 'training.eval_every' is set but 'data.eval_fraction' is 0: nothing to "
-               "evaluate on", f);
+               "evaluate on",
+               f);
   TESSEL_CHECK(training.threads >= 0, ConfigError, "{}: 'training.threads' must be >= 0", f);
   TESSEL_CHECK(optimizer.lr > 0 && optimizer.min_lr >= 0 && optimizer.min_lr <= optimizer.lr,
                ConfigError, "{}: need 0 <= 'optimizer.min_lr' <= 'optimizer.lr' and lr > 0", f);
-  TESSEL_CHECK(optimizer.warmup_steps >= 0, ConfigError, "{}: 'optimizer.warmup_steps' must be >= 0", f);
-  TESSEL_CHECK(optimizer.beta1 >= 0 && optimizer.beta1 < 1 && optimizer.beta2 >= 0 &&
-                   optimizer.beta2 < 1,
-               ConfigError, "{}: 'optimizer.beta1' and 'optimizer.beta2' must be in [0, 1)", f);
+  TESSEL_CHECK(optimizer.warmup_steps >= 0, ConfigError,
+               "{}: 'optimizer.warmup_steps' must be >= 0", f);
+  TESSEL_CHECK(
+      optimizer.beta1 >= 0 && optimizer.beta1 < 1 && optimizer.beta2 >= 0 && optimizer.beta2 < 1,
+      ConfigError, "{}: 'optimizer.beta1' and 'optimizer.beta2' must be in [0, 1)", f);
   TESSEL_CHECK(optimizer.eps > 0 && optimizer.weight_decay >= 0, ConfigError,
                "{}: 'optimizer.eps' must be > 0 and 'optimizer.weight_decay' >= 0", f);
   TESSEL_CHECK(checkpoint.every >= 0 && checkpoint.keep >= 1, ConfigError,
                "{}: 'checkpoint.every' must be >= 0 and 'checkpoint.keep' >= 1", f);
+  validate_plan(plan.world());
+}
+
+void TrainConfig::validate_plan(int workers) const {
+  try {
+    plan.validate(model, training.global_batch, workers);
+  } catch (const ConfigError& e) {
+    TESSEL_THROW(ConfigError, "{}: parallel: {}", source, e.what());
+  }
+}
+
+void TrainConfig::validate_for_workers(int workers) const {
+  validate();
+  validate_plan(workers);
+  if (workers > 1) {
+    TESSEL_CHECK(training.eval_every == 0, ConfigError,
+                 "{}: 'training.eval_every' is {} but evaluation is not supported with more than "
+                 "one worker yet; set it to 0 or train with one worker",
+                 source, training.eval_every);
+    TESSEL_CHECK(checkpoint.dir.empty(), ConfigError,
+                 "{}: 'checkpoint.dir' is set but checkpoints are not supported with more than one "
+                 "worker yet; remove it or train with one worker",
+                 source);
+    TESSEL_CHECK(plan.zero_stage == 0, ConfigError,
+                 "{}: 'parallel.zero_stage' is {} but the multi-worker trainer supports only 0 "
+                 "yet; set it to 0",
+                 source, plan.zero_stage);
+  }
 }
 
 }  // namespace tessel::runtime

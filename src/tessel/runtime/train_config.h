@@ -1,12 +1,20 @@
 // The training job configuration, read from a YAML file.
 //
-//   model:      {preset: gpt2-tiny, n_layer: 4, ...}     a preset, optionally with fields overridden
-//   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
-//   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
+//   model:      {preset: gpt2-tiny, n_layer: 4, ...}     a preset, optionally with fields
+//   overridden data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1} training:
+//   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
 //                log_every, backend, threads}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep}
 //   output:     {metrics}
+//   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
+//                rank_order}   (optional; default: one worker, dp = tp = pp = 1)
+//
+// parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
+// is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
+// per-replica batch (global_batch / dp) that does not exceed training.micro_batch. micro_batches
+// per step follow as global_batch / (dp * micro_batch), and training.micro_batch is set to the
+// plan's micro_batch.
 //
 // Every key is checked (unknown keys are errors) and the whole config is validated before any
 // work starts, so mistakes surface as one ConfigError naming the field and the fix.
@@ -15,12 +23,13 @@
 #include <cstdint>
 #include <string>
 
+#include "tessel/layout/plan.h"
 #include "tessel/model/model_config.h"
 
 namespace tessel::runtime {
 
 struct DataConfig {
-  std::string path;          // token file (tessel .tok) or Megatron prefix (.bin/.idx)
+  std::string path;  // token file (tessel .tok) or Megatron prefix (.bin/.idx)
   int seq_len = 64;
   double eval_fraction = 0.05;  // share of samples held out for evaluation
   uint64_t seed = 1;            // sample order
@@ -64,11 +73,20 @@ struct TrainConfig {
   OptimizerConfig optimizer;
   CheckpointConfig checkpoint;
   std::string metrics_path;  // JSON lines; empty = none
+  layout::Plan plan;         // with layers_per_stage filled in (Plan::with_defaults)
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);
   // Throws ConfigError naming the first inconsistent field.
+  // Checks the plan against the model and batch but not against a worker count.
   void validate() const;
+  // validate() plus the plan against `workers` started processes (Plan::validate), and the
+  // features a multi-worker run does not support yet (evaluation, checkpoints). Throws
+  // ConfigError naming the field and the fix.
+  void validate_for_workers(int workers) const;
+  bool is_parallel() const { return plan.world() > 1; }
+  // Plan::validate against `workers`, its message prefixed with the config file.
+  void validate_plan(int workers) const;
   int64_t micro_steps() const { return training.global_batch / training.micro_batch; }
 };
 

@@ -1,0 +1,240 @@
+#include "tessel/comm/comm_state.h"
+
+#include <gloo/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <cctype>
+
+#include "tessel/core/check.h"
+
+namespace tessel::comm::detail {
+
+namespace {
+
+// How often the watchdog looks at the sentinels, and how long a wait on a failed peer may stay
+// blocked before the watchdog aborts it (see the header: a completion that raced with the
+// failure gets this long to be consumed).
+constexpr auto kPollInterval = std::chrono::milliseconds(5);
+constexpr auto kGrace = std::chrono::milliseconds(20);
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+// Gloo reports every transport failure as gloo::IoException and tells the causes apart only in
+// the message text: "Timed out waiting N ms for recv operation", "Read timeout", "Connect
+// timeout", "Wait timeout ..." (our store), and "Application timeout caused pair closure" (what
+// the other pairs of a context see after a local timeout) versus "Connection closed by peer",
+// "Read error ...: Connection reset by peer", "Socket closed", "writev ...: Broken pipe",
+// "connect ...: Connection refused", and our own "... aborted" from the watchdog.
+FailureKind classify_gloo_message(const std::string& message) {
+  const auto m = lower(message);
+  if (m.find("timeout") != std::string::npos || m.find("timed out") != std::string::npos) {
+    return FailureKind::kTimeout;
+  }
+  return FailureKind::kPeerLost;
+}
+
+CommState::~CommState() {
+  if (watchdog_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+  }
+  // Tear down in dependency order: buffers, then the connections, then the device (and its I/O
+  // thread).
+  sentinels_.clear();
+  context.reset();
+  device.reset();
+}
+
+void CommState::start_watchdog() {
+  sentinel_bytes_.assign(size_t(size), 0);
+  sentinels_.resize(size_t(size));
+  failed_.assign(size_t(size), false);
+  const uint64_t slot = make_slot(kSentinelSlotPrefix, 0);
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    // Nobody ever sends on this slot: the receive stays pending until the pair fails, and a
+    // failing pair wakes every receive pending on it.
+    sentinels_[p] = context->createUnboundBuffer(&sentinel_bytes_[p], 1);
+    sentinels_[p]->recv(p, slot);
+  }
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+void CommState::watchdog_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<bool> failed = failed_;
+  while (!stopping_) {
+    cv_.wait_for(lock, kPollInterval, [&] { return stopping_; });
+    if (stopping_) break;
+
+    // Poll the sentinels of the pairs still believed healthy. Aborting first makes the wait
+    // return at once ("aborted") unless the pair has failed, in which case it throws the pair's
+    // error. The wait's own timeout never runs out (an expiring wait would make Gloo close the
+    // whole context).
+    lock.unlock();
+    std::vector<std::pair<int, std::string>> lost;
+    for (int p = 0; p < size; ++p) {
+      if (!sentinels_[p] || failed[p]) continue;
+      sentinels_[p]->abortWaitRecv();
+      try {
+        sentinels_[p]->waitRecv(nullptr, std::chrono::hours(1));
+      } catch (const std::exception& e) {
+        failed[p] = true;
+        lost.emplace_back(p, e.what());
+      }
+    }
+    lock.lock();
+    for (const auto& [p, what] : lost) {
+      failed_[p] = true;
+      if (peer_failure_.empty()) {
+        peer_failure_ = fmt::format("connection to peer rank {} failed: {}", p, what);
+      }
+    }
+
+    // Abort the current wait once it has depended on a failed peer for the grace period.
+    if (wait_.buf == nullptr) continue;
+    bool depends = false;
+    for (size_t p = 0; p < failed_.size(); ++p) depends = depends || failed_[p];
+    if (!depends) continue;
+    const auto now = Clock::now();
+    if (stuck_seq_ != wait_.seq) {
+      stuck_seq_ = wait_.seq;
+      stuck_since_ = now;
+    } else if (now - stuck_since_ >= kGrace) {
+      wait_.is_recv ? wait_.buf->abortWaitRecv() : wait_.buf->abortWaitSend();
+    }
+  }
+}
+
+int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int* peers,
+                    size_t npeers, Clock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wait_.buf = &buf;
+    wait_.is_recv = is_recv;
+    wait_.peers.assign(peers, peers + npeers);
+    wait_.seq = next_seq_++;
+  }
+  struct Unregister {
+    CommState& s;
+    ~Unregister() {
+      std::lock_guard<std::mutex> lock(s.mu_);
+      s.wait_.buf = nullptr;
+    }
+  } unregister{*this};
+
+  // Gloo reads 0 ms as "no timeout"; keep at least 1 ms so an expired deadline still fires.
+  const auto left = std::max(
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+      std::chrono::milliseconds(1));
+  int peer = -1;
+  const bool done = is_recv ? buf.waitRecv(&peer, left) : buf.waitSend(&peer, left);
+  if (!done) {
+    std::string who;
+    for (size_t i = 0; i < npeers; ++i) who += (i ? "/" : "") + std::to_string(peers[i]);
+    throw gloo::IoException(fmt::format("{} with peer rank {} aborted: the peer's connection failed",
+                                        is_recv ? "receive" : "send", who));
+  }
+  return peer;
+}
+
+int CommState::wait_recv(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
+                         Clock::time_point deadline) {
+  return wait(buf, true, peers.begin(), peers.size(), deadline);
+}
+
+int CommState::wait_send(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
+                         Clock::time_point deadline) {
+  return wait(buf, false, peers.begin(), peers.size(), deadline);
+}
+
+int CommState::wait_send(gloo::transport::UnboundBuffer& buf, const std::vector<int>& peers,
+                         Clock::time_point deadline) {
+  return wait(buf, false, peers.data(), peers.size(), deadline);
+}
+
+std::string CommState::peer_failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peer_failure_;
+}
+
+std::string CommState::where(const char* op, int peer) const {
+  std::string s = fmt::format("{} on group '{}' (rank {} of {}", op, name, rank, size);
+  if (peer >= 0) s += fmt::format(", peer rank {}", peer);
+  return s + ")";
+}
+
+void CommState::throw_kind(FailureKind kind, const std::string& message) const {
+  switch (kind) {
+    case FailureKind::kTimeout:
+      throw TimeoutError(message);
+    case FailureKind::kPeerLost:
+      throw PeerLostError(message);
+    default:
+      throw IoError(message);
+  }
+}
+
+void CommState::ensure_healthy(const char* op) {
+  if (failure_kind == FailureKind::kNone) {
+    if (!context || peer_failure().empty()) return;
+    fail(op, -1, FailureKind::kPeerLost, timeout, "");
+  }
+  throw_kind(failure_kind, where(op, -1) + ": communicator is unusable after an earlier failure (" +
+                               failure + "); reconnect under a new store generation");
+}
+
+void CommState::close_connections() noexcept {
+  if (!context) return;
+  try {
+    context->closeConnections();
+  } catch (...) {
+    // Best effort: the connections may already be gone.
+  }
+}
+
+void CommState::fail(const char* op, int peer, FailureKind kind, std::chrono::milliseconds t,
+                     const std::string& gloo_message) {
+  std::string detail = gloo_message;
+  if (kind != FailureKind::kTimeout) {
+    const std::string verdict = context ? peer_failure() : std::string();
+    if (!verdict.empty()) {
+      kind = FailureKind::kPeerLost;
+      detail = detail.empty() ? verdict : verdict + " (then: " + detail + ")";
+    }
+  }
+  std::string what;
+  switch (kind) {
+    case FailureKind::kTimeout:
+      what = fmt::format("timed out after {} ms", t.count());
+      break;
+    case FailureKind::kPeerLost:
+      what =
+          "lost a peer (a connection closed or reset: the peer died, or gave up after its own "
+          "failure)";
+      break;
+    default:
+      what = "failed inside Gloo";
+      break;
+  }
+  std::string message = where(op, peer) + " " + what + ": " + detail;
+  if (failure_kind == FailureKind::kNone) {
+    failure_kind = kind;
+    failure = message;
+  }
+  close_connections();
+  throw_kind(kind, message);
+}
+
+}  // namespace tessel::comm::detail

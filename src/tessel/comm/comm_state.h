@@ -1,0 +1,155 @@
+// Internal: the state a Communicator shares with its Requests, Gloo error mapping, the blocking
+// waits every operation goes through, and the watchdog that turns a lost peer into a prompt
+// PeerLostError.
+//
+// Why a watchdog. Gloo's TCP pairs notice a dead peer (EOF or reset on the socket) and wake the
+// operations queued on that pair, but not an operation whose bytes are already moving: a send
+// whose data sits half-written in the pair's transmit queue, or a receive the I/O thread has
+// started reading into. A rank waiting on such a transfer sleeps until its timeout although the
+// peer is long gone (reproduced with Debian's Gloo: a SIGKILLed peer left its partner waiting
+// the full timeout, in both directions). So:
+//   - every wait goes through wait_recv()/wait_send() below, which register which peers the wait
+//     depends on (that is why tessel runs its own ring/tree schedules on Gloo's unbound buffers
+//     instead of calling Gloo's collectives, whose internal waits cannot be reached);
+//   - the watchdog keeps one never-satisfied receive ("sentinel") posted on every pair, which
+//     Gloo does wake when the pair fails; it polls them, and when the peer of the current wait
+//     has failed and the wait is still blocked after a short grace period, it aborts the wait.
+// The grace period lets a transfer that completed just before the peer went away (a peer that
+// finished the last collective and exited) be consumed normally instead of being aborted.
+// A peer loss never fails an operation that does not depend on that peer; it fails the next
+// operation at its start, and the failing rank closes its connections so the peers that were
+// waiting on it fail in turn.
+#pragma once
+
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tessel/comm/communicator.h"
+
+namespace gloo {
+class Context;
+}
+namespace gloo::transport {
+class Device;
+}
+
+namespace tessel::comm::detail {
+
+enum class FailureKind { kNone, kTimeout, kPeerLost, kOther };
+
+// Slot prefixes for the traffic tessel schedules itself (top byte of a 64-bit slot, tag in bits
+// 24-55, the layout of gloo::Slot::build); Gloo's collectives use 0x01-0x08.
+inline constexpr uint8_t kReduceScatterSlotPrefix = 0x21;
+inline constexpr uint8_t kPointToPointSlotPrefix = 0x22;
+inline constexpr uint8_t kSentinelSlotPrefix = 0x23;
+inline constexpr uint8_t kAllGatherSlotPrefix = 0x24;
+inline constexpr uint8_t kBroadcastSlotPrefix = 0x25;
+inline uint64_t make_slot(uint8_t prefix, uint32_t tag) {
+  return (uint64_t(prefix) << 56) | (uint64_t(tag) << 24);
+}
+
+using Clock = std::chrono::steady_clock;
+
+struct CommState {
+  std::string name;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+  std::shared_ptr<gloo::transport::Device> device;  // null for size-1 groups
+  std::shared_ptr<gloo::Context> context;           // null for size-1 groups
+  uint32_t next_tag = 0;  // collectives issued so far (the same on every rank)
+  std::vector<unsigned char> scratch;  // reduce-scatter receive segments
+
+  // Set by the user thread when a call fails; later calls rethrow this kind.
+  FailureKind failure_kind = FailureKind::kNone;
+  std::string failure;
+
+  ~CommState();
+
+  // Posts the sentinels and starts the watchdog; called once the context is connected.
+  void start_watchdog();
+
+  // "<op> on group '<name>' (rank r of n[, peer rank p])".
+  std::string where(const char* op, int peer) const;
+
+  // Throws if this communicator is broken: the kind of its earlier failure, or PeerLostError
+  // when the watchdog saw a peer's connection fail since (which also breaks it).
+  void ensure_healthy(const char* op);
+
+  // Records the failure, closes every connection so peers blocked on this rank fail fast, and
+  // throws the matching tessel error. Unless this rank timed out itself, a peer loss the watchdog
+  // saw takes precedence over the symptom the user thread met (an aborted wait, a closed pair).
+  [[noreturn]] void fail(const char* op, int peer, FailureKind kind, std::chrono::milliseconds t,
+                         const std::string& gloo_message);
+
+  // Runs `body`, mapping a Gloo exception escaping it onto a tessel error via fail().
+  template <typename F>
+  void guarded(const char* op, int peer, std::chrono::milliseconds t, F&& body);
+
+  // Blocks until one receive (send) posted on `buf` completed, at most until `deadline`.
+  // `peers` are the ranks that receive (send) can be with. Returns the peer it completed with.
+  // Throws gloo::IoException on timeout, on a failed pair, or when the watchdog aborted the wait.
+  int wait_recv(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
+                Clock::time_point deadline);
+  int wait_send(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
+                Clock::time_point deadline);
+  int wait_send(gloo::transport::UnboundBuffer& buf, const std::vector<int>& peers,
+                Clock::time_point deadline);
+
+  // The watchdog's first verdict ("connection to peer rank p failed: ..."), empty while every
+  // pair is healthy.
+  std::string peer_failure();
+
+ private:
+  struct Wait {
+    gloo::transport::UnboundBuffer* buf = nullptr;
+    bool is_recv = false;
+    std::vector<int> peers;
+    uint64_t seq = 0;
+  };
+  int wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int* peers, size_t npeers,
+           Clock::time_point deadline);
+  void watchdog_loop();
+  [[noreturn]] void throw_kind(FailureKind kind, const std::string& message) const;
+  void close_connections() noexcept;
+
+  std::vector<unsigned char> sentinel_bytes_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sentinels_;  // by peer rank
+  std::thread watchdog_;
+
+  std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::vector<bool> failed_;  // by peer rank: its pair failed
+  std::string peer_failure_;
+  Wait wait_;                 // the user thread's current wait (buf null when none)
+  uint64_t next_seq_ = 1;
+  uint64_t stuck_seq_ = 0;    // the wait first seen depending on a failed peer, and when
+  Clock::time_point stuck_since_;
+};
+
+FailureKind classify_gloo_message(const std::string& message);
+
+template <typename F>
+void CommState::guarded(const char* op, int peer, std::chrono::milliseconds t, F&& body) {
+  ensure_healthy(op);
+  try {
+    body();
+  } catch (const gloo::IoException& e) {
+    fail(op, peer, classify_gloo_message(e.what()), t, e.what());
+  } catch (const gloo::EnforceNotMet& e) {
+    fail(op, peer, FailureKind::kOther, t, e.what());
+  } catch (const gloo::Exception& e) {
+    fail(op, peer, FailureKind::kOther, t, e.what());
+  }
+}
+
+}  // namespace tessel::comm::detail

@@ -1,0 +1,531 @@
+#include "tessel/comm/communicator.h"
+
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "tessel/comm/comm_state.h"
+#include "tessel/core/check.h"
+
+namespace tessel::comm {
+
+namespace {
+
+using detail::Clock;
+using detail::CommState;
+using detail::FailureKind;
+using detail::make_slot;
+using gloo::transport::UnboundBuffer;
+
+// Large chunks travel in segments of at most this many bytes, so that the reduction of one
+// segment overlaps the transfer of the next (the bound Gloo's ring all-reduce uses).
+constexpr size_t kSegmentBytes = size_t(1) << 20;
+
+// Gloo writes to its sockets without MSG_NOSIGNAL, so a write to a peer that just died raises
+// SIGPIPE, whose default action kills this process before Gloo can report the broken pipe. Ignore
+// it (unless the program installed its own handler) so the write fails with EPIPE instead and
+// surfaces as PeerLostError.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
+std::chrono::milliseconds effective(const CommState& s, Communicator::Timeout t, const char* op) {
+  if (!t) return s.timeout;
+  TESSEL_CHECK(t->count() > 0, InvalidArgumentError, "{}: timeout {} ms must be positive",
+               s.where(op, -1), t->count());
+  return *t;
+}
+
+template <typename T>
+void sum_into(T* out, const T* x, const T* __restrict y, size_t n) {
+  // out may alias x (reduction in place); y never aliases either.
+  for (size_t i = 0; i < n; ++i) out[i] = x[i] + y[i];
+}
+
+template <typename T>
+bool disjoint(const T* a, size_t na, const T* b, size_t nb) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return x + na * sizeof(T) <= y || y + nb * sizeof(T) <= x;
+}
+
+std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
+  std::vector<size_t> offsets(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+  return offsets;
+}
+
+void check_counts(const CommState& s, const char* op, const std::vector<size_t>& counts) {
+  TESSEL_CHECK(counts.size() == size_t(s.size), InvalidArgumentError,
+               "{}: {} counts given, one per rank ({}) needed", s.where(op, -1), counts.size(),
+               s.size);
+}
+
+// Ring reduce-scatter, in place. At step k every rank sends chunk (rank-k-1) to its right
+// neighbour and adds the chunk (rank-k-2) arriving from its left neighbour into its own copy; the
+// chunk sent at step k+1 is the one completed at step k. After size-1 steps rank r holds the full
+// sum of chunk r. Chunks travel in segments: all sends of a step are posted at once straight from
+// `data`, receives are double-buffered so one segment is reduced while the next is in flight.
+// Every rank sends and receives (size-1)/size of the buffer.
+template <typename T>
+void ring_reduce_scatter(CommState& s, T* data, const std::vector<size_t>& counts,
+                         const std::vector<size_t>& offsets, uint32_t tag,
+                         Clock::time_point deadline) {
+  const int n = s.size;
+  const int r = s.rank;
+  const int right = (r + 1) % n;
+  const int left = (r + n - 1) % n;
+  const size_t seg = std::max<size_t>(1, kSegmentBytes / sizeof(T));
+  const size_t max_count = *std::max_element(counts.begin(), counts.end());
+  const size_t half = std::min(seg, max_count);
+  s.scratch.resize(std::max<size_t>(1, 2 * half * sizeof(T)));
+  const uint64_t slot = make_slot(detail::kReduceScatterSlotPrefix, tag);
+
+  auto data_buf = s.context->createUnboundBuffer(data, offsets.back() * sizeof(T));
+  auto tmp_buf = s.context->createUnboundBuffer(s.scratch.data(), s.scratch.size());
+  const T* tmp = reinterpret_cast<const T*>(s.scratch.data());
+  for (int step = 0; step < n - 1; ++step) {
+    const int send_chunk = (r - step - 1 + 2 * n) % n;
+    const int recv_chunk = (r - step - 2 + 2 * n) % n;
+
+    size_t sends = 0;
+    for (size_t off = 0; off < counts[send_chunk]; off += seg) {
+      const size_t len = std::min(seg, counts[send_chunk] - off);
+      data_buf->send(right, slot, (offsets[send_chunk] + off) * sizeof(T), len * sizeof(T));
+      ++sends;
+    }
+
+    const size_t count = counts[recv_chunk];
+    const size_t segments = (count + seg - 1) / seg;
+    auto post_recv = [&](size_t k) {
+      const size_t len = std::min(seg, count - k * seg);
+      tmp_buf->recv(left, slot, (k % 2) * half * sizeof(T), len * sizeof(T));
+    };
+    for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) post_recv(k);
+    for (size_t k = 0; k < segments; ++k) {
+      s.wait_recv(*tmp_buf, {left}, deadline);
+      const size_t len = std::min(seg, count - k * seg);
+      T* dst = data + offsets[recv_chunk] + k * seg;
+      sum_into<T>(dst, dst, tmp + (k % 2) * half, len);
+      if (k + 2 < segments) post_recv(k + 2);
+    }
+    for (size_t i = 0; i < sends; ++i) s.wait_send(*data_buf, {right}, deadline);
+  }
+}
+
+// Ring all-gather of uneven chunks, in place: chunk r of `data` (bytes[r] bytes at the sum of the
+// bytes before it) comes from rank r. At step k every rank forwards chunk (rank-k) to its right
+// neighbour and receives chunk (rank-k-1) from its left one, straight into place.
+void ring_all_gather(CommState& s, void* data, const std::vector<size_t>& bytes, uint32_t tag,
+                     Clock::time_point deadline) {
+  const int n = s.size;
+  const int r = s.rank;
+  const int right = (r + 1) % n;
+  const int left = (r + n - 1) % n;
+  const auto offsets = offsets_of(bytes);
+  const uint64_t slot = make_slot(detail::kAllGatherSlotPrefix, tag);
+  auto buf = s.context->createUnboundBuffer(data, offsets.back());
+  for (int step = 0; step < n - 1; ++step) {
+    const int send_chunk = (r - step + n) % n;
+    const int recv_chunk = (r - step - 1 + n) % n;
+    // Both sides know every chunk's size, so empty chunks are simply not exchanged.
+    if (bytes[recv_chunk] > 0) buf->recv(left, slot, offsets[recv_chunk], bytes[recv_chunk]);
+    if (bytes[send_chunk] > 0) buf->send(right, slot, offsets[send_chunk], bytes[send_chunk]);
+    if (bytes[recv_chunk] > 0) s.wait_recv(*buf, {left}, deadline);
+    if (bytes[send_chunk] > 0) s.wait_send(*buf, {right}, deadline);
+  }
+}
+
+// Binomial-tree broadcast (the schedule of gloo::broadcast): with ranks renumbered so the root is
+// 0, at level i every rank below 2^i that has a partner 2^i above it sends it the whole buffer.
+// A rank receives once, from its parent, then forwards to its children.
+void tree_broadcast(CommState& s, void* data, size_t bytes, int root, uint32_t tag,
+                    Clock::time_point deadline) {
+  const int n = s.size;
+  const int vrank = (s.rank - root + n) % n;
+  const uint64_t slot = make_slot(detail::kBroadcastSlotPrefix, tag);
+  auto buf = s.context->createUnboundBuffer(data, bytes);
+  std::vector<int> children;
+  for (int bit = 1; bit < n; bit <<= 1) {
+    if (vrank < bit) {
+      if (vrank + bit < n) {
+        const int child = (vrank + bit + root) % n;
+        buf->send(child, slot);
+        children.push_back(child);
+      }
+    } else if (vrank < 2 * bit) {
+      const int parent = (vrank - bit + root) % n;
+      buf->recv(parent, slot);
+      s.wait_recv(*buf, {parent}, deadline);
+    }
+  }
+  while (!children.empty()) {
+    const int done = s.wait_send(*buf, children, deadline);
+    auto it = std::find(children.begin(), children.end(), done);
+    children.erase(it != children.end() ? it : children.begin());
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Request
+
+Request::Request(std::shared_ptr<detail::CommState> state, bool is_send, int peer, uint32_t tag,
+                 size_t bytes, std::unique_ptr<gloo::transport::UnboundBuffer> buffer)
+    : state_(std::move(state)),
+      is_send_(is_send),
+      peer_(peer),
+      tag_(tag),
+      bytes_(bytes),
+      done_(false),
+      buffer_(std::move(buffer)) {}
+
+Request::Request(Request&& other) noexcept
+    : state_(std::move(other.state_)),
+      is_send_(other.is_send_),
+      peer_(other.peer_),
+      tag_(other.tag_),
+      bytes_(other.bytes_),
+      done_(other.done_),
+      buffer_(std::move(other.buffer_)) {
+  other.done_ = true;
+}
+
+Request& Request::operator=(Request&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    state_ = std::move(other.state_);
+    is_send_ = other.is_send_;
+    peer_ = other.peer_;
+    tag_ = other.tag_;
+    bytes_ = other.bytes_;
+    done_ = other.done_;
+    buffer_ = std::move(other.buffer_);
+    other.done_ = true;
+  }
+  return *this;
+}
+
+Request::~Request() {
+  abandon();
+}
+
+void Request::abandon() noexcept {
+  if (done_ || !state_) return;
+  try {
+    finish(state_->timeout);
+  } catch (...) {
+    // The failure is recorded in the communicator; later calls report it.
+  }
+}
+
+void Request::wait() {
+  TESSEL_CHECK(state_ != nullptr, InvalidArgumentError, "wait() on a moved-from Request");
+  finish(state_->timeout);
+}
+
+void Request::wait(std::chrono::milliseconds timeout) {
+  TESSEL_CHECK(state_ != nullptr, InvalidArgumentError, "wait() on a moved-from Request");
+  TESSEL_CHECK(timeout.count() > 0, InvalidArgumentError,
+               "Request::wait: timeout {} ms must be positive", timeout.count());
+  finish(timeout);
+}
+
+void Request::finish(std::chrono::milliseconds timeout) {
+  if (done_) return;
+  // Whatever happens below, this transfer is over for the caller.
+  done_ = true;
+  auto& s = *state_;
+  s.guarded(is_send_ ? "send" : "recv", peer_, timeout, [&] {
+    const auto deadline = Clock::now() + timeout;
+    is_send_ ? s.wait_send(*buffer_, {peer_}, deadline) : s.wait_recv(*buffer_, {peer_}, deadline);
+  });
+  buffer_.reset();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communicator
+
+Communicator::Communicator(std::shared_ptr<detail::CommState> state) : state_(std::move(state)) {}
+Communicator::~Communicator() = default;
+
+std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
+                                                    const std::string& group_name, int rank,
+                                                    int size, std::chrono::milliseconds timeout,
+                                                    const TransportOptions& transport) {
+  validate(store);
+  validate_group_name(group_name);
+  TESSEL_CHECK(size >= 1, ConfigError, "group '{}': size {} must be at least 1", group_name, size);
+  TESSEL_CHECK(rank >= 0 && rank < size, ConfigError, "group '{}': rank {} is outside [0, {})",
+               group_name, rank, size);
+  TESSEL_CHECK(timeout.count() > 0, ConfigError, "group '{}': timeout {} ms must be positive",
+               group_name, timeout.count());
+
+  auto state = std::make_shared<CommState>();
+  state->name = group_name;
+  state->rank = rank;
+  state->size = size;
+  state->timeout = timeout;
+  if (size == 1) return std::unique_ptr<Communicator>(new Communicator(std::move(state)));
+
+  ignore_sigpipe();
+  GroupStore group_store(store, group_name);
+  const char* op = "connect";
+  try {
+    gloo::transport::tcp::attr attr;
+    if (!transport.iface.empty()) {
+      attr.iface = transport.iface;
+    } else {
+      attr.hostname = transport.hostname;
+    }
+    state->device = gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    // Rendezvous waits for every peer to start, so it runs under the (usually longer) store
+    // timeout; the tcp pairs keep that timeout for their own connect handshake. Operations
+    // always pass their timeout explicitly.
+    context->setTimeout(store.timeout);
+    context->connectFullMesh(group_store.store(), state->device);
+    context->setTimeout(timeout);
+    state->context = std::move(context);
+    state->start_watchdog();
+  } catch (const gloo::EnforceNotMet& e) {
+    const std::string message = e.what();
+    TESSEL_CHECK(message.find("File already exists") == std::string::npos, ConfigError,
+                 "{}: rank {} is already registered in rendezvous store '{}' under prefix '{}'; "
+                 "every new world needs a new generation: {}",
+                 state->where(op, -1), rank, store.path, group_store.prefix(), message);
+    state->fail(op, -1, FailureKind::kOther, store.timeout, message);
+  } catch (const gloo::IoException& e) {
+    state->fail(op, -1, detail::classify_gloo_message(e.what()), store.timeout,
+                std::string(e.what()) +
+                    fmt::format(" [store '{}', prefix '{}']", store.path, group_store.prefix()));
+  } catch (const gloo::Exception& e) {
+    state->fail(op, -1, FailureKind::kOther, store.timeout, e.what());
+  }
+  std::unique_ptr<Communicator> comm(new Communicator(std::move(state)));
+  // A rank's pairs can be connected while some peers are still connecting to others; leave only
+  // when the whole mesh is up, so a short operation timeout right after connect cannot fire on a
+  // peer that is merely still joining.
+  comm->barrier(store.timeout);
+  return comm;
+}
+
+int Communicator::rank() const {
+  return state_->rank;
+}
+int Communicator::size() const {
+  return state_->size;
+}
+const std::string& Communicator::name() const {
+  return state_->name;
+}
+std::chrono::milliseconds Communicator::timeout() const {
+  return state_->timeout;
+}
+
+std::string Communicator::failure() const {
+  if (!state_->failure.empty() || !state_->context) return state_->failure;
+  return state_->peer_failure();
+}
+
+void Communicator::set_timeout(std::chrono::milliseconds timeout) {
+  TESSEL_CHECK(timeout.count() > 0, InvalidArgumentError, "{}: timeout {} ms must be positive",
+               state_->where("set_timeout", -1), timeout.count());
+  state_->timeout = timeout;
+  if (state_->context) state_->context->setTimeout(timeout);
+}
+
+template <ReduceElement T>
+void Communicator::all_reduce_sum(T* data, size_t n, Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "all_reduce_sum";
+  const auto t = effective(s, timeout, op);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  if (s.size == 1 || n == 0) return;
+  TESSEL_CHECK(data != nullptr, InvalidArgumentError, "{}: null data for {} elements",
+               s.where(op, -1), n);
+  // Ring all-reduce = ring reduce-scatter + ring all-gather, both straight on `data`: the
+  // bandwidth-optimal algorithm of gloo::allreduce, scheduled here so every wait is reachable by
+  // the watchdog (see comm_state.h).
+  const auto counts = even_counts(n, s.size);
+  const auto offsets = offsets_of(counts);
+  std::vector<size_t> bytes(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) bytes[i] = counts[i] * sizeof(T);
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] {
+    ring_reduce_scatter(s, data, counts, offsets, tag, deadline);
+    ring_all_gather(s, data, bytes, tag, deadline);
+  });
+}
+
+template <ReduceElement T>
+void Communicator::reduce_scatter_sum(T* data, const std::vector<size_t>& counts, Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "reduce_scatter_sum";
+  const auto t = effective(s, timeout, op);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  check_counts(s, op, counts);
+  const auto offsets = offsets_of(counts);
+  if (s.size == 1 || offsets.back() == 0) return;
+  TESSEL_CHECK(data != nullptr, InvalidArgumentError, "{}: null data for {} elements",
+               s.where(op, -1), offsets.back());
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] { ring_reduce_scatter(s, data, counts, offsets, tag, deadline); });
+}
+
+template <Element T>
+void Communicator::all_gather(const T* mine, size_t n, T* out, Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "all_gather";
+  const auto t = effective(s, timeout, op);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  if (n == 0) return;
+  TESSEL_CHECK(mine != nullptr && out != nullptr, InvalidArgumentError,
+               "{}: null buffer for {} elements", s.where(op, -1), n);
+  T* slot = out + size_t(s.rank) * n;
+  TESSEL_CHECK(mine == slot || disjoint(mine, n, out, n * size_t(s.size)), InvalidArgumentError,
+               "{}: input overlaps the output without being this rank's slot of it",
+               s.where(op, -1));
+  if (mine != slot) std::memcpy(slot, mine, n * sizeof(T));
+  if (s.size == 1) return;
+  const std::vector<size_t> bytes(size_t(s.size), n * sizeof(T));
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] { ring_all_gather(s, out, bytes, tag, deadline); });
+}
+
+template <Element T>
+void Communicator::all_gather_v(const T* mine, const std::vector<size_t>& counts, T* out,
+                                Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "all_gather_v";
+  const auto t = effective(s, timeout, op);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  check_counts(s, op, counts);
+  const auto offsets = offsets_of(counts);
+  const size_t total = offsets.back();
+  if (total == 0) return;
+  const size_t n = counts[s.rank];
+  TESSEL_CHECK(out != nullptr && (mine != nullptr || n == 0), InvalidArgumentError,
+               "{}: null buffer", s.where(op, -1));
+  T* slot = out + offsets[s.rank];
+  TESSEL_CHECK(n == 0 || mine == slot || disjoint(mine, n, out, total), InvalidArgumentError,
+               "{}: input overlaps the output without being this rank's slot of it",
+               s.where(op, -1));
+  if (n > 0 && mine != slot) std::memcpy(slot, mine, n * sizeof(T));
+  if (s.size == 1) return;
+  std::vector<size_t> bytes(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) bytes[i] = counts[i] * sizeof(T);
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] { ring_all_gather(s, out, bytes, tag, deadline); });
+}
+
+template <Element T>
+void Communicator::broadcast(T* data, size_t n, int root, Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "broadcast";
+  const auto t = effective(s, timeout, op);
+  TESSEL_CHECK(root >= 0 && root < s.size, InvalidArgumentError, "{}: root {} outside [0, {})",
+               s.where(op, -1), root, s.size);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  if (s.size == 1 || n == 0) return;
+  TESSEL_CHECK(data != nullptr, InvalidArgumentError, "{}: null data for {} elements",
+               s.where(op, -1), n);
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] { tree_broadcast(s, data, n * sizeof(T), root, tag, deadline); });
+}
+
+void Communicator::broadcast_bytes(void* data, size_t bytes, int root, Timeout timeout) {
+  broadcast(static_cast<uint8_t*>(data), bytes, root, timeout);
+}
+
+void Communicator::barrier(Timeout timeout) {
+  auto& s = *state_;
+  const char* op = "barrier";
+  const auto t = effective(s, timeout, op);
+  const uint32_t tag = s.next_tag++;
+  s.ensure_healthy(op);
+  if (s.size == 1) return;
+  // An all-gather of one byte per rank: nobody leaves before everybody's byte arrived.
+  std::vector<uint8_t> bytes(size_t(s.size), 0);
+  const auto deadline = Clock::now() + t;
+  s.guarded(op, -1, t, [&] {
+    ring_all_gather(s, bytes.data(), std::vector<size_t>(size_t(s.size), 1), tag, deadline);
+  });
+}
+
+Request Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
+  auto& s = *state_;
+  const char* op = "send";
+  TESSEL_CHECK(peer >= 0 && peer < s.size && peer != s.rank, InvalidArgumentError,
+               "{}: peer {} must be another rank in [0, {})", s.where(op, peer), peer, s.size);
+  TESSEL_CHECK(data != nullptr || bytes == 0, InvalidArgumentError, "{}: null data",
+               s.where(op, peer));
+  std::unique_ptr<UnboundBuffer> buf;
+  s.guarded(op, peer, s.timeout, [&] {
+    buf = s.context->createUnboundBuffer(const_cast<void*>(data), bytes);
+    buf->send(peer, make_slot(detail::kPointToPointSlotPrefix, tag), 0, bytes);
+  });
+  return Request(state_, true, peer, tag, bytes, std::move(buf));
+}
+
+Request Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag) {
+  auto& s = *state_;
+  const char* op = "recv";
+  TESSEL_CHECK(peer >= 0 && peer < s.size && peer != s.rank, InvalidArgumentError,
+               "{}: peer {} must be another rank in [0, {})", s.where(op, peer), peer, s.size);
+  TESSEL_CHECK(data != nullptr || bytes == 0, InvalidArgumentError, "{}: null data",
+               s.where(op, peer));
+  std::unique_ptr<UnboundBuffer> buf;
+  s.guarded(op, peer, s.timeout, [&] {
+    buf = s.context->createUnboundBuffer(data, bytes);
+    buf->recv(peer, make_slot(detail::kPointToPointSlotPrefix, tag), 0, bytes);
+  });
+  return Request(state_, false, peer, tag, bytes, std::move(buf));
+}
+
+std::vector<size_t> even_counts(size_t n, int parts) {
+  TESSEL_CHECK(parts >= 1, InvalidArgumentError, "even_counts: {} parts, need at least 1", parts);
+  std::vector<size_t> counts(size_t(parts), n / size_t(parts));
+  for (size_t i = 0; i < n % size_t(parts); ++i) ++counts[i];
+  return counts;
+}
+
+#define TESSEL_COMM_REDUCE(T)                                         \
+  template void Communicator::all_reduce_sum<T>(T*, size_t, Timeout); \
+  template void Communicator::reduce_scatter_sum<T>(T*, const std::vector<size_t>&, Timeout);
+#define TESSEL_COMM_MOVE(T)                                                                       \
+  template void Communicator::all_gather<T>(const T*, size_t, T*, Timeout);                       \
+  template void Communicator::all_gather_v<T>(const T*, const std::vector<size_t>&, T*, Timeout); \
+  template void Communicator::broadcast<T>(T*, size_t, int, Timeout);
+
+TESSEL_COMM_REDUCE(float)
+TESSEL_COMM_REDUCE(double)
+TESSEL_COMM_REDUCE(int32_t)
+TESSEL_COMM_REDUCE(int64_t)
+TESSEL_COMM_MOVE(float)
+TESSEL_COMM_MOVE(double)
+TESSEL_COMM_MOVE(int32_t)
+TESSEL_COMM_MOVE(int64_t)
+TESSEL_COMM_MOVE(uint8_t)
+
+}  // namespace tessel::comm

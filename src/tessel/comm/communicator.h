@@ -1,0 +1,171 @@
+// A communicator for one process group, over Gloo's TCP transport.
+//
+// Every member of a group calls connect() with the same store options, group name and size and
+// its own rank; after that the members call the same collectives in the same order with matching
+// sizes (Gloo cannot check this: mismatched sizes across ranks corrupt data or abort the process
+// from Gloo's I/O thread). A Communicator is not thread-safe: one thread at a time.
+//
+// Failure contract. Every blocking call is bounded by a timeout: the communicator's (settable,
+// default 60 s) or a per-call override. A call that fails throws
+//   - TimeoutError   when this rank waited longer than its timeout, and
+//   - PeerLostError  when a connection to a peer closed or reset (the peer died, or gave up
+//                    after its own failure),
+// with a message naming the group, the operation, this rank and the peer when known. Any failure
+// is fatal for the communicator: Gloo closes every connection of the context on a timeout, and
+// this class closes them on any error, so peers blocked on this rank fail fast with
+// PeerLostError instead of waiting out their own timeout. Later calls throw the same kind of
+// error again. Recover by connecting new communicators under a new store generation.
+//
+// Process-wide side effect: connecting a group of size > 1 sets SIGPIPE to SIG_IGN when it still
+// has its default action, because Gloo writes to sockets without MSG_NOSIGNAL and a write to a
+// dead peer would otherwise kill this process instead of raising PeerLostError.
+//
+// Size-1 groups never touch the network: collectives are no-ops or local copies. Zero-length
+// buffers are accepted everywhere (null pointers are fine when the length is 0).
+#pragma once
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/store.h"
+
+namespace gloo::transport {
+class UnboundBuffer;
+}
+
+namespace tessel::comm {
+
+inline constexpr std::chrono::milliseconds kDefaultTimeout{60000};
+
+// Element types the sum collectives reduce.
+template <typename T>
+concept ReduceElement = std::same_as<T, float> || std::same_as<T, double> ||
+    std::same_as<T, int32_t> || std::same_as<T, int64_t>;
+
+// Element types the data-movement collectives move (the reducible ones plus raw bytes).
+template <typename T>
+concept Element = ReduceElement<T> || std::same_as<T, uint8_t>;
+
+// Where this process listens for its peers. The default keeps everything on loopback (one host);
+// multi-host jobs set `hostname` to an address the peers can reach, or `iface` to a network
+// interface name (which wins when set).
+struct TransportOptions {
+  std::string hostname = "127.0.0.1";
+  std::string iface;
+};
+
+namespace detail {
+struct CommState;
+}
+
+// A pending point-to-point transfer. wait() must be called before the buffer is reused or freed;
+// destroying a Request that was not waited for waits for it (bounded by the communicator's
+// timeout) and, if that fails, breaks the communicator instead of throwing.
+class Request {
+ public:
+  Request(Request&&) noexcept;
+  Request& operator=(Request&&) noexcept;
+  ~Request();
+
+  // Blocks until the transfer completed. Throws TimeoutError / PeerLostError as described above.
+  void wait();
+  void wait(std::chrono::milliseconds timeout);
+  bool completed() const { return done_; }
+
+ private:
+  friend class Communicator;
+  Request(std::shared_ptr<detail::CommState> state, bool is_send, int peer, uint32_t tag,
+          size_t bytes, std::unique_ptr<gloo::transport::UnboundBuffer> buffer);
+  void finish(std::chrono::milliseconds timeout);
+  void abandon() noexcept;  // waits for an unfinished transfer, swallowing (but recording) errors
+
+  std::shared_ptr<detail::CommState> state_;
+  bool is_send_ = false;
+  int peer_ = -1;
+  uint32_t tag_ = 0;
+  size_t bytes_ = 0;
+  bool done_ = true;
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+};
+
+class Communicator {
+ public:
+  using Timeout = std::optional<std::chrono::milliseconds>;  // nullopt: the communicator's
+
+  // Joins group `group_name` as `rank` of `size` through the store described by `store`
+  // (prefix "<job>/<generation>/<group_name>"). Blocks until all `size` members are connected
+  // to each other (it ends with a barrier);
+  // rendezvous is bounded by store.timeout, and `timeout` becomes the communicator's default
+  // timeout for every later call. Throws ConfigError for bad arguments or a (job, generation,
+  // group, rank) already registered in the store, TimeoutError when peers do not show up in time,
+  // PeerLostError when a peer disappears during the handshake.
+  static std::unique_ptr<Communicator> connect(const StoreOptions& store,
+                                               const std::string& group_name, int rank, int size,
+                                               std::chrono::milliseconds timeout = kDefaultTimeout,
+                                               const TransportOptions& transport = {});
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
+  void set_timeout(std::chrono::milliseconds timeout);  // > 0
+  // The error that broke this communicator, empty while it is healthy.
+  std::string failure() const;
+
+  // In place: every rank ends with the element-wise sum over ranks of data[0, n). This is Gloo's
+  // ring all-reduce run directly on `data` (no staging copies).
+  template <ReduceElement T>
+  void all_reduce_sum(T* data, size_t n, Timeout timeout = {});
+
+  // In-place reduce-scatter. `counts` (same on every rank, one entry per rank) splits data into
+  // consecutive chunks; chunk r starts at offset counts[0] + ... + counts[r-1]. On return, chunk
+  // `rank()` of data holds the element-wise sum over ranks of that chunk, AT ITS OWN OFFSET;
+  // the other chunks of data hold unspecified partial sums. A ring algorithm: each rank sends and
+  // receives (size-1)/size of the buffer.
+  template <ReduceElement T>
+  void reduce_scatter_sum(T* data, const std::vector<size_t>& counts, Timeout timeout = {});
+
+  // out[r*n, (r+1)*n) = rank r's `mine` (n elements), for every r. `mine` may alias
+  // out + rank()*n (in place); otherwise the ranges must not overlap.
+  template <Element T>
+  void all_gather(const T* mine, size_t n, T* out, Timeout timeout = {});
+
+  // Uneven all-gather: rank r contributes counts[r] elements (counts same on every rank), placed
+  // at offset counts[0] + ... + counts[r-1] of `out`. `mine` may alias its own slot of `out`.
+  template <Element T>
+  void all_gather_v(const T* mine, const std::vector<size_t>& counts, T* out, Timeout timeout = {});
+
+  // data[0, n) of rank `root` is copied into data on every rank.
+  template <Element T>
+  void broadcast(T* data, size_t n, int root, Timeout timeout = {});
+  void broadcast_bytes(void* data, size_t bytes, int root, Timeout timeout = {});
+
+  // Returns once every rank has entered the barrier.
+  void barrier(Timeout timeout = {});
+
+  // Asynchronous point-to-point transfer of `bytes` bytes with `peer` (!= rank()). A send with
+  // tag t matches the receive with tag t posted by the peer; several transfers with the same
+  // (peer, tag) match in posting order. Sizes must agree on both sides. The buffer must stay
+  // valid until the Request was waited for. Tags are separate from the collectives' traffic.
+  Request send(const void* data, size_t bytes, int peer, uint32_t tag);
+  Request recv(void* data, size_t bytes, int peer, uint32_t tag);
+
+ private:
+  explicit Communicator(std::shared_ptr<detail::CommState> state);
+  std::shared_ptr<detail::CommState> state_;
+};
+
+// Splits n elements into `parts` chunks whose sizes differ by at most one (the first n % parts
+// chunks get the extra element). Throws InvalidArgumentError when parts < 1.
+std::vector<size_t> even_counts(size_t n, int parts);
+
+}  // namespace tessel::comm

@@ -1,0 +1,91 @@
+#include "tessel/comm/store.h"
+
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "tessel/core/check.h"
+
+namespace tessel::comm {
+namespace {
+
+// Gloo's FileStore with waits bounded by our timeout, to the millisecond. Gloo's own wait rounds
+// elapsed time down to whole seconds (a 10 ms timeout fires after 1 s) and some of its callers
+// pass its 30 s default instead of ours, so the timeout argument is ignored in favour of the one
+// this store was built with.
+class TimedFileStore : public gloo::rendezvous::FileStore {
+ public:
+  TimedFileStore(const std::string& path, std::chrono::milliseconds timeout)
+      : FileStore(path), timeout_(timeout) {}
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    // Poll quickly at first (peers usually arrive within milliseconds), then back off.
+    auto pause = std::chrono::microseconds(500);
+    while (!check(keys)) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string names;
+        for (const auto& k : keys) names += (names.empty() ? "" : " ") + k;
+        throw gloo::IoException("Wait timeout after " + std::to_string(timeout_.count()) +
+                                " ms for store key(s): " + names);
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
+    }
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace
+
+void validate(const StoreOptions& options) {
+  TESSEL_CHECK(!options.path.empty(), ConfigError,
+               "rendezvous store path is empty; set it to a directory every worker can reach");
+  TESSEL_CHECK(!options.job_id.empty(), ConfigError,
+               "rendezvous job id is empty; give every job a unique id");
+  TESSEL_CHECK(options.job_id.find('/') == std::string::npos, ConfigError,
+               "rendezvous job id '{}' contains '/'; ids are path-free names", options.job_id);
+  TESSEL_CHECK(options.generation >= 0, ConfigError,
+               "rendezvous generation {} is negative; generations count up from 0",
+               options.generation);
+  TESSEL_CHECK(options.timeout.count() > 0, ConfigError,
+               "rendezvous timeout {} ms must be positive", options.timeout.count());
+}
+
+void validate_group_name(const std::string& group_name) {
+  TESSEL_CHECK(!group_name.empty(), ConfigError, "communicator group name is empty");
+  TESSEL_CHECK(group_name.find('/') == std::string::npos, ConfigError,
+               "communicator group name '{}' contains '/'", group_name);
+}
+
+std::string store_prefix(const StoreOptions& options, const std::string& group_name) {
+  validate(options);
+  validate_group_name(group_name);
+  return options.job_id + "/" + std::to_string(options.generation) + "/" + group_name;
+}
+
+GroupStore::GroupStore(const StoreOptions& options, const std::string& group_name)
+    : prefix_(store_prefix(options, group_name)), timeout_(options.timeout) {
+  std::error_code ec;
+  std::filesystem::create_directories(options.path, ec);
+  TESSEL_CHECK(!ec && std::filesystem::is_directory(options.path), IoError,
+               "cannot create rendezvous store directory '{}': {}", options.path,
+               ec ? ec.message() : "not a directory");
+  file_store_ = std::make_unique<TimedFileStore>(options.path, options.timeout);
+  prefix_store_ = std::make_unique<gloo::rendezvous::PrefixStore>(prefix_, *file_store_);
+}
+
+GroupStore::~GroupStore() = default;
+
+gloo::rendezvous::Store& GroupStore::store() {
+  return *prefix_store_;
+}
+
+}  // namespace tessel::comm

@@ -1,0 +1,385 @@
+#include "tessel/runtime/parallel_trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <deque>
+
+#include "tessel/comm/process_groups.h"
+#include "tessel/core/check.h"
+#include "tessel/core/log.h"
+#include "tessel/data/batch_loader.h"
+#include "tessel/data/token_source.h"
+#include "tessel/kernels/backend.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/lr_schedule.h"
+#include "tessel/runtime/metrics.h"
+#include "tessel/runtime/tp_comm_group.h"
+#include "tessel/schedule/generators.h"
+
+namespace tessel::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string env_string(const char* name, bool required) {
+  const char* v = std::getenv(name);
+  TESSEL_CHECK(v != nullptr || !required, ConfigError,
+               "environment variable {} is not set: start workers with `tessel train CONFIG "
+               "--nproc N` (or `tessel launch`), which sets it",
+               name);
+  return v != nullptr ? std::string(v) : std::string();
+}
+
+int64_t env_int(const char* name, bool required) {
+  std::string s = env_string(name, required);
+  if (s.empty()) return 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  TESSEL_CHECK(end != nullptr && *end == '\0' && v >= 0, ConfigError,
+               "environment variable {}='{}' is not a non-negative integer", name, s);
+  return v;
+}
+
+enum class Kind : uint32_t { activation = 0, grad = 1 };
+
+// Pipeline messages are matched by (micro-batch, virtual stage of the sender, kind).
+uint32_t message_tag(int micro_batch, int sender_vs, int num_vs, Kind kind) {
+  return ((uint32_t(micro_batch) * uint32_t(num_vs) + uint32_t(sender_vs)) << 1) | uint32_t(kind);
+}
+
+}  // namespace
+
+WorkerEnv WorkerEnv::from_environment() {
+  WorkerEnv e;
+  e.rank = int(env_int("TESSEL_RANK", true));
+  e.world_size = int(env_int("TESSEL_WORLD_SIZE", true));
+  e.store_dir = env_string("TESSEL_STORE_DIR", true);
+  e.job_id = env_string("TESSEL_JOB_ID", true);
+  e.generation = env_int("TESSEL_GENERATION", false);
+  TESSEL_CHECK(e.world_size >= 1 && e.rank < e.world_size, ConfigError,
+               "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
+  return e;
+}
+
+struct ParallelTrainer::Impl {
+  // One model chunk (virtual stage) of this pipeline rank.
+  struct Chunk {
+    int vs = 0;
+    model::StageRange range;
+    std::unique_ptr<model::Transformer> model;
+    Tensor adam_m, adam_v;
+    int tied_view = -1;      // the token embedding's view when its two copies are summed
+    bool tied_copy = false;  // the head stage's copy (left out of the gradient norm)
+    int last_forward = -1;   // micro-batch whose activations the model holds, -1: none
+  };
+
+  TrainConfig cfg;
+  WorkerEnv env;
+  layout::Plan plan;
+  comm::ProcessGroups groups;
+  std::unique_ptr<CommTpGroup> tp_group;
+  std::unique_ptr<kernels::Backend> backend;
+  std::shared_ptr<const data::TokenSource> source;
+  std::unique_ptr<data::BatchLoader> loader;
+  std::vector<Chunk> chunks;
+  std::vector<schedule::Instruction> program;  // this pipeline rank's instruction list
+  int num_vs = 1;
+  int64_t B = 1, T = 1, C = 1, M = 1;               // micro-batch, seq_len, n_embd, micro-batches
+  std::vector<int32_t> inputs, targets;             // this replica's share of the global batch
+  std::vector<std::vector<float>> act_in, grad_in;  // [chunk * M + mb] received boundary data
+  LrSchedule lr_schedule;
+  int64_t step = 0, cursor = 0;
+  MetricsWriter metrics;
+  double last_grad_norm = 0;
+
+  Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
+    cfg.validate_for_workers(env.world_size);
+    plan = cfg.plan.with_defaults(cfg.model);
+    if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
+
+    comm::GridLayout grid;
+    grid.dp = plan.dp;
+    grid.tp = plan.tp;
+    grid.pp = plan.pp;
+    if (plan.order == layout::RankOrder::dp_tp_pp)
+      grid.order = {comm::Axis::kDp, comm::Axis::kTp, comm::Axis::kPp};
+    comm::StoreOptions store;
+    store.path = env.store_dir;
+    store.job_id = env.job_id;
+    store.generation = env.generation;
+    groups = comm::connect_process_groups(store, grid, env.rank, env.world_size);
+    if (plan.tp > 1) tp_group = std::make_unique<CommTpGroup>(*groups.tp);
+
+    backend = kernels::make_backend(cfg.training.backend);
+    source = data::open_token_source(cfg.data.path);
+    TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,
+                 "{}: the data {} has token ids up to {} but model '{}' has vocab_size {}",
+                 cfg.source, source->describe(), source->vocab_size() - 1, cfg.model.name,
+                 cfg.model.vocab_size);
+    loader = std::make_unique<data::BatchLoader>(source, cfg.data.seq_len, cfg.data.seed,
+                                                 cfg.data.eval_fraction);
+    B = plan.micro_batch;
+    T = cfg.data.seq_len;
+    C = cfg.model.n_embd;
+    M = plan.micro_batches;
+    num_vs = plan.num_stages();
+
+    const auto ranges = plan.stage_ranges(cfg.model);
+    const std::string wte =
+        model::global_param_name(cfg.model.family, model::GlobalParam::token_embedding);
+    for (int c = 0; c < plan.virtual_stages; ++c) {
+      Chunk ch;
+      ch.vs = plan.stage_of(groups.coord.pp, c);
+      ch.range = ranges[size_t(ch.vs)];
+      ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T), ch.range,
+                                                      tp_group.get());
+      ch.model->init(cfg.training.seed);
+      ch.adam_m = Tensor::zeros({ch.model->num_params()});
+      ch.adam_v = Tensor::zeros({ch.model->num_params()});
+      if (cfg.model.tie_embeddings && plan.pp > 1 &&
+          (ch.range.has_embedding || ch.range.has_head)) {
+        const auto& views = ch.model->param_views();
+        for (size_t i = 0; i < views.size(); ++i)
+          if (views[i].name == wte) ch.tied_view = int(i);
+        ch.tied_copy = !ch.range.has_embedding;
+      }
+      chunks.push_back(std::move(ch));
+    }
+
+    schedule::Schedule s;
+    switch (plan.schedule) {
+      case layout::ScheduleKind::gpipe:
+        s = schedule::gpipe(plan.pp, int(M));
+        break;
+      case layout::ScheduleKind::one_f_one_b:
+        s = schedule::one_f_one_b(plan.pp, int(M));
+        break;
+      case layout::ScheduleKind::interleaved_one_f_one_b:
+        s = schedule::interleaved_one_f_one_b(plan.pp, int(M), plan.virtual_stages);
+        break;
+    }
+    program = s.per_stage[size_t(groups.coord.pp)];
+
+    inputs.resize(size_t(B * M * T));
+    targets.resize(inputs.size());
+    act_in.assign(size_t(plan.virtual_stages * M), std::vector<float>(size_t(B * T * C)));
+    grad_in.assign(act_in.size(), std::vector<float>(size_t(B * T * C)));
+    lr_schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
+                             cfg.training.steps};
+    if (env.rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+  }
+
+  bool is_first_rank_of_job() const { return env.rank == 0; }
+
+  // Runs the chunk's forward on micro-batch mb (restoring its saved input); returns the loss sum
+  // on the head stage (0 elsewhere).
+  double forward(int c, int mb, float grad_scale) {
+    Chunk& ch = chunks[size_t(c)];
+    auto& m = *ch.model;
+    if (!ch.range.has_embedding) {
+      const auto& in = act_in[size_t(c * M + mb)];
+      std::copy(in.begin(), in.end(), m.input_hidden().data<float>());
+    }
+    const int32_t* tok = inputs.data() + mb * B * T;
+    const int32_t* tgt = targets.data() + mb * B * T;
+    double loss = 0;
+    if (ch.range.has_head) {
+      loss = m.forward_stage(ch.range.has_embedding ? tok : nullptr, tgt, grad_scale).loss_sum;
+    } else {
+      m.forward_stage(ch.range.has_embedding ? tok : nullptr, nullptr);
+    }
+    ch.last_forward = mb;
+    return loss;
+  }
+
+  void backward(int c, int mb, float grad_scale) {
+    Chunk& ch = chunks[size_t(c)];
+    if (ch.last_forward != mb) forward(c, mb, grad_scale);  // recompute (see the header)
+    auto& m = *ch.model;
+    if (!ch.range.has_head) {
+      const auto& g = grad_in[size_t(c * M + mb)];
+      std::copy(g.begin(), g.end(), m.output_grad().data<float>());
+    }
+    m.backward_stage();
+    ch.last_forward = -1;
+  }
+
+  double train_step(double* grad_norm_out) {
+    const int64_t per_replica = B * M;
+    loader->load(cursor, groups.coord.dp * per_replica, per_replica, inputs.data(), targets.data());
+    int64_t valid = 0;
+    for (int32_t t : targets) valid += t != model::Transformer::kIgnoreIndex;
+    groups.dp->all_reduce_sum(&valid, 1);
+    const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
+
+    std::deque<std::vector<float>> send_buffers;
+    std::vector<comm::Request> sends;
+    double loss_sum = 0;
+    const size_t boundary = size_t(B * T * C);
+    for (const auto& ins : program) {
+      const int mb = ins.micro_batch, c = ins.chunk;
+      switch (ins.op) {
+        case schedule::Op::forward:
+          loss_sum += forward(c, mb, grad_scale);
+          break;
+        case schedule::Op::backward:
+          backward(c, mb, grad_scale);
+          break;
+        case schedule::Op::send_activation: {
+          const float* out = chunks[size_t(c)].model->output_hidden().data<float>();
+          send_buffers.emplace_back(out, out + boundary);
+          sends.push_back(
+              groups.pp->send(send_buffers.back().data(), boundary * sizeof(float), ins.peer,
+                              message_tag(mb, chunks[size_t(c)].vs, num_vs, Kind::activation)));
+          break;
+        }
+        case schedule::Op::recv_activation:
+          groups.pp
+              ->recv(act_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
+                     message_tag(mb, chunks[size_t(c)].vs - 1, num_vs, Kind::activation))
+              .wait();
+          break;
+        case schedule::Op::send_grad: {
+          const float* g = chunks[size_t(c)].model->input_grad().data<float>();
+          send_buffers.emplace_back(g, g + boundary);
+          sends.push_back(
+              groups.pp->send(send_buffers.back().data(), boundary * sizeof(float), ins.peer,
+                              message_tag(mb, chunks[size_t(c)].vs, num_vs, Kind::grad)));
+          break;
+        }
+        case schedule::Op::recv_grad:
+          groups.pp
+              ->recv(grad_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
+                     message_tag(mb, chunks[size_t(c)].vs + 1, num_vs, Kind::grad))
+              .wait();
+          break;
+        case schedule::Op::optimizer_step:
+          break;  // below, after the sends completed
+        default:
+          TESSEL_THROW(UnsupportedError, "pipeline instruction {} is not supported by the worker",
+                       schedule::to_string(ins));
+      }
+    }
+    for (auto& r : sends) r.wait();
+
+    // Gradient reductions: over dp (each replica's grad_scale already divides by the global
+    // count, so the sum is the global mean's gradient), then the tied embedding's two copies.
+    double sq = 0;
+    for (auto& ch : chunks) {
+      float* grads = ch.model->grads().data<float>();
+      groups.dp->all_reduce_sum(grads, size_t(ch.model->num_params()));
+      if (ch.tied_view >= 0) {
+        const auto& v = ch.model->param_views()[size_t(ch.tied_view)];
+        groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));
+      }
+      const auto& views = ch.model->param_views();
+      for (size_t i = 0; i < views.size(); ++i) {
+        if (!views[i].tp_primary || (ch.tied_copy && int(i) == ch.tied_view)) continue;
+        sq += backend->sum_of_squares(grads + views[i].offset, views[i].numel);
+      }
+    }
+    groups.tp->all_reduce_sum(&sq, 1);
+    groups.pp->all_reduce_sum(&sq, 1);
+    const double norm = std::sqrt(sq);
+    *grad_norm_out = norm;
+
+    kernels::AdamWConfig opt;
+    opt.lr = float(lr_schedule.at(step));
+    opt.beta1 = float(cfg.optimizer.beta1);
+    opt.beta2 = float(cfg.optimizer.beta2);
+    opt.eps = float(cfg.optimizer.eps);
+    opt.step = step + 1;
+    opt.grad_scale = kernels::clip_factor(norm, float(cfg.training.grad_clip));
+    opt.zero_grad = true;
+    for (auto& ch : chunks) {
+      float* params = ch.model->params().data<float>();
+      float* grads = ch.model->grads().data<float>();
+      for (const auto& v : ch.model->param_views()) {
+        opt.weight_decay = v.weight_decay ? float(cfg.optimizer.weight_decay) : 0.0f;
+        backend->adamw_update(params + v.offset, grads + v.offset,
+                              ch.adam_m.data<float>() + v.offset,
+                              ch.adam_v.data<float>() + v.offset, v.numel, opt);
+      }
+    }
+
+    // The head stages hold the loss; one tp rank of each dp replica contributes it.
+    double loss = groups.tp->rank() == 0 ? loss_sum : 0.0;
+    groups.world->all_reduce_sum(&loss, 1);
+    ++step;
+    cursor += plan.global_batch();
+    return valid > 0 ? loss / double(valid) : 0.0;
+  }
+};
+
+ParallelTrainer::ParallelTrainer(TrainConfig config, const WorkerEnv& env)
+    : impl_(std::make_unique<Impl>(std::move(config), env)) {}
+ParallelTrainer::~ParallelTrainer() = default;
+
+double ParallelTrainer::train_step() {
+  double norm = 0;
+  return impl_->train_step(&norm);
+}
+
+TrainSummary ParallelTrainer::run() {
+  auto& s = *impl_;
+  const auto& cfg = s.cfg;
+  const bool lead = s.env.rank == 0;
+  TrainSummary summary;
+  summary.first_step = s.step;
+  const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
+  if (lead) {
+    spdlog::info("training {} on {} workers ({}) for {} steps, {} tokens per step", cfg.model.name,
+                 s.env.world_size, s.plan.describe(), cfg.training.steps, tokens_per_step);
+  }
+  std::unique_ptr<ProgressLine> progress;
+  if (lead) progress = std::make_unique<ProgressLine>(cfg.training.steps, cfg.training.log_every);
+  auto start = Clock::now();
+  double smoothed_step_s = 0;
+  while (s.step < cfg.training.steps) {
+    auto t0 = Clock::now();
+    double lr = s.lr_schedule.at(s.step);
+    double grad_norm = 0;
+    double loss = s.train_step(&grad_norm);
+    TESSEL_CHECK(std::isfinite(loss), Error,
+                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip", loss,
+                 s.step);
+    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    smoothed_step_s = smoothed_step_s == 0 ? dt : 0.9 * smoothed_step_s + 0.1 * dt;
+    summary.losses.push_back(loss);
+    summary.final_loss = loss;
+    ++summary.steps_run;
+    double tps = double(tokens_per_step) / dt;
+    if (lead) {
+      progress->step(s.step - 1, loss, lr, tps, smoothed_step_s);
+      s.metrics.write({{"step", s.step},
+                       {"loss", loss},
+                       {"lr", lr},
+                       {"grad_norm", grad_norm},
+                       {"tokens_per_s", tps},
+                       {"step_s", dt},
+                       {"cursor", s.cursor},
+                       {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}});
+    }
+  }
+  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  summary.tokens_per_second =
+      elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  // Nobody leaves before everyone is done with the last step's collectives.
+  s.groups.world->barrier();
+  if (lead) {
+    progress->finish();
+    if (summary.steps_run > 0) {
+      std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
+                  static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
+                  s.env.world_size, summary.final_loss,
+                  format_rate(summary.tokens_per_second).c_str());
+    }
+  }
+  return summary;
+}
+
+}  // namespace tessel::runtime

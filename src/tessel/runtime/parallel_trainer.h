@@ -1,0 +1,69 @@
+// The multi-process training worker: one rank of a job laid out by a layout::Plan (dp, tp, pp).
+//
+// Every worker of the job runs this with the same config; its rank, the world size and the
+// rendezvous store come from the environment the launcher sets (WorkerEnv::from_environment). A
+// worker joins the process groups of its (dp, tp, pp) coordinate, builds one Transformer per model
+// chunk it holds (pipeline rank r holds virtual stages r, r + pp, ...; each chunk a tp shard),
+// initialises them with the config's seed (so every shard equals the same slice of the
+// single-process model) and then, per optimizer step:
+//   * loads its dp replica's contiguous slice of the global batch at the shared cursor,
+//   * runs its pipeline rank's instruction list of the plan's schedule (schedule/instruction.h):
+//     stage-boundary activations [B, T, C] and their gradients travel over the pp communicator,
+//     tagged with (micro-batch, sending virtual stage, kind). A chunk holds the activations of one
+//     micro-batch only, so a backward whose micro-batch is not the chunk's latest forward first
+//     recomputes that forward from the saved stage input (deterministic, so gradients are exact);
+//   * scales every micro-batch's loss gradient by 1 / (valid tokens of the GLOBAL batch; the
+//     count is all-reduced over dp), all-reduces the gradients over dp and the tied embedding's
+//     two copies over the first/last pipeline ranks, clips by the global norm (each element
+//     counted once: tp_primary, and the head stage's tied copy skipped), and steps AdamW;
+//   * forms the step's loss on every rank (all-reduce over the world of the head stages' loss
+//     sums), so the losses equal the single-process Trainer's up to float summation order.
+// Rank 0 prints progress and writes the metrics file. Evaluation, checkpoints and ZeRO are not
+// supported here (TrainConfig::validate_for_workers rejects them).
+//
+// Failures of peers surface as PeerLostError / TimeoutError from the communicators (bounded by
+// their timeouts); config problems as ConfigError.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tessel/runtime/train_config.h"
+#include "tessel/runtime/trainer.h"
+
+namespace tessel::runtime {
+
+// What the launcher tells a worker (launcher.h).
+struct WorkerEnv {
+  int rank = 0;
+  int world_size = 1;
+  std::string store_dir;
+  std::string job_id;
+  int64_t generation = 0;
+
+  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_STORE_DIR, TESSEL_JOB_ID and TESSEL_GENERATION
+  // (0 when unset). Throws ConfigError naming the missing or malformed variable.
+  static WorkerEnv from_environment();
+};
+
+class ParallelTrainer {
+ public:
+  // Validates the config for env.world_size workers, connects the process groups and builds this
+  // rank's model chunks. Blocks until every peer has connected (bounded by the store timeout).
+  ParallelTrainer(TrainConfig config, const WorkerEnv& env);
+  ~ParallelTrainer();
+  ParallelTrainer(const ParallelTrainer&) = delete;
+  ParallelTrainer& operator=(const ParallelTrainer&) = delete;
+
+  // Trains until training.steps steps; every rank returns the same losses.
+  TrainSummary run();
+  // One optimizer step; returns the global mean loss (the same on every rank).
+  double train_step();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessel::runtime

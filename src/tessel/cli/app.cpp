@@ -54,6 +54,9 @@ int launch_training(const Args& args) {
   }
   opt.log_dir = args.train_log_dir;
   opt.stop_timeout = std::chrono::milliseconds(int64_t(args.stop_timeout_s * 1000));
+  // After one worker fails, the others get up to the comm timeout (plus a little) to end with
+  // their own PeerLostError / TimeoutError, so their logs say what they saw, before SIGTERM.
+  opt.peer_grace = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000) + 2000);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = runtime::launch(opt);
   if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);

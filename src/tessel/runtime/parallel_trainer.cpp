@@ -2,8 +2,10 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 
@@ -71,7 +73,9 @@ struct ParallelTrainer::Impl {
     int vs = 0;
     model::StageRange range;
     std::unique_ptr<model::Transformer> model;
-    Tensor adam_m, adam_v;
+    Tensor adam_m, adam_v;          // ZeRO-1: only the owned range [own_lo, own_lo + own_n)
+    std::vector<size_t> dp_counts;  // ZeRO-1: the flat buffer's split over dp ranks
+    int64_t own_lo = 0, own_n = 0;
     int tied_view = -1;      // the token embedding's view when its two copies are summed
     bool tied_copy = false;  // the head stage's copy (left out of the gradient norm)
     int last_forward = -1;   // micro-batch whose activations the model holds, -1: none
@@ -111,7 +115,9 @@ struct ParallelTrainer::Impl {
     store.path = env.store_dir;
     store.job_id = env.job_id;
     store.generation = env.generation;
-    groups = comm::connect_process_groups(store, grid, env.rank, env.world_size);
+    const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+    store.timeout = timeout;
+    groups = comm::connect_process_groups(store, grid, env.rank, env.world_size, timeout);
     if (plan.tp > 1) tp_group = std::make_unique<CommTpGroup>(*groups.tp);
 
     backend = kernels::make_backend(cfg.training.backend);
@@ -138,8 +144,18 @@ struct ParallelTrainer::Impl {
       ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T), ch.range,
                                                       tp_group.get());
       ch.model->init(cfg.training.seed);
-      ch.adam_m = Tensor::zeros({ch.model->num_params()});
-      ch.adam_v = Tensor::zeros({ch.model->num_params()});
+      const int64_t n = ch.model->num_params();
+      ch.own_n = n;
+      if (plan.zero_stage == 1) {
+        // Contiguous, as even as possible: the first n % dp ranks own one element more. (No
+        // padding is needed: reduce_scatter_sum / all_gather_v take uneven counts.)
+        const int64_t dp = plan.dp, r = groups.coord.dp;
+        for (int64_t i = 0; i < dp; ++i) ch.dp_counts.push_back(size_t(n / dp + (i < n % dp)));
+        ch.own_lo = r * (n / dp) + std::min(r, n % dp);
+        ch.own_n = int64_t(ch.dp_counts[size_t(r)]);
+      }
+      ch.adam_m = Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
+      ch.adam_v = Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
       if (cfg.model.tie_embeddings && plan.pp > 1 &&
           (ch.range.has_embedding || ch.range.has_head)) {
         const auto& views = ch.model->param_views();
@@ -174,6 +190,27 @@ struct ParallelTrainer::Impl {
   }
 
   bool is_first_rank_of_job() const { return env.rank == 0; }
+
+  // Writes <dir>/rank<R>.params: for every parameter view of every chunk, a text line
+  // "<name> <numel> <tp_rank> <tp_size>\n" followed by numel raw native floats (this rank's
+  // local shard; tensor-parallel shards are not reassembled here).
+  void dump_params(const std::string& dir) const {
+    auto path = fmt::format("{}/rank{}.params", dir, env.rank);
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    TESSEL_CHECK(f != nullptr, IoError, "cannot write {} (TESSEL_DUMP_PARAMS)", path);
+    bool ok = true;
+    for (const auto& ch : chunks) {
+      const float* params = ch.model->params().data<float>();
+      for (const auto& v : ch.model->param_views()) {
+        auto head = fmt::format("{} {} {} {}\n", v.name, v.numel, groups.coord.tp, plan.tp);
+        ok = ok && std::fwrite(head.data(), 1, head.size(), f) == head.size();
+        ok = ok &&
+             std::fwrite(params + v.offset, sizeof(float), size_t(v.numel), f) == size_t(v.numel);
+      }
+    }
+    ok = std::fclose(f) == 0 && ok;
+    TESSEL_CHECK(ok, IoError, "writing {} failed (TESSEL_DUMP_PARAMS)", path);
+  }
 
   // Runs the chunk's forward on micro-batch mb (restoring its saved input); returns the loss sum
   // on the head stage (0 elsewhere).
@@ -268,20 +305,36 @@ struct ParallelTrainer::Impl {
 
     // Gradient reductions: over dp (each replica's grad_scale already divides by the global
     // count, so the sum is the global mean's gradient), then the tied embedding's two copies.
+    // ZeRO-1 sums the tied copies first (sums commute) and then reduce-scatters over dp, so each
+    // dp rank holds the full gradient of its owned range only.
+    const bool zero = plan.zero_stage == 1;
     double sq = 0;
     for (auto& ch : chunks) {
       float* grads = ch.model->grads().data<float>();
-      groups.dp->all_reduce_sum(grads, size_t(ch.model->num_params()));
-      if (ch.tied_view >= 0) {
-        const auto& v = ch.model->param_views()[size_t(ch.tied_view)];
-        groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));
-      }
       const auto& views = ch.model->param_views();
+      if (zero) {
+        if (ch.tied_view >= 0) {
+          const auto& v = views[size_t(ch.tied_view)];
+          groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));
+        }
+        groups.dp->reduce_scatter_sum(grads, ch.dp_counts);
+      } else {
+        groups.dp->all_reduce_sum(grads, size_t(ch.model->num_params()));
+        if (ch.tied_view >= 0) {
+          const auto& v = views[size_t(ch.tied_view)];
+          groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));
+        }
+      }
+      const int64_t lo = ch.own_lo, hi = ch.own_lo + ch.own_n;
       for (size_t i = 0; i < views.size(); ++i) {
         if (!views[i].tp_primary || (ch.tied_copy && int(i) == ch.tied_view)) continue;
-        sq += backend->sum_of_squares(grads + views[i].offset, views[i].numel);
+        const int64_t a = std::max(lo, views[i].offset);
+        const int64_t b = std::min(hi, views[i].offset + views[i].numel);
+        if (b > a) sq += backend->sum_of_squares(grads + a, b - a);
       }
     }
+    // With ZeRO-1 each dp rank counted a distinct range, so the norm also sums over dp.
+    if (zero) groups.dp->all_reduce_sum(&sq, 1);
     groups.tp->all_reduce_sum(&sq, 1);
     groups.pp->all_reduce_sum(&sq, 1);
     const double norm = std::sqrt(sq);
@@ -298,11 +351,18 @@ struct ParallelTrainer::Impl {
     for (auto& ch : chunks) {
       float* params = ch.model->params().data<float>();
       float* grads = ch.model->grads().data<float>();
+      const int64_t lo = ch.own_lo, hi = ch.own_lo + ch.own_n;
       for (const auto& v : ch.model->param_views()) {
+        const int64_t a = std::max(lo, v.offset), b = std::min(hi, v.offset + v.numel);
+        if (b <= a) continue;
         opt.weight_decay = v.weight_decay ? float(cfg.optimizer.weight_decay) : 0.0f;
-        backend->adamw_update(params + v.offset, grads + v.offset,
-                              ch.adam_m.data<float>() + v.offset,
-                              ch.adam_v.data<float>() + v.offset, v.numel, opt);
+        backend->adamw_update(params + a, grads + a, ch.adam_m.data<float>() + (a - lo),
+                              ch.adam_v.data<float>() + (a - lo), b - a, opt);
+      }
+      if (zero) {
+        // The other ranges hold partial sums of the reduce-scatter: clear them for the next step.
+        std::fill(grads, grads + ch.model->num_params(), 0.0f);
+        groups.dp->all_gather_v(params + lo, ch.dp_counts, params);
       }
     }
 
@@ -368,6 +428,8 @@ TrainSummary ParallelTrainer::run() {
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   summary.tokens_per_second =
       elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
+    s.dump_params(dir);
   // Nobody leaves before everyone is done with the last step's collectives.
   s.groups.world->barrier();
   if (lead) {

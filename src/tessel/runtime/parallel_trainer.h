@@ -16,13 +16,21 @@
 //     count is all-reduced over dp), all-reduces the gradients over dp and the tied embedding's
 //     two copies over the first/last pipeline ranks, clips by the global norm (each element
 //     counted once: tp_primary, and the head stage's tied copy skipped), and steps AdamW;
+//   * with parallel.zero_stage 1 (ZeRO-1) instead: sums the tied embedding's copies first, then
+//     reduce-scatters each chunk's flat gradient buffer over dp -- dp rank r owns the contiguous
+//     range [r * (n / dp) + min(r, n % dp), ...) of n / dp (+1 for the first n % dp ranks)
+//     elements, no padding -- takes the norm over the owned ranges (all-reduced over dp, tp and
+//     pp), steps AdamW on the owned range only (Adam m/v are allocated for it alone) and
+//     all-gathers the parameters over dp;
 //   * forms the step's loss on every rank (all-reduce over the world of the head stages' loss
 //     sums), so the losses equal the single-process Trainer's up to float summation order.
-// Rank 0 prints progress and writes the metrics file. Evaluation, checkpoints and ZeRO are not
-// supported here (TrainConfig::validate_for_workers rejects them).
+// Rank 0 prints progress and writes the metrics file. Evaluation, checkpoints and ZeRO stages
+// above 1 are not supported here (TrainConfig::validate_for_workers rejects them).
+// With TESSEL_DUMP_PARAMS=DIR in the environment, every rank writes its local parameters to
+// DIR/rank<R>.params at the end of run() (format: Impl::dump_params; used by the tests).
 //
 // Failures of peers surface as PeerLostError / TimeoutError from the communicators (bounded by
-// their timeouts); config problems as ConfigError.
+// parallel.timeout_s, default 60 s); config problems as ConfigError.
 #pragma once
 
 #include <cstdint>

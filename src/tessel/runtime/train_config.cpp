@@ -67,6 +67,9 @@ void read_parallel(YamlSection s, TrainConfig& c) {
   std::string order = std::string(layout::rank_order_name(p.order));
   s.read("rank_order", order);
   p.order = layout::parse_rank_order(order);
+  s.read("timeout_s", c.comm_timeout_s);
+  TESSEL_CHECK(c.comm_timeout_s > 0, ConfigError, "{}: must be > 0 seconds, got {}",
+               s.where("timeout_s"), c.comm_timeout_s);
   TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
   const int64_t G = c.training.global_batch;
   const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
@@ -214,9 +217,9 @@ void TrainConfig::validate_for_workers(int workers) const {
                  "{}: 'checkpoint.dir' is set but checkpoints are not supported with more than one "
                  "worker yet; remove it or train with one worker",
                  source);
-    TESSEL_CHECK(plan.zero_stage == 0, ConfigError,
+    TESSEL_CHECK(plan.zero_stage == 0 || plan.zero_stage == 1, ConfigError,
                  "{}: 'parallel.zero_stage' is {} but the multi-worker trainer supports only 0 "
-                 "yet; set it to 0",
+                 "and 1 yet; set it to 0 or 1",
                  source, plan.zero_stage);
   }
 }

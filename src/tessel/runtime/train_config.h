@@ -8,7 +8,7 @@
 //   checkpoint: {dir, every, resume, keep}
 //   output:     {metrics}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
-//                rank_order}   (optional; default: one worker, dp = tp = pp = 1)
+//                rank_order, timeout_s}   (optional; default: one worker, dp = tp = pp = 1)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -74,6 +74,9 @@ struct TrainConfig {
   CheckpointConfig checkpoint;
   std::string metrics_path;  // JSON lines; empty = none
   layout::Plan plan;         // with layers_per_stage filled in (Plan::with_defaults)
+  // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
+  // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.
+  double comm_timeout_s = 60;
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);

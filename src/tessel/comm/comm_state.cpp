@@ -105,7 +105,7 @@ void CommState::watchdog_loop() {
     // Abort the current wait once it has depended on a failed peer for the grace period.
     if (wait_.buf == nullptr) continue;
     bool depends = false;
-    for (size_t p = 0; p < failed_.size(); ++p) depends = depends || failed_[p];
+    for (int p : wait_.peers) depends = depends || failed_[p];
     if (!depends) continue;
     const auto now = Clock::now();
     if (stuck_seq_ != wait_.seq) {
@@ -135,16 +135,17 @@ int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int
   } unregister{*this};
 
   // Gloo reads 0 ms as "no timeout"; keep at least 1 ms so an expired deadline still fires.
-  const auto left = std::max(
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-      std::chrono::milliseconds(1));
+  const auto left =
+      std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+               std::chrono::milliseconds(1));
   int peer = -1;
   const bool done = is_recv ? buf.waitRecv(&peer, left) : buf.waitSend(&peer, left);
   if (!done) {
     std::string who;
     for (size_t i = 0; i < npeers; ++i) who += (i ? "/" : "") + std::to_string(peers[i]);
-    throw gloo::IoException(fmt::format("{} with peer rank {} aborted: the peer's connection failed",
-                                        is_recv ? "receive" : "send", who));
+    throw gloo::IoException(
+        fmt::format("{} with peer rank {} aborted: the peer's connection failed",
+                    is_recv ? "receive" : "send", who));
   }
   return peer;
 }

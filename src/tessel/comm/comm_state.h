@@ -65,7 +65,7 @@ struct CommState {
   std::chrono::milliseconds timeout = kDefaultTimeout;
   std::shared_ptr<gloo::transport::Device> device;  // null for size-1 groups
   std::shared_ptr<gloo::Context> context;           // null for size-1 groups
-  uint32_t next_tag = 0;  // collectives issued so far (the same on every rank)
+  uint32_t next_tag = 0;               // collectives issued so far (the same on every rank)
   std::vector<unsigned char> scratch;  // reduce-scatter receive segments
 
   // Set by the user thread when a call fails; later calls rethrow this kind.
@@ -130,9 +130,9 @@ struct CommState {
   bool stopping_ = false;
   std::vector<bool> failed_;  // by peer rank: its pair failed
   std::string peer_failure_;
-  Wait wait_;                 // the user thread's current wait (buf null when none)
+  Wait wait_;  // the user thread's current wait (buf null when none)
   uint64_t next_seq_ = 1;
-  uint64_t stuck_seq_ = 0;    // the wait first seen depending on a failed peer, and when
+  uint64_t stuck_seq_ = 0;  // the wait first seen depending on a failed peer, and when
   Clock::time_point stuck_since_;
 };
 

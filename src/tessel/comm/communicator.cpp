@@ -296,9 +296,9 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
     state->device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     // Rendezvous waits for every peer to start, so it runs under the (usually longer) store
-    // timeout; the tcp pairs keep that timeout for their own connect handshake. Operations
-    // always pass their timeout explicitly.
-    context->setTimeout(store.timeout);
+    // timeout: the store enforces it on its waits, and Gloo's pairs allow 5x their context's
+    // timeout for the TCP handshake, hence the fifth. Operations pass their timeouts explicitly.
+    context->setTimeout(std::max(store.timeout / 5, std::chrono::milliseconds(1)));
     context->connectFullMesh(group_store.store(), state->device);
     context->setTimeout(timeout);
     state->context = std::move(context);

@@ -2,17 +2,26 @@
 //
 // Every member of a group calls connect() with the same store options, group name and size and
 // its own rank; after that the members call the same collectives in the same order with matching
-// sizes (Gloo cannot check this: mismatched sizes across ranks corrupt data or abort the process
-// from Gloo's I/O thread). A Communicator is not thread-safe: one thread at a time.
+// sizes (nothing can check this cheaply: mismatched sizes across ranks corrupt data, time out, or
+// trip an assertion in Gloo's I/O thread that aborts the process). A Communicator is not
+// thread-safe: one thread at a time, Requests included.
+//
+// Gloo provides the transport (full mesh of TCP pairs, unbound buffers, rendezvous); the
+// collectives are scheduled here on top of it (ring reduce-scatter/all-gather/all-reduce,
+// binomial-tree broadcast) so that every blocking wait can be reached by the watchdog described
+// in comm_state.h. All of them work in place on the caller's memory, without staging copies.
 //
 // Failure contract. Every blocking call is bounded by a timeout: the communicator's (settable,
-// default 60 s) or a per-call override. A call that fails throws
+// default 60 s) or a per-call override; the timeout bounds the whole call. A call that fails
+// throws
 //   - TimeoutError   when this rank waited longer than its timeout, and
 //   - PeerLostError  when a connection to a peer closed or reset (the peer died, or gave up
-//                    after its own failure),
-// with a message naming the group, the operation, this rank and the peer when known. Any failure
-// is fatal for the communicator: Gloo closes every connection of the context on a timeout, and
-// this class closes them on any error, so peers blocked on this rank fail fast with
+//                    after its own failure, or left),
+// with a message naming the group, the operation, this rank and the peer when known. A lost
+// peer is noticed within milliseconds even while no call runs (failure() reports it); it fails
+// the running call if that call waits on the lost peer, and every later call. Any failure is
+// fatal for the communicator: after a local timeout Gloo closes every connection of the context,
+// and after any other failure this class does, so peers blocked on this rank fail fast with
 // PeerLostError instead of waiting out their own timeout. Later calls throw the same kind of
 // error again. Recover by connecting new communicators under a new store generation.
 //
@@ -20,6 +29,7 @@
 // has its default action, because Gloo writes to sockets without MSG_NOSIGNAL and a write to a
 // dead peer would otherwise kill this process instead of raising PeerLostError.
 //
+// Each connected group (size > 1) owns a Gloo device with its I/O thread and a watchdog thread.
 // Size-1 groups never touch the network: collectives are no-ops or local copies. Zero-length
 // buffers are accepted everywhere (null pointers are fine when the length is 0).
 #pragma once
@@ -121,8 +131,9 @@ class Communicator {
   // The error that broke this communicator, empty while it is healthy.
   std::string failure() const;
 
-  // In place: every rank ends with the element-wise sum over ranks of data[0, n). This is Gloo's
-  // ring all-reduce run directly on `data` (no staging copies).
+  // In place: every rank ends with the element-wise sum over ranks of data[0, n). Ring
+  // reduce-scatter then ring all-gather on `data` (the algorithm of Gloo's ring all-reduce): each
+  // rank sends and receives 2(size-1)/size of the buffer.
   template <ReduceElement T>
   void all_reduce_sum(T* data, size_t n, Timeout timeout = {});
 

@@ -2,11 +2,10 @@
 
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <csignal>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 #include <numeric>
 #include <thread>
 

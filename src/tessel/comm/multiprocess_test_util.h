@@ -3,7 +3,8 @@
 // Gloo devices and contexts own threads and sockets, so they must be created only in the
 // children, after fork(). Each child runs body(rank) and leaves with _exit(code) (never returning
 // into GoogleTest); the parent waits with a deadline and SIGKILLs stragglers, so a test can never
-// hang. Children report failures on stderr and through their exit code.
+// hang. Children report failures on stderr and through their exit code. Set
+// TESSEL_COMM_DEBUG_HANG=1 to print the stacks of hung children (with gdb) before they are killed.
 #pragma once
 
 #include <signal.h>
@@ -12,6 +13,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <string>
@@ -101,10 +103,11 @@ inline std::vector<RankOutcome> run_ranks(int n, std::chrono::milliseconds deadl
   }
   for (int r = 0; r < n; ++r) {
     if (reaped[r]) continue;
-    if (std::getenv("DEBUG_HANG")) {
+    if (std::getenv("TESSEL_COMM_DEBUG_HANG") != nullptr) {
+      // Debugging aid: the stacks of a hung child, before it is killed.
       std::string cmd = "gdb -batch -ex 'thread apply all bt' -p " + std::to_string(pids[r]) +
                         " 2>&1 | grep -E '^#|^Thread' >&2";
-      std::system(cmd.c_str());
+      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "gdb failed\n");
     }
     kill(pids[r], SIGKILL);
     int status = 0;

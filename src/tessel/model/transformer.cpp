@@ -31,9 +31,13 @@ constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
 }  // namespace
 
 Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-                         StageRange stage, TpGroup* tp)
+                         StageRange stage, TpGroup* tp, int activation_slots)
     : config_(config), backend_(backend), B_(B), T_(T) {
   config_.validate();
+  TESSEL_CHECK(activation_slots >= 1, ConfigError,
+               "activation_slots is {}; a model needs at least one activation slot",
+               activation_slots);
+  slots_.resize(size_t(activation_slots));
   stage_ = stage.resolved(config_);
   if (tp != nullptr) {
     TESSEL_CHECK(tp->size() >= 1 && tp->rank() >= 0 && tp->rank() < tp->size(),
@@ -111,10 +115,29 @@ Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, i
   // Touch every page now so that the first training step does not pay the page faults.
   backend_.memset_zero(act_base_, size_t(act_floats_) * sizeof(float));
   const size_t id_bytes = size_t(B_) * size_t(T_) * sizeof(int32_t);
-  tokens_ = static_cast<int32_t*>(allocate(id_bytes));
+  for (Slot& sl : slots_) {
+    sl.tokens = static_cast<int32_t*>(allocate(id_bytes));
+    backend_.memset_zero(sl.tokens, id_bytes);
+  }
+  // Targets are read by the forward's loss only, so one buffer serves every slot.
   targets_ = static_cast<int32_t*>(allocate(id_bytes));
-  backend_.memset_zero(tokens_, id_bytes);
   backend_.memset_zero(targets_, id_bytes);
+  select_slot(0);
+}
+
+void Transformer::check_slot(int s) const {
+  TESSEL_CHECK(s >= 0 && s < activation_slots(), InvalidArgumentError,
+               "activation slot {} is out of range: the model was built with {} slot(s)", s,
+               activation_slots());
+}
+
+void Transformer::select_slot(int s) {
+  check_slot(s);
+  cur_ = s;
+  Slot& sl = slots_[size_t(s)];
+  acts_ = &sl.acts;
+  a_ = sl.g;
+  tokens_ = sl.tokens;
 }
 
 void* Transformer::allocate(size_t bytes) {
@@ -130,46 +153,51 @@ int64_t Transformer::plan_activations(float* base) {
   const int64_t D = config_.head_dim(), Hq = local_.Hq, Hkv = local_.Hkv;
   const int64_t qkv = (Hq + 2 * Hkv) * D;
   const bool gpt2 = config_.family == Family::gpt2;
-  a_ = Globals{};
-  a_.x0 = c.take(N * C);
-  a_.proj = c.take(N * C);
-  acts_.assign(size_t(stage_.num_layers()), LayerActs{});
-  for (LayerActs& la : acts_) {
-    la.ln1 = c.take(N * C);
-    if (gpt2) la.ln1_mean = c.take(N);
-    la.ln1_rstd = c.take(N);
-    la.qkv = c.take(N * qkv);
-    la.atty = c.take(N * Hq * D);
-    la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
-    la.res2 = c.take(N * C);
-    la.ln2 = c.take(N * C);
-    if (gpt2) la.ln2_mean = c.take(N);
-    la.ln2_rstd = c.take(N);
-    la.fc = c.take(N * F);
-    if (!gpt2) la.up = c.take(N * F);
-    la.act = c.take(N * F);
-    la.res3 = c.take(N * C);
-  }
-  if (stage_.has_head) {
-    a_.lnf = c.take(N * C);
-    if (gpt2) a_.lnf_mean = c.take(N);
-    a_.lnf_rstd = c.take(N);
-    a_.logits = c.take(N * local_.Vp);
-    a_.losses = c.take(N);
-    if (tp_ != nullptr) {
-      a_.ce_max = c.take(N);
-      a_.ce_sums = c.take(2 * N);
-    }
-  }
-  a_.dres = c.take(N * C);
-  a_.dln = c.take(N * C);
+  // Scratch shared by all slots: the projection output and the backward's gradients.
+  Globals shared{};
+  shared.proj = c.take(N * C);
+  shared.dres = c.take(N * C);
+  shared.dln = c.take(N * C);
   if (stage_.num_layers() > 0) {
-    a_.datty = c.take(N * Hq * D);
-    a_.dqkv = c.take(N * qkv);
-    a_.df0 = c.take(N * F);
-    a_.df1 = c.take(N * F);
-    if (!gpt2) a_.df2 = c.take(N * F);
-    if (local_.kv_replicated) a_.kv_stage = c.take(2 * int64_t(config_.n_kv_head) * D * C);
+    shared.datty = c.take(N * Hq * D);
+    shared.dqkv = c.take(N * qkv);
+    shared.df0 = c.take(N * F);
+    shared.df1 = c.take(N * F);
+    if (!gpt2) shared.df2 = c.take(N * F);
+    if (local_.kv_replicated) shared.kv_stage = c.take(2 * int64_t(config_.n_kv_head) * D * C);
+  }
+  for (Slot& sl : slots_) {
+    Globals& g = sl.g;
+    g = shared;
+    g.x0 = c.take(N * C);
+    sl.acts.assign(size_t(stage_.num_layers()), LayerActs{});
+    for (LayerActs& la : sl.acts) {
+      la.ln1 = c.take(N * C);
+      if (gpt2) la.ln1_mean = c.take(N);
+      la.ln1_rstd = c.take(N);
+      la.qkv = c.take(N * qkv);
+      la.atty = c.take(N * Hq * D);
+      la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
+      la.res2 = c.take(N * C);
+      la.ln2 = c.take(N * C);
+      if (gpt2) la.ln2_mean = c.take(N);
+      la.ln2_rstd = c.take(N);
+      la.fc = c.take(N * F);
+      if (!gpt2) la.up = c.take(N * F);
+      la.act = c.take(N * F);
+      la.res3 = c.take(N * C);
+    }
+    if (stage_.has_head) {
+      g.lnf = c.take(N * C);
+      if (gpt2) g.lnf_mean = c.take(N);
+      g.lnf_rstd = c.take(N);
+      g.logits = c.take(N * local_.Vp);
+      g.losses = c.take(N);
+      if (tp_ != nullptr) {
+        g.ce_max = c.take(N);
+        g.ce_sums = c.take(2 * N);
+      }
+    }
   }
   return c.used;
 }
@@ -227,26 +255,32 @@ void Transformer::zero_grad() {
 
 // ---- stage boundary views -----------------------------------------------------------------------
 
-Tensor Transformer::logits() const {
+Tensor Transformer::logits(int slot) const {
   TESSEL_CHECK(stage_.has_head, InvalidArgumentError, "this pipeline stage has no head/logits");
-  return Tensor::wrap(a_.logits, Shape{B_, T_, local_.Vp});
+  check_slot(slot);
+  return Tensor::wrap(slots_[size_t(slot)].g.logits, Shape{B_, T_, local_.Vp});
 }
 
 const float* Transformer::stage_output() const {
-  return acts_.empty() ? a_.x0 : acts_.back().res3;
+  return acts_->empty() ? a_.x0 : acts_->back().res3;
 }
 
-Tensor Transformer::input_hidden() const {
-  return Tensor::wrap(a_.x0, Shape{B_, T_, config_.n_embd});
+Tensor Transformer::input_hidden(int slot) const {
+  check_slot(slot);
+  return Tensor::wrap(slots_[size_t(slot)].g.x0, Shape{B_, T_, config_.n_embd});
 }
-Tensor Transformer::output_hidden() const {
-  return Tensor::wrap(const_cast<float*>(stage_output()), Shape{B_, T_, config_.n_embd});
+Tensor Transformer::output_hidden(int slot) const {
+  check_slot(slot);
+  const Slot& sl = slots_[size_t(slot)];
+  float* out = sl.acts.empty() ? sl.g.x0 : sl.acts.back().res3;
+  return Tensor::wrap(out, Shape{B_, T_, config_.n_embd});
 }
-Tensor Transformer::output_grad() const {
+Tensor Transformer::output_grad(int slot) const {
+  check_slot(slot);
   return Tensor::wrap(a_.dres, Shape{B_, T_, config_.n_embd});
 }
-Tensor Transformer::input_grad() const {
-  return output_grad();
+Tensor Transformer::input_grad(int slot) const {
+  return output_grad(slot);
 }
 
 // ---- forward ------------------------------------------------------------------------------------
@@ -265,10 +299,11 @@ void Transformer::check_ids(const int32_t* ids, bool targets) const {
 }
 
 CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32_t* targets,
-                                              std::optional<float> grad_scale) {
+                                              std::optional<float> grad_scale, int slot) {
   const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const bool gpt2 = config_.family == Family::gpt2;
-  forward_ready_ = dlogits_ready_ = false;
+  select_slot(slot);
+  slots_[size_t(cur_)].forward_ready = slots_[size_t(cur_)].dlogits_ready = false;
   // Validate every input before running anything.
   const bool loss = stage_.has_head && targets != nullptr;
   if (stage_.has_embedding) {
@@ -292,7 +327,7 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
   const float* x = a_.x0;
   for (int l = 0; l < stage_.num_layers(); ++l) {
     block_forward(l, x);
-    x = acts_[size_t(l)].res3;
+    x = (*acts_)[size_t(l)].res3;
   }
   CrossEntropyResult result;
   if (stage_.has_head) {
@@ -315,10 +350,10 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
             backend_.cross_entropy(dlogits, a_.losses, a_.logits, targets_, N, config_.vocab_size,
                                    Vp, kIgnoreIndex, grad_scale.value_or(0.0f));
       }
-      dlogits_ready_ = grad_scale.has_value();
+      slots_[size_t(cur_)].dlogits_ready = grad_scale.has_value();
     }
   }
-  forward_ready_ = true;
+  slots_[size_t(cur_)].forward_ready = true;
   return result;
 }
 
@@ -397,16 +432,17 @@ void Transformer::head_backward() {
   }
 }
 
-void Transformer::backward_stage() {
-  TESSEL_CHECK(forward_ready_, InvalidArgumentError,
+void Transformer::backward_stage(int slot) {
+  select_slot(slot);
+  TESSEL_CHECK(slots_[size_t(cur_)].forward_ready, InvalidArgumentError,
                "backward_stage() needs a forward_stage() first (one backward per forward)");
-  TESSEL_CHECK(!stage_.has_head || dlogits_ready_, InvalidArgumentError,
+  TESSEL_CHECK(!stage_.has_head || slots_[size_t(cur_)].dlogits_ready, InvalidArgumentError,
                "the head stage's backward needs forward_stage() with targets and a grad_scale");
-  forward_ready_ = dlogits_ready_ = false;
+  slots_[size_t(cur_)].forward_ready = slots_[size_t(cur_)].dlogits_ready = false;
   if (stage_.has_head) head_backward();
   // dres now holds d(stage output); each block turns it into d(block input) in place.
   for (int l = stage_.num_layers() - 1; l >= 0; --l) {
-    block_backward(l, l == 0 ? a_.x0 : acts_[size_t(l - 1)].res3);
+    block_backward(l, l == 0 ? a_.x0 : (*acts_)[size_t(l - 1)].res3);
   }
   if (stage_.has_embedding) {
     // d(x0) is the same on every rank, so every rank's position gradient is the full one.
@@ -428,7 +464,7 @@ void Transformer::gpt2_block_forward(int l, const float* x) {
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
   // A row-parallel bias enters the sum over ranks once.
   auto row_bias = [&](LayerParam k) { return tp_rank() == 0 ? w(k) : nullptr; };
-  LayerActs& a = acts_[size_t(l)];
+  LayerActs& a = (*acts_)[size_t(l)];
   using LP = LayerParam;
   backend_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w(LP::norm1_weight),
                              w(LP::norm1_bias), N, C, config_.norm_eps);
@@ -460,7 +496,7 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
   auto dw = [&](LayerParam k) { return g(o[size_t(k)]); };
-  const LayerActs& a = acts_[size_t(l)];
+  const LayerActs& a = (*acts_)[size_t(l)];
   using LP = LayerParam;
   const size_t nc = size_t(N) * size_t(C) * sizeof(float);
   const size_t nf = size_t(N) * size_t(F) * sizeof(float);
@@ -511,7 +547,7 @@ void Transformer::llama_block_forward(int l, const float* x) {
   const float theta = config_.rope_theta;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
-  LayerActs& a = acts_[size_t(l)];
+  LayerActs& a = (*acts_)[size_t(l)];
   using LP = LayerParam;
   float* q = a.qkv;
   float* k = q + int64_t(N) * QD;
@@ -547,7 +583,7 @@ void Transformer::llama_block_backward(int l, const float* x) {
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
   auto w = [&](LayerParam k) { return p(o[size_t(k)]); };
   auto dw = [&](LayerParam k) { return g(o[size_t(k)]); };
-  const LayerActs& a = acts_[size_t(l)];
+  const LayerActs& a = (*acts_)[size_t(l)];
   using LP = LayerParam;
   const size_t nc = size_t(N) * size_t(C) * sizeof(float);
   const size_t nf = size_t(N) * size_t(F) * sizeof(float);

@@ -12,6 +12,9 @@
 // - activations, llm.c style: per block, what its backward needs (norm outputs and statistics,
 //   QKV, attention output and probabilities, residual stream, MLP pre-/post-activation); plus
 //   the final norm and the [B, T, Vp] logits, which backward overwrites with dlogits in place.
+//   With activation_slots = S > 1 all of this (and the stage input buffer and token ids) exists S
+//   times: slot s holds the saved activations of one micro-batch, so a pipeline schedule can run
+//   forwards of several micro-batches before their backwards without recomputation.
 // - ONE set of activation-gradient scratch buffers shared by all blocks during backward.
 // Per block that is about N (8C + 2F) floats for gpt2, N (6C + 2 Hkv D + 3F) for llama (N = B T),
 // plus B Hq T^2 attention probabilities (with tensor parallelism: Hq, Hkv, F per rank).
@@ -89,8 +92,10 @@ class Transformer {
   // start at zero (call init() or write the parameters). The backend must outlive the
   // model. `tp`, when not null, is this rank's tensor-parallel group (see above); it must outlive
   // the model. Throws ConfigError when the model cannot be split tp ways (validate_tp).
+  // `activation_slots` (>= 1, else ConfigError) is the number of micro-batches whose activations
+  // can be held at once (see forward_stage / backward_stage).
   Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-              StageRange stage = {}, TpGroup* tp = nullptr);
+              StageRange stage = {}, TpGroup* tp = nullptr, int activation_slots = 1);
   ~Transformer() = default;
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -102,6 +107,7 @@ class Transformer {
   kernels::Backend& backend() const { return backend_; }
   int batch_size() const { return B_; }
   int seq_len() const { return T_; }
+  int activation_slots() const { return int(slots_.size()); }
   // The tensor-parallel group (null without tensor parallelism), this rank in it and its size.
   TpGroup* tp_group() const { return tp_; }
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
@@ -132,27 +138,34 @@ class Transformer {
   // [B, T, Vp] logits (only the first vocab_size columns are real classes); with tensor
   // parallelism this rank's [B, T, Vp / tp] columns. Valid after forward(); after
   // forward_backward() the buffer holds dlogits instead.
-  Tensor logits() const;
+  Tensor logits(int slot = 0) const;
 
   // Pipeline-stage entry points. forward_stage reads tokens (first stage; null otherwise) or
   // input_hidden() (later stages: the previous stage's output must be written there first).
   // On the head stage it computes the loss when targets is not null; with grad_scale it also
   // seeds dlogits for backward_stage (grad_scale requires targets). Other stages ignore
-  // targets and grad_scale and return {0, 0}.
+  // targets and grad_scale and return {0, 0}. `slot` in [0, activation_slots()) picks the
+  // activation slot (input_hidden(slot) is read, the slot's saved activations overwritten);
+  // throws InvalidArgumentError for a slot out of range.
   kernels::CrossEntropyResult forward_stage(const int32_t* tokens, const int32_t* targets,
-                                            std::optional<float> grad_scale = std::nullopt);
+                                            std::optional<float> grad_scale = std::nullopt,
+                                            int slot = 0);
   // Backward of the stage after forward_stage: the head stage starts from its dlogits, other
   // stages from output_grad(), which the caller fills with d(output_hidden) first. Accumulates
   // parameter gradients and leaves d(input_hidden) in input_grad() (not on the first stage,
-  // which ends in the embedding). Throws InvalidArgumentError without a preceding forward.
-  void backward_stage();
+  // which ends in the embedding). Throws InvalidArgumentError without a preceding forward on
+  // the same slot (or for a slot out of range). Slots are independent: forwards and backwards
+  // of different slots may interleave in any order.
+  void backward_stage(int slot = 0);
 
-  // [B, T, C] stage-boundary buffers. input_grad() and output_grad() are the same memory: the
-  // residual-stream gradient runs backward through it.
-  Tensor input_hidden() const;
-  Tensor output_hidden() const;
-  Tensor output_grad() const;
-  Tensor input_grad() const;
+  // [B, T, C] stage-boundary buffers of a slot. input_grad() and output_grad() are the same
+  // memory, and it is SHARED by all slots (gradient scratch): the residual-stream gradient runs
+  // backward through it, so fill output_grad right before, and read input_grad right after, the
+  // backward_stage concerned. The slot argument of the gradient accessors is only checked.
+  Tensor input_hidden(int slot = 0) const;
+  Tensor output_hidden(int slot = 0) const;
+  Tensor output_grad(int slot = 0) const;
+  Tensor input_grad(int slot = 0) const;
 
   // Bytes of activation and scratch memory held (excluding parameters and gradients).
   size_t activation_bytes() const { return size_t(act_floats_) * sizeof(float); }
@@ -186,7 +199,10 @@ class Transformer {
   void check_ids(const int32_t* ids, bool targets) const;
   float* p(int64_t off) const { return off < 0 ? nullptr : params_ + off; }
   float* g(int64_t off) const { return off < 0 ? nullptr : grads_ + off; }
-  const float* stage_output() const;
+  const float* stage_output() const;  // of the selected slot
+  // Points acts_ / the per-slot fields of a_ / tokens_ at slot s (checked).
+  void select_slot(int s);
+  void check_slot(int s) const;
   void block_forward(int l, const float* x);
   void block_backward(int l, const float* x);
   void gpt2_block_forward(int l, const float* x);
@@ -225,7 +241,7 @@ class Transformer {
 
   float* act_base_ = nullptr;
   int64_t act_floats_ = 0;
-  std::vector<LayerActs> acts_;
+  std::vector<LayerActs>* acts_ = nullptr;  // the selected slot's
   struct Globals {
     float* x0 = nullptr;  // stage input: embedding output or the previous stage's output
     float* lnf = nullptr;
@@ -246,11 +262,20 @@ class Transformer {
     float* df2 = nullptr;
     float* kv_stage = nullptr;  // [2, Hkv D, C] replicated kv heads' gradients (tp only)
   } a_;
-  int32_t* tokens_ = nullptr;  // [N] in backend memory
+  int32_t* tokens_ = nullptr;  // [N] in backend memory, the selected slot's
   int32_t* targets_ = nullptr;
+  // One activation slot: its per-layer activations, its copy of the per-slot fields of Globals
+  // (x0, lnf*, logits, losses, ce_*; the scratch fields are shared) and its token ids.
+  struct Slot {
+    std::vector<LayerActs> acts;
+    Globals g;
+    int32_t* tokens = nullptr;
+    bool forward_ready = false;  // forward_stage ran since the last backward_stage
+    bool dlogits_ready = false;  // ... and seeded dlogits (head stage)
+  };
+  std::vector<Slot> slots_;
+  int cur_ = 0;                                            // selected slot
   std::vector<std::unique_ptr<void, BackendFree>> owned_;  // every allocation above
-  bool forward_ready_ = false;  // forward_stage ran since the last backward_stage
-  bool dlogits_ready_ = false;  // ... and seeded dlogits (head stage)
 };
 
 }  // namespace tessel::model

@@ -78,7 +78,10 @@ struct ParallelTrainer::Impl {
     int64_t own_lo = 0, own_n = 0;
     int tied_view = -1;      // the token embedding's view when its two copies are summed
     bool tied_copy = false;  // the head stage's copy (left out of the gradient norm)
-    int last_forward = -1;   // micro-batch whose activations the model holds, -1: none
+    // Activation slots: slot_of[mb] is the slot holding micro-batch mb's activations (-1:
+    // none); a forward takes a free slot, its backward gives it back.
+    std::vector<int> slot_of;
+    std::vector<int> free_slots;
   };
 
   TrainConfig cfg;
@@ -134,6 +137,31 @@ struct ParallelTrainer::Impl {
     M = plan.micro_batches;
     num_vs = plan.num_stages();
 
+    schedule::Schedule s;
+    switch (plan.schedule) {
+      case layout::ScheduleKind::gpipe:
+        s = schedule::gpipe(plan.pp, int(M));
+        break;
+      case layout::ScheduleKind::one_f_one_b:
+        s = schedule::one_f_one_b(plan.pp, int(M));
+        break;
+      case layout::ScheduleKind::interleaved_one_f_one_b:
+        s = schedule::interleaved_one_f_one_b(plan.pp, int(M), plan.virtual_stages);
+        break;
+    }
+    program = s.per_stage[size_t(groups.coord.pp)];
+    // Each chunk gets as many activation slots as its most micro-batches in flight (forward run,
+    // backward not yet) in this rank's program: 1F1B needs at most pp, GPipe M.
+    std::vector<int> peak(size_t(plan.virtual_stages), 1), live(peak.size(), 0);
+    for (const auto& ins : program) {
+      if (ins.op == schedule::Op::forward) {
+        int& n = live[size_t(ins.chunk)];
+        peak[size_t(ins.chunk)] = std::max(peak[size_t(ins.chunk)], ++n);
+      } else if (ins.op == schedule::Op::backward) {
+        --live[size_t(ins.chunk)];
+      }
+    }
+
     const auto ranges = plan.stage_ranges(cfg.model);
     const std::string wte =
         model::global_param_name(cfg.model.family, model::GlobalParam::token_embedding);
@@ -142,7 +170,9 @@ struct ParallelTrainer::Impl {
       ch.vs = plan.stage_of(groups.coord.pp, c);
       ch.range = ranges[size_t(ch.vs)];
       ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T), ch.range,
-                                                      tp_group.get());
+                                                      tp_group.get(), peak[size_t(c)]);
+      ch.slot_of.assign(size_t(M), -1);
+      for (int i = peak[size_t(c)] - 1; i >= 0; --i) ch.free_slots.push_back(i);
       ch.model->init(cfg.training.seed);
       const int64_t n = ch.model->num_params();
       ch.own_n = n;
@@ -165,20 +195,6 @@ struct ParallelTrainer::Impl {
       }
       chunks.push_back(std::move(ch));
     }
-
-    schedule::Schedule s;
-    switch (plan.schedule) {
-      case layout::ScheduleKind::gpipe:
-        s = schedule::gpipe(plan.pp, int(M));
-        break;
-      case layout::ScheduleKind::one_f_one_b:
-        s = schedule::one_f_one_b(plan.pp, int(M));
-        break;
-      case layout::ScheduleKind::interleaved_one_f_one_b:
-        s = schedule::interleaved_one_f_one_b(plan.pp, int(M), plan.virtual_stages);
-        break;
-    }
-    program = s.per_stage[size_t(groups.coord.pp)];
 
     inputs.resize(size_t(B * M * T));
     targets.resize(inputs.size());
@@ -212,37 +228,51 @@ struct ParallelTrainer::Impl {
     TESSEL_CHECK(ok, IoError, "writing {} failed (TESSEL_DUMP_PARAMS)", path);
   }
 
-  // Runs the chunk's forward on micro-batch mb (restoring its saved input); returns the loss sum
-  // on the head stage (0 elsewhere).
+  // Runs the chunk's forward on micro-batch mb in a free activation slot (its received input
+  // copied there); returns the loss sum on the head stage (0 elsewhere).
   double forward(int c, int mb, float grad_scale) {
     Chunk& ch = chunks[size_t(c)];
     auto& m = *ch.model;
+    TESSEL_CHECK(ch.slot_of[size_t(mb)] < 0 && !ch.free_slots.empty(), Error,
+                 "internal: no free activation slot for micro-batch {} on virtual stage {} (the "
+                 "slots are sized from the schedule's peak in-flight micro-batches)",
+                 mb, ch.vs);
+    const int slot = ch.free_slots.back();
+    ch.free_slots.pop_back();
+    ch.slot_of[size_t(mb)] = slot;
     if (!ch.range.has_embedding) {
       const auto& in = act_in[size_t(c * M + mb)];
-      std::copy(in.begin(), in.end(), m.input_hidden().data<float>());
+      std::copy(in.begin(), in.end(), m.input_hidden(slot).data<float>());
     }
     const int32_t* tok = inputs.data() + mb * B * T;
     const int32_t* tgt = targets.data() + mb * B * T;
-    double loss = 0;
-    if (ch.range.has_head) {
-      loss = m.forward_stage(ch.range.has_embedding ? tok : nullptr, tgt, grad_scale).loss_sum;
-    } else {
-      m.forward_stage(ch.range.has_embedding ? tok : nullptr, nullptr);
-    }
-    ch.last_forward = mb;
-    return loss;
+    const int32_t* first = ch.range.has_embedding ? tok : nullptr;
+    if (ch.range.has_head) return m.forward_stage(first, tgt, grad_scale, slot).loss_sum;
+    m.forward_stage(first, nullptr, std::nullopt, slot);
+    return 0;
   }
 
-  void backward(int c, int mb, float grad_scale) {
+  void backward(int c, int mb) {
     Chunk& ch = chunks[size_t(c)];
-    if (ch.last_forward != mb) forward(c, mb, grad_scale);  // recompute (see the header)
+    const int slot = ch.slot_of[size_t(mb)];
+    TESSEL_CHECK(slot >= 0, Error,
+                 "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
+                 ch.vs);
     auto& m = *ch.model;
     if (!ch.range.has_head) {
       const auto& g = grad_in[size_t(c * M + mb)];
-      std::copy(g.begin(), g.end(), m.output_grad().data<float>());
+      std::copy(g.begin(), g.end(), m.output_grad(slot).data<float>());
     }
-    m.backward_stage();
-    ch.last_forward = -1;
+    m.backward_stage(slot);
+    ch.slot_of[size_t(mb)] = -1;
+    ch.free_slots.push_back(slot);
+  }
+
+  // The slot holding micro-batch mb's activations on chunk c (for sending its output).
+  int slot_of(int c, int mb) const {
+    const int slot = chunks[size_t(c)].slot_of[size_t(mb)];
+    TESSEL_CHECK(slot >= 0, Error, "internal: send of micro-batch {} before its forward", mb);
+    return slot;
   }
 
   double train_step(double* grad_norm_out) {
@@ -264,10 +294,10 @@ struct ParallelTrainer::Impl {
           loss_sum += forward(c, mb, grad_scale);
           break;
         case schedule::Op::backward:
-          backward(c, mb, grad_scale);
+          backward(c, mb);
           break;
         case schedule::Op::send_activation: {
-          const float* out = chunks[size_t(c)].model->output_hidden().data<float>();
+          const float* out = chunks[size_t(c)].model->output_hidden(slot_of(c, mb)).data<float>();
           send_buffers.emplace_back(out, out + boundary);
           sends.push_back(
               groups.pp->send(send_buffers.back().data(), boundary * sizeof(float), ins.peer,

@@ -9,9 +9,9 @@
 //   * loads its dp replica's contiguous slice of the global batch at the shared cursor,
 //   * runs its pipeline rank's instruction list of the plan's schedule (schedule/instruction.h):
 //     stage-boundary activations [B, T, C] and their gradients travel over the pp communicator,
-//     tagged with (micro-batch, sending virtual stage, kind). A chunk holds the activations of one
-//     micro-batch only, so a backward whose micro-batch is not the chunk's latest forward first
-//     recomputes that forward from the saved stage input (deterministic, so gradients are exact);
+//     tagged with (micro-batch, sending virtual stage, kind). Each chunk's Transformer has as
+//     many activation slots as the chunk's peak number of micro-batches in flight in the
+//     program (pp at most for 1F1B, M for GPipe), so no forward is ever recomputed;
 //   * scales every micro-batch's loss gradient by 1 / (valid tokens of the GLOBAL batch; the
 //     count is all-reduced over dp), all-reduces the gradients over dp and the tied embedding's
 //     two copies over the first/last pipeline ranks, clips by the global norm (each element

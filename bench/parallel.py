@@ -153,9 +153,8 @@ def main():
     print(f"bubble            measured {bubble:.3f} vs theory {theory:.3f} ((p-1)/(m+p-1), p={p}, "
           f"m={m}); off by {100 * rel:.0f}% (target within 20%): 1 - T1 {t1 * 1e3:.1f} ms / "
           f"({p} x Tpp {tpp * 1e3:.1f} ms)")
-    print("  note: the parallel trainer keeps one micro-batch's activations per model chunk and")
-    print("  re-runs a forward when 1F1B's backward needs an older micro-batch (stage 0 recomputes")
-    print("  nearly every forward), so Tpp includes that extra work, not only the bubble.")
+    print("  note: Tpp also carries stage imbalance (the default split gives the head stage fewer")
+    print("  layers) and point-to-point latency per micro-batch, not only the schedule's bubble.")
     print(f"now: {load_line()}")
     print(json.dumps({
         "dp_efficiency": round(dp_eff, 4),

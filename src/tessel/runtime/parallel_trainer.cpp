@@ -370,14 +370,8 @@ struct ParallelTrainer::Impl {
     const double norm = std::sqrt(sq);
     *grad_norm_out = norm;
 
-    kernels::AdamWConfig opt;
-    opt.lr = float(lr_schedule.at(step));
-    opt.beta1 = float(cfg.optimizer.beta1);
-    opt.beta2 = float(cfg.optimizer.beta2);
-    opt.eps = float(cfg.optimizer.eps);
-    opt.step = step + 1;
-    opt.grad_scale = kernels::clip_factor(norm, float(cfg.training.grad_clip));
-    opt.zero_grad = true;
+    kernels::AdamWConfig opt = cfg.optimizer.adamw_step(
+        lr_schedule.at(step), step, kernels::clip_factor(norm, float(cfg.training.grad_clip)));
     for (auto& ch : chunks) {
       float* params = ch.model->params().data<float>();
       float* grads = ch.model->grads().data<float>();

@@ -224,4 +224,16 @@ void TrainConfig::validate_for_workers(int workers) const {
   }
 }
 
+kernels::AdamWConfig OptimizerConfig::adamw_step(double lr, int64_t step, float clip_factor) const {
+  kernels::AdamWConfig opt;
+  opt.lr = float(lr);
+  opt.beta1 = float(beta1);
+  opt.beta2 = float(beta2);
+  opt.eps = float(eps);
+  opt.step = step + 1;
+  opt.grad_scale = clip_factor;
+  opt.zero_grad = true;
+  return opt;
+}
+
 }  // namespace tessel::runtime

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "tessel/layout/plan.h"
+#include "tessel/kernels/optimizer.h"
 #include "tessel/model/model_config.h"
 
 namespace tessel::runtime {
@@ -56,6 +57,10 @@ struct OptimizerConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.1;
+
+  // The AdamW settings for one optimizer step (0-based `step`, at learning rate `lr`): gradients
+  // are scaled by the clip factor and zeroed as they are read. weight_decay is set per parameter.
+  kernels::AdamWConfig adamw_step(double lr, int64_t step, float clip_factor) const;
 };
 
 struct CheckpointConfig {

@@ -107,7 +107,8 @@ struct Trainer::Impl {
 
   // One optimizer step over one global batch; returns the mean loss.
   double train_step(double* grad_norm_out) {
-    const int64_t G = cfg.training.global_batch, mb = cfg.training.micro_batch, T = cfg.data.seq_len;
+    const int64_t G = cfg.training.global_batch, mb = cfg.training.micro_batch,
+                  T = cfg.data.seq_len;
     loader->load(cursor, 0, G, inputs.data(), targets.data());
     int64_t valid = 0;
     for (int32_t t : targets) valid += t != model::Transformer::kIgnoreIndex;
@@ -127,14 +128,8 @@ struct Trainer::Impl {
     double norm = std::sqrt(backend->sum_of_squares(grads, n));
     *grad_norm_out = norm;
 
-    kernels::AdamWConfig opt;
-    opt.lr = float(schedule.at(step));
-    opt.beta1 = float(cfg.optimizer.beta1);
-    opt.beta2 = float(cfg.optimizer.beta2);
-    opt.eps = float(cfg.optimizer.eps);
-    opt.step = step + 1;
-    opt.grad_scale = kernels::clip_factor(norm, float(cfg.training.grad_clip));
-    opt.zero_grad = true;
+    kernels::AdamWConfig opt = cfg.optimizer.adamw_step(
+        schedule.at(step), step, kernels::clip_factor(norm, float(cfg.training.grad_clip)));
     float* params = model->params().data<float>();
     for (const auto& v : model->param_views()) {
       opt.weight_decay = v.weight_decay ? float(cfg.optimizer.weight_decay) : 0.0f;
@@ -149,8 +144,8 @@ struct Trainer::Impl {
   double evaluate() {
     const int64_t mb = cfg.training.micro_batch, T = cfg.data.seq_len;
     const int64_t available = loader->num_eval_samples();
-    TESSEL_CHECK(available > 0, ConfigError, "{}: no held-out samples to evaluate on; set data.eval_fraction > 0",
-                 cfg.source);
+    TESSEL_CHECK(available > 0, ConfigError,
+                 "{}: no held-out samples to evaluate on; set data.eval_fraction > 0", cfg.source);
     std::vector<int32_t> in(size_t(mb * T)), tg(in.size());
     double loss_sum = 0;
     int64_t valid = 0;
@@ -172,10 +167,18 @@ struct Trainer::Impl {
 Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
 Trainer::~Trainer() = default;
 
-int64_t Trainer::step() const { return impl_->step; }
-int64_t Trainer::cursor() const { return impl_->cursor; }
-const model::Transformer& Trainer::model() const { return *impl_->model; }
-double Trainer::evaluate() { return impl_->evaluate(); }
+int64_t Trainer::step() const {
+  return impl_->step;
+}
+int64_t Trainer::cursor() const {
+  return impl_->cursor;
+}
+const model::Transformer& Trainer::model() const {
+  return *impl_->model;
+}
+double Trainer::evaluate() {
+  return impl_->evaluate();
+}
 double Trainer::train_step() {
   double grad_norm = 0;
   return impl_->train_step(&grad_norm);
@@ -199,8 +202,8 @@ TrainSummary Trainer::run() {
     double grad_norm = 0;
     double loss = s.train_step(&grad_norm);
     TESSEL_CHECK(std::isfinite(loss), Error,
-                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip",
-                 loss, s.step);
+                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip", loss,
+                 s.step);
     double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     smoothed_step_s = smoothed_step_s == 0 ? dt : 0.9 * smoothed_step_s + 0.1 * dt;
     summary.losses.push_back(loss);
@@ -208,10 +211,15 @@ TrainSummary Trainer::run() {
     ++summary.steps_run;
     double tps = double(tokens_per_step) / dt;
     progress.step(s.step - 1, loss, lr, tps, smoothed_step_s);
-    nlohmann::json record = {{"step", s.step},     {"loss", loss},
-                             {"lr", lr},           {"grad_norm", grad_norm},
-                             {"tokens_per_s", tps}, {"step_s", dt},
-                             {"cursor", s.cursor}, {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}};
+    nlohmann::json record = {
+        {"step", s.step},
+        {"loss", loss},
+        {"lr", lr},
+        {"grad_norm", grad_norm},
+        {"tokens_per_s", tps},
+        {"step_s", dt},
+        {"cursor", s.cursor},
+        {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}};
     bool last = s.step == cfg.training.steps;
     if (cfg.training.eval_every > 0 && (s.step % cfg.training.eval_every == 0 || last)) {
       double eval_loss = s.evaluate();
@@ -227,9 +235,12 @@ TrainSummary Trainer::run() {
   }
   progress.finish();
   double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  summary.tokens_per_second = elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  summary.tokens_per_second =
+      elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
   if (summary.steps_run > 0) {
-    std::string eval = std::isnan(summary.final_eval_loss) ? "" : fmt::format(", eval loss {:.4f}", summary.final_eval_loss);
+    std::string eval = std::isnan(summary.final_eval_loss)
+                           ? ""
+                           : fmt::format(", eval loss {:.4f}", summary.final_eval_loss);
     std::printf("done: %lld steps in %s, final loss %.4f%s, %s tokens/s\n",
                 static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
                 summary.final_loss, eval.c_str(), format_rate(summary.tokens_per_second).c_str());

@@ -25,8 +25,6 @@ namespace tessel::runtime {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 std::string env_string(const char* name, bool required) {
   const char* v = std::getenv(name);
   TESSEL_CHECK(v != nullptr || !required, ConfigError,
@@ -412,58 +410,31 @@ TrainSummary ParallelTrainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
   const bool lead = s.env.rank == 0;
-  TrainSummary summary;
-  summary.first_step = s.step;
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
   if (lead) {
     spdlog::info("training {} on {} workers ({}) for {} steps, {} tokens per step", cfg.model.name,
                  s.env.world_size, s.plan.describe(), cfg.training.steps, tokens_per_step);
   }
-  std::unique_ptr<ProgressLine> progress;
-  if (lead) progress = std::make_unique<ProgressLine>(cfg.training.steps, cfg.training.log_every);
-  auto start = Clock::now();
-  double smoothed_step_s = 0;
+  RunTracker tracker(s.step, cfg.training.steps, cfg.training.log_every, tokens_per_step, lead);
   while (s.step < cfg.training.steps) {
-    auto t0 = Clock::now();
+    tracker.begin_step();
     double lr = s.lr_schedule.at(s.step);
     double grad_norm = 0;
     double loss = s.train_step(&grad_norm);
-    TESSEL_CHECK(std::isfinite(loss), Error,
-                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip", loss,
-                 s.step);
-    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    smoothed_step_s = smoothed_step_s == 0 ? dt : 0.9 * smoothed_step_s + 0.1 * dt;
-    summary.losses.push_back(loss);
-    summary.final_loss = loss;
-    ++summary.steps_run;
-    double tps = double(tokens_per_step) / dt;
-    if (lead) {
-      progress->step(s.step - 1, loss, lr, tps, smoothed_step_s);
-      s.metrics.write({{"step", s.step},
-                       {"loss", loss},
-                       {"lr", lr},
-                       {"grad_norm", grad_norm},
-                       {"tokens_per_s", tps},
-                       {"step_s", dt},
-                       {"cursor", s.cursor},
-                       {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}});
-    }
+    nlohmann::json record = tracker.end_step(s.step, loss, lr, grad_norm, s.cursor);
+    if (lead) s.metrics.write(record);
   }
-  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  summary.tokens_per_second =
-      elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  const double elapsed = tracker.elapsed_seconds();
+  const TrainSummary& summary = tracker.finish();
   if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
     s.dump_params(dir);
   // Nobody leaves before everyone is done with the last step's collectives.
   s.groups.world->barrier();
-  if (lead) {
-    progress->finish();
-    if (summary.steps_run > 0) {
-      std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
-                  static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
-                  s.env.world_size, summary.final_loss,
-                  format_rate(summary.tokens_per_second).c_str());
-    }
+  if (lead && summary.steps_run > 0) {
+    std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
+                static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
+                s.env.world_size, summary.final_loss,
+                format_rate(summary.tokens_per_second).c_str());
   }
   return summary;
 }

@@ -2,7 +2,6 @@
 
 #include <omp.h>
 
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 
@@ -18,8 +17,6 @@
 #include "tessel/runtime/model_json.h"
 
 namespace tessel::runtime {
-
-using Clock = std::chrono::steady_clock;
 
 struct Trainer::Impl {
   TrainConfig cfg;
@@ -187,45 +184,22 @@ double Trainer::train_step() {
 TrainSummary Trainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
-  TrainSummary summary;
-  summary.first_step = s.step;
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
   spdlog::info("training {} ({:.3g} parameters) on {} for {} steps, {} tokens per step, backend {}",
                cfg.model.name, double(s.model->num_params()), s.source->describe(),
                cfg.training.steps, tokens_per_step, s.backend->name());
-  ProgressLine progress(cfg.training.steps, cfg.training.log_every);
-  auto start = Clock::now();
-  double smoothed_step_s = 0;
+  RunTracker tracker(s.step, cfg.training.steps, cfg.training.log_every, tokens_per_step, true);
   while (s.step < cfg.training.steps) {
-    auto t0 = Clock::now();
+    tracker.begin_step();
     double lr = s.schedule.at(s.step);
     double grad_norm = 0;
     double loss = s.train_step(&grad_norm);
-    TESSEL_CHECK(std::isfinite(loss), Error,
-                 "loss became {} at step {}: lower optimizer.lr or enable training.grad_clip", loss,
-                 s.step);
-    double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    smoothed_step_s = smoothed_step_s == 0 ? dt : 0.9 * smoothed_step_s + 0.1 * dt;
-    summary.losses.push_back(loss);
-    summary.final_loss = loss;
-    ++summary.steps_run;
-    double tps = double(tokens_per_step) / dt;
-    progress.step(s.step - 1, loss, lr, tps, smoothed_step_s);
-    nlohmann::json record = {
-        {"step", s.step},
-        {"loss", loss},
-        {"lr", lr},
-        {"grad_norm", grad_norm},
-        {"tokens_per_s", tps},
-        {"step_s", dt},
-        {"cursor", s.cursor},
-        {"elapsed_s", std::chrono::duration<double>(Clock::now() - start).count()}};
+    nlohmann::json record = tracker.end_step(s.step, loss, lr, grad_norm, s.cursor);
     bool last = s.step == cfg.training.steps;
     if (cfg.training.eval_every > 0 && (s.step % cfg.training.eval_every == 0 || last)) {
       double eval_loss = s.evaluate();
-      summary.final_eval_loss = eval_loss;
       record["eval_loss"] = eval_loss;
-      progress.message(fmt::format("step {}: eval loss {:.4f}", s.step, eval_loss));
+      tracker.record_eval(s.step, eval_loss);
     }
     s.metrics.write(record);
     if (!cfg.checkpoint.dir.empty() &&
@@ -233,17 +207,15 @@ TrainSummary Trainer::run() {
       s.save();
     }
   }
-  progress.finish();
-  double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  summary.tokens_per_second =
-      elapsed > 0 ? double(summary.steps_run * tokens_per_step) / elapsed : 0;
+  const TrainSummary& summary = tracker.finish();
   if (summary.steps_run > 0) {
     std::string eval = std::isnan(summary.final_eval_loss)
                            ? ""
                            : fmt::format(", eval loss {:.4f}", summary.final_eval_loss);
     std::printf("done: %lld steps in %s, final loss %.4f%s, %s tokens/s\n",
-                static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
-                summary.final_loss, eval.c_str(), format_rate(summary.tokens_per_second).c_str());
+                static_cast<long long>(summary.steps_run),
+                format_duration(tracker.elapsed_seconds()).c_str(), summary.final_loss,
+                eval.c_str(), format_rate(summary.tokens_per_second).c_str());
   }
   return summary;
 }

@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "tessel/runtime/run_tracker.h"
 #include "tessel/runtime/train_config.h"
 
 namespace tessel::model {
@@ -21,15 +22,6 @@ class Transformer;
 }
 
 namespace tessel::runtime {
-
-struct TrainSummary {
-  int64_t first_step = 0;  // 0, or the step resumed from
-  int64_t steps_run = 0;
-  double final_loss = NAN;
-  double final_eval_loss = NAN;
-  double tokens_per_second = 0;
-  std::vector<double> losses;  // training loss of every step run, in order
-};
 
 class Trainer {
  public:

@@ -473,24 +473,12 @@ void Communicator::barrier(Timeout timeout) {
   });
 }
 
-Request Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
-  auto& s = *state_;
-  const char* op = "send";
-  TESSEL_CHECK(peer >= 0 && peer < s.size && peer != s.rank, InvalidArgumentError,
-               "{}: peer {} must be another rank in [0, {})", s.where(op, peer), peer, s.size);
-  TESSEL_CHECK(data != nullptr || bytes == 0, InvalidArgumentError, "{}: null data",
-               s.where(op, peer));
-  std::unique_ptr<UnboundBuffer> buf;
-  s.guarded(op, peer, s.timeout, [&] {
-    buf = s.context->createUnboundBuffer(const_cast<void*>(data), bytes);
-    buf->send(peer, make_slot(detail::kPointToPointSlotPrefix, tag), 0, bytes);
-  });
-  return Request(state_, true, peer, tag, bytes, std::move(buf));
-}
+namespace {
 
-Request Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag) {
-  auto& s = *state_;
-  const char* op = "recv";
+// Posts one point-to-point transfer (the two directions differ only in the buffer call).
+std::unique_ptr<UnboundBuffer> post_transfer(CommState& s, bool is_send, void* data, size_t bytes,
+                                             int peer, uint32_t tag) {
+  const char* op = is_send ? "send" : "recv";
   TESSEL_CHECK(peer >= 0 && peer < s.size && peer != s.rank, InvalidArgumentError,
                "{}: peer {} must be another rank in [0, {})", s.where(op, peer), peer, s.size);
   TESSEL_CHECK(data != nullptr || bytes == 0, InvalidArgumentError, "{}: null data",
@@ -498,8 +486,26 @@ Request Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag) {
   std::unique_ptr<UnboundBuffer> buf;
   s.guarded(op, peer, s.timeout, [&] {
     buf = s.context->createUnboundBuffer(data, bytes);
-    buf->recv(peer, make_slot(detail::kPointToPointSlotPrefix, tag), 0, bytes);
+    const uint64_t slot = make_slot(detail::kPointToPointSlotPrefix, tag);
+    if (is_send) {
+      buf->send(peer, slot, 0, bytes);
+    } else {
+      buf->recv(peer, slot, 0, bytes);
+    }
   });
+  return buf;
+}
+
+}  // namespace
+
+Request Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
+  // Gloo's buffers are not const-typed; a send only reads `data`.
+  auto buf = post_transfer(*state_, true, const_cast<void*>(data), bytes, peer, tag);
+  return Request(state_, true, peer, tag, bytes, std::move(buf));
+}
+
+Request Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag) {
+  auto buf = post_transfer(*state_, false, data, bytes, peer, tag);
   return Request(state_, false, peer, tag, bytes, std::move(buf));
 }
 

@@ -27,6 +27,10 @@ struct CrossEntropyResult {
                                    const int32_t* targets, int N, int V, int Vp, int ignore_index, \
                                    float grad_scale);
 
+// Throws the InvalidArgumentError promised above for the first target outside [0, V) that is not
+// ignore_index; `op` names the calling kernel in the message. Shared by every cross-entropy form.
+void check_targets(const char* op, const int32_t* targets, int N, int V, int ignore_index);
+
 namespace ref {
 TESSEL_CROSS_ENTROPY_SIGNATURES
 }

@@ -22,13 +22,7 @@ constexpr int kBlock = 1024;  // floats of exp values summed at a time (4 KB, st
 CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,
                                  const int32_t* targets, int N, int V, int Vp, int ignore_index,
                                  float grad_scale) {
-  for (int n = 0; n < N; ++n) {
-    TESSEL_CHECK(targets[n] == ignore_index || (targets[n] >= 0 && targets[n] < V),
-                 InvalidArgumentError,
-                 "cross_entropy: target {} of row {} is outside [0, {}) and is not the ignore "
-                 "index {}; check the data's vocabulary size",
-                 targets[n], n, V, ignore_index);
-  }
+  check_targets("cross_entropy", targets, N, V, ignore_index);
   // Per-row losses in double, summed in row order afterwards: the total does not depend on the
   // thread count or on the order threads finish.
   std::vector<double> row_loss(N, 0.0);

@@ -32,13 +32,7 @@ bool parallel(int N, int rows) {
 
 void vp_ce_local_max(float* row_max, const float* logits, const int32_t* targets, int N, int V,
                      int vocab_start, int rows, int ignore_index) {
-  for (int n = 0; n < N; ++n) {
-    TESSEL_CHECK(targets[n] == ignore_index || (targets[n] >= 0 && targets[n] < V),
-                 InvalidArgumentError,
-                 "vocab-parallel cross_entropy: target {} of row {} is outside [0, {}) and is not "
-                 "the ignore index {}; check the data's vocabulary size",
-                 targets[n], n, V, ignore_index);
-  }
+  check_targets("vocab-parallel cross_entropy", targets, N, V, ignore_index);
   const int real = real_columns(V, vocab_start, rows);
 #pragma omp parallel for schedule(static) if (parallel(N, rows))
   for (int n = 0; n < N; ++n) {

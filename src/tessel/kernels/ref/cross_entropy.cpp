@@ -12,13 +12,7 @@ CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* log
                                  const int32_t* targets, int N, int V, int Vp, int ignore_index,
                                  float grad_scale) {
   CrossEntropyResult result;
-  for (int n = 0; n < N; ++n) {
-    TESSEL_CHECK(targets[n] == ignore_index || (targets[n] >= 0 && targets[n] < V),
-                 InvalidArgumentError,
-                 "cross_entropy: target {} of row {} is outside [0, {}) and is not the ignore "
-                 "index {}; check the data's vocabulary size",
-                 targets[n], n, V, ignore_index);
-  }
+  check_targets("cross_entropy", targets, N, V, ignore_index);
   for (int n = 0; n < N; ++n) {
     const float* x = logits + int64_t(n) * Vp;
     float* dx = dlogits != nullptr ? dlogits + int64_t(n) * Vp : nullptr;

@@ -201,7 +201,8 @@ void TrainConfig::validate_plan(int workers) const {
   try {
     plan.validate(model, training.global_batch, workers);
   } catch (const ConfigError& e) {
-    TESSEL_THROW(ConfigError, "{}: parallel: {}", source, e.what());
+    // Adds the config file to the plan's message; its location already names where it failed.
+    throw ConfigError(fmt::format("{}: parallel: {}", source, e.what()));
   }
 }
 

@@ -17,17 +17,8 @@ namespace {
 
 using testing::dot;
 using testing::expect_gradient_matches;
-using testing::max_rel_error;
+using testing::max_rel_error_rms;
 using testing::random_normal;
-
-// Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
-// against the typical magnitude of the result, which is what their rounding error scales with.
-double rel_error(std::span<const float> a, std::span<const float> b) {
-  double ss = 0;
-  for (float x : b) ss += double(x) * x;
-  const double rms = b.empty() ? 0.0 : std::sqrt(ss / double(b.size()));
-  return max_rel_error(a, b, std::max(rms, 1e-30));
-}
 
 struct Config {
   int B, T, Hq, Hkv, D;
@@ -77,8 +68,8 @@ void expect_cpu_matches_reference(const Config& c, uint64_t seed) {
                          L.q_stride, L.kv_stride);
   cpu::attention_forward(out_cpu.data(), probs_cpu.data(), q, k, v, c.B, c.T, c.Hq, c.Hkv, c.D,
                          L.q_stride, L.kv_stride);
-  EXPECT_LT(rel_error(out_cpu, out_ref), 2e-5);
-  EXPECT_LT(rel_error(probs_cpu, probs_ref), 2e-5);
+  EXPECT_LT(max_rel_error_rms(out_cpu, out_ref), 2e-5);
+  EXPECT_LT(max_rel_error_rms(probs_cpu, probs_ref), 2e-5);
   for (int64_t row = 0; row < int64_t(c.B) * c.Hq * c.T; ++row) {
     const int t = int(row % c.T);
     for (int j = t + 1; j < c.T; ++j) ASSERT_EQ(probs_cpu[row * c.T + j], 0.0f) << row << "," << j;
@@ -100,8 +91,8 @@ void expect_cpu_matches_reference(const Config& c, uint64_t seed) {
   cpu::attention_backward(grad_cpu.data() + L.q_off, grad_cpu.data() + L.k_off,
                           grad_cpu.data() + L.v_off, dout.data(), probs_cpu.data(), q, k, v, c.B,
                           c.T, c.Hq, c.Hkv, c.D, L.q_stride, L.kv_stride);
-  EXPECT_LT(rel_error(grad_ref, expected), 1e-6);
-  EXPECT_LT(rel_error(grad_cpu, expected), 2e-5);
+  EXPECT_LT(max_rel_error_rms(grad_ref, expected), 1e-6);
+  EXPECT_LT(max_rel_error_rms(grad_cpu, expected), 2e-5);
 }
 
 TEST(Attention, CpuMatchesReferenceOnOddSizes) {

@@ -7,34 +7,18 @@
 #include <vector>
 
 #include "tessel/core/error.h"
+#include "tessel/kernels/cross_entropy_test_data.h"
 #include "tessel/testing/gradcheck.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
 namespace {
 
+using test_data::kIgnore;
+using test_data::make_logits;
+using test_data::make_targets;
 using testing::max_rel_error;
 using testing::random_normal;
-
-constexpr int kIgnore = -100;
-
-// Targets in [0, V), with every third row (when there are several) ignored.
-std::vector<int32_t> make_targets(int N, int V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(N);
-  for (int n = 0; n < N; ++n) t[n] = (N > 1 && n % 3 == 1) ? kIgnore : int32_t(rng() % V);
-  return t;
-}
-
-// Logits with the padding columns set to values that would dominate a softmax that wrongly
-// included them.
-std::vector<float> make_logits(int N, int V, int Vp, uint64_t seed, float stddev = 2.0f) {
-  auto x = random_normal(size_t(N) * Vp, seed, stddev);
-  for (int n = 0; n < N; ++n) {
-    for (int v = V; v < Vp; ++v) x[size_t(n) * Vp + v] = 50.0f;
-  }
-  return x;
-}
 
 struct Dims {
   int N, V, Vp;

@@ -18,17 +18,8 @@
 namespace tessel::kernels {
 namespace {
 
-using testing::max_rel_error;
+using testing::max_rel_error_rms;
 using testing::random_normal;
-
-// Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
-// against the typical magnitude of the result, which is what their rounding error scales with.
-double rel_error(std::span<const float> a, std::span<const float> b) {
-  double ss = 0;
-  for (float x : b) ss += double(x) * x;
-  const double rms = b.empty() ? 0.0 : std::sqrt(ss / double(b.size()));
-  return max_rel_error(a, b, std::max(rms, 1e-30));
-}
 
 // Restores the process-wide provider when a test changes it.
 class ProviderGuard {
@@ -66,7 +57,7 @@ void expect_matches_reference(bool ta, bool tb, Shape s, float alpha, float beta
   for (int m = 0; m < s.M; ++m) {
     for (int n = s.N; n < ldc; ++n) EXPECT_EQ(C[m * ldc + n], expected[m * ldc + n]) << "padding";
   }
-  EXPECT_LT(rel_error(C, expected), 1e-5)
+  EXPECT_LT(max_rel_error_rms(C, expected), 1e-5)
       << gemm_provider() << " ta=" << ta << " tb=" << tb << " M=" << s.M << " N=" << s.N
       << " K=" << s.K << " beta=" << beta;
 }

@@ -16,17 +16,8 @@ namespace {
 
 using testing::dot;
 using testing::expect_gradient_matches;
-using testing::max_rel_error;
+using testing::max_rel_error_rms;
 using testing::random_normal;
-
-// Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
-// against the typical magnitude of the result, which is what their rounding error scales with.
-double rel_error(std::span<const float> a, std::span<const float> b) {
-  double ss = 0;
-  for (float x : b) ss += double(x) * x;
-  const double rms = b.empty() ? 0.0 : std::sqrt(ss / double(b.size()));
-  return max_rel_error(a, b, std::max(rms, 1e-30));
-}
 
 std::vector<float> plus(const std::vector<float>& a, const std::vector<float>& b) {
   std::vector<float> r(a.size());
@@ -51,7 +42,7 @@ void expect_cpu_matches_reference(Dims d, bool with_bias, uint64_t seed) {
   std::vector<float> out_ref(size_t(d.N) * d.OC, nan), out_cpu(out_ref);
   ref::linear_forward(out_ref.data(), inp.data(), weight.data(), b, d.N, d.IC, d.OC);
   cpu::linear_forward(out_cpu.data(), inp.data(), weight.data(), b, d.N, d.IC, d.OC);
-  EXPECT_LT(rel_error(out_cpu, out_ref), 1e-5);
+  EXPECT_LT(max_rel_error_rms(out_cpu, out_ref), 1e-5);
 
   // Backward accumulates: the result on pre-filled buffers is the prefill plus the gradient
   // computed into zeros.
@@ -66,17 +57,17 @@ void expect_cpu_matches_reference(Dims d, bool with_bias, uint64_t seed) {
   auto dinp_ref = dinp_init, dw_ref = dw_init, db_ref = db_init;
   ref::linear_backward(dinp_ref.data(), dw_ref.data(), with_bias ? db_ref.data() : nullptr,
                        dout.data(), inp.data(), weight.data(), d.N, d.IC, d.OC);
-  EXPECT_LT(rel_error(dinp_ref, plus(dinp_init, dinp0)), 1e-6);
-  EXPECT_LT(rel_error(dw_ref, plus(dw_init, dw0)), 1e-6);
-  EXPECT_LT(rel_error(db_ref, plus(db_init, db0)), 1e-6);
+  EXPECT_LT(max_rel_error_rms(dinp_ref, plus(dinp_init, dinp0)), 1e-6);
+  EXPECT_LT(max_rel_error_rms(dw_ref, plus(dw_init, dw0)), 1e-6);
+  EXPECT_LT(max_rel_error_rms(db_ref, plus(db_init, db0)), 1e-6);
 
   auto dinp_cpu = dinp_init, dw_cpu = dw_init, db_cpu = db_init;
   cpu::linear_backward_input(dinp_cpu.data(), dout.data(), weight.data(), d.N, d.IC, d.OC);
   cpu::linear_backward_weight(dw_cpu.data(), with_bias ? db_cpu.data() : nullptr, dout.data(),
                               inp.data(), d.N, d.IC, d.OC);
-  EXPECT_LT(rel_error(dinp_cpu, dinp_ref), 1e-5);
-  EXPECT_LT(rel_error(dw_cpu, dw_ref), 1e-5);
-  EXPECT_LT(rel_error(db_cpu, db_ref), 1e-5);
+  EXPECT_LT(max_rel_error_rms(dinp_cpu, dinp_ref), 1e-5);
+  EXPECT_LT(max_rel_error_rms(dw_cpu, dw_ref), 1e-5);
+  EXPECT_LT(max_rel_error_rms(db_cpu, db_ref), 1e-5);
   if (!with_bias) {
     EXPECT_EQ(db_cpu, db_init);
   }

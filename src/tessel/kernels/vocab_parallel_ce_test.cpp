@@ -8,39 +8,29 @@
 
 #include "tessel/core/error.h"
 #include "tessel/kernels/cross_entropy.h"
+#include "tessel/kernels/cross_entropy_test_data.h"
 #include "tessel/testing/gradcheck.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
 namespace {
 
+using test_data::kIgnore;
+using test_data::make_logits;
 using testing::max_rel_error;
 using testing::random_normal;
 
-constexpr int kIgnore = -100;
-
-struct Dims {
-  int N, V, Vp;
-};
-
-// Targets in [0, V), every third row (when there are several) ignored; one target is the last
-// real class, so that the shard holding the vocabulary's end owns a target.
+// The shared targets, with one of them the last real class, so that the shard holding the
+// vocabulary's end owns a target.
 std::vector<int32_t> make_targets(int N, int V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(N));
-  for (int n = 0; n < N; ++n) t[size_t(n)] = (N > 1 && n % 3 == 1) ? kIgnore : int32_t(rng() % V);
+  auto t = test_data::make_targets(N, V, seed);
   t[0] = V - 1;
   return t;
 }
 
-// Padding columns hold values that would dominate a softmax that wrongly included them.
-std::vector<float> make_logits(int N, int V, int Vp, uint64_t seed, float stddev = 2.0f) {
-  auto x = random_normal(size_t(N) * Vp, seed, stddev);
-  for (int n = 0; n < N; ++n) {
-    for (int v = V; v < Vp; ++v) x[size_t(n) * Vp + v] = 50.0f;
-  }
-  return x;
-}
+struct Dims {
+  int N, V, Vp;
+};
 
 // The kernels of one namespace, so that a test runs the same steps for ref:: and cpu::.
 struct VpKernels {

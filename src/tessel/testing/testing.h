@@ -32,6 +32,9 @@ std::filesystem::path tessel_binary();
 // dominating. Sizes must match.
 double max_rel_error(std::span<const float> a, std::span<const float> b, double floor = 1e-3);
 double max_abs_error(std::span<const float> a, std::span<const float> b);
+// Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
+// against the typical magnitude of the result, which is what their rounding error scales with.
+double max_rel_error_rms(std::span<const float> a, std::span<const float> b);
 
 // Runs a shell command, returns its exit status and captures stdout+stderr into *output.
 int run_command(const std::string& command, std::string* output);

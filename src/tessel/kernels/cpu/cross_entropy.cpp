@@ -15,10 +15,6 @@
 
 namespace tessel::kernels::cpu {
 
-namespace {
-constexpr int kBlock = 1024;  // floats of exp values summed at a time (4 KB, stays in L1)
-}  // namespace
-
 CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* logits,
                                  const int32_t* targets, int N, int V, int Vp, int ignore_index,
                                  float grad_scale) {
@@ -42,22 +38,8 @@ CrossEntropyResult cross_entropy(float* dlogits, float* losses, const float* log
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int v = 0; v < V; ++v) mx = x[v] > mx ? x[v] : mx;
-    // exp(x - max) in L1-sized blocks: a vectorised float pass writes them (into dlogits, or a
-    // scratch block when only the loss is wanted), then a vectorised double pass sums the block.
-    // (Folding the double sum into the exp loop stops GCC from vectorising it.)
-    alignas(64) float scratch[kBlock];
-    double sum = 0.0;
-    for (int v0 = 0; v0 < V; v0 += kBlock) {
-      const int len = std::min(kBlock, V - v0);
-      const float* xs = x + v0;
-      float* e = dx != nullptr ? dx + v0 : scratch;
-#pragma omp simd
-      for (int j = 0; j < len; ++j) e[j] = fast_exp(xs[j] - mx);
-      double block_sum = 0.0;
-#pragma omp simd reduction(+ : block_sum)
-      for (int j = 0; j < len; ++j) block_sum += e[j];
-      sum += block_sum;
-    }
+    // exp(x - max) goes straight into dlogits when it is wanted (normalised below).
+    const double sum = sum_exp(x, V, mx, dx);
     if (dx != nullptr) {
       const float norm = float(grad_scale / sum);
 #pragma omp simd

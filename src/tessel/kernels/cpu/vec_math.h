@@ -36,4 +36,26 @@ inline float fast_sigmoid(float x) {
   return 1.0f / (1.0f + fast_exp(-x));
 }
 
+// Sum of exp(x[j] - mx) over j < n, in double. Works in L1-sized blocks: a vectorised float pass
+// writes the block's exponentials (into out[0, n) when out is not null, else a scratch block),
+// then a vectorised double pass sums the block. (Folding the double sum into the exp loop stops
+// GCC from vectorising it.)
+inline double sum_exp(const float* x, int n, float mx, float* out) {
+  constexpr int kBlock = 1024;  // floats: 4 KB
+  alignas(64) float scratch[kBlock];
+  double sum = 0.0;
+  for (int v0 = 0; v0 < n; v0 += kBlock) {
+    const int len = n - v0 < kBlock ? n - v0 : kBlock;
+    const float* xs = x + v0;
+    float* e = out != nullptr ? out + v0 : scratch;
+#pragma omp simd
+    for (int j = 0; j < len; ++j) e[j] = fast_exp(xs[j] - mx);
+    double block_sum = 0.0;
+#pragma omp simd reduction(+ : block_sum)
+    for (int j = 0; j < len; ++j) block_sum += e[j];
+    sum += block_sum;
+  }
+  return sum;
+}
+
 }  // namespace tessel::kernels::cpu

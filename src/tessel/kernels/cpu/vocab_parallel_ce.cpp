@@ -18,8 +18,6 @@ namespace tessel::kernels::cpu {
 
 namespace {
 
-constexpr int kBlock = 1024;  // floats of exp values summed at a time (4 KB, stays in L1)
-
 int real_columns(int V, int vocab_start, int rows) {
   return std::clamp(V - vocab_start, 0, rows);
 }
@@ -58,17 +56,7 @@ void vp_ce_local_sums(float* sums, const float* logits, const float* row_max,
     float target_logit = 0.0f;
     if (targets[n] != ignore_index) {
       const float mx = row_max[n];
-      alignas(64) float scratch[kBlock];
-      for (int v0 = 0; v0 < real; v0 += kBlock) {
-        const int len = std::min(kBlock, real - v0);
-        const float* xs = x + v0;
-#pragma omp simd
-        for (int j = 0; j < len; ++j) scratch[j] = fast_exp(xs[j] - mx);
-        double block_sum = 0.0;
-#pragma omp simd reduction(+ : block_sum)
-        for (int j = 0; j < len; ++j) block_sum += scratch[j];
-        sum += block_sum;
-      }
+      sum = sum_exp(x, real, mx, nullptr);
       const int local = targets[n] - vocab_start;
       if (local >= 0 && local < real) target_logit = x[local];
     }

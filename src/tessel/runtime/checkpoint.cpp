@@ -52,49 +52,6 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
-struct Parsed {
-  nlohmann::json header;
-  std::vector<char> bytes;  // whole file
-  size_t payload_offset = 0;
-};
-
-Parsed parse(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TESSEL_CHECK(in, IoError, "cannot open checkpoint '{}'", path);
-  Parsed p;
-  p.bytes.assign(std::istreambuf_iterator<char>(in), {});
-  const auto& b = p.bytes;
-  constexpr size_t kFixed = 8 + 4 + 4 + 8;
-  TESSEL_CHECK(b.size() >= kFixed + 8, CorruptDataError,
-               "checkpoint '{}' is truncated ({} bytes): delete it or restore it from a copy", path,
-               b.size());
-  TESSEL_CHECK(std::memcmp(b.data(), kMagic, 8) == 0, CorruptDataError,
-               "'{}' is not a tessel checkpoint (bad magic)", path);
-  uint32_t version;
-  std::memcpy(&version, b.data() + 8, 4);
-  TESSEL_CHECK(version == kVersion, CorruptDataError,
-               "checkpoint '{}' has format version {}, this build reads version {}", path, version,
-               kVersion);
-  uint64_t stored;
-  std::memcpy(&stored, b.data() + b.size() - 8, 8);
-  uint64_t actual = XXH3_64bits(b.data(), b.size() - 8);
-  TESSEL_CHECK(stored == actual, CorruptDataError,
-               "checkpoint '{}' fails its checksum (file truncated or modified): delete it to "
-               "resume from the previous checkpoint",
-               path);
-  uint64_t header_len;
-  std::memcpy(&header_len, b.data() + 16, 8);
-  TESSEL_CHECK(header_len <= b.size() - kFixed - 8, CorruptDataError,
-               "checkpoint '{}' has a bad header length", path);
-  try {
-    p.header = nlohmann::json::parse(b.begin() + kFixed, b.begin() + kFixed + long(header_len));
-  } catch (const nlohmann::json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "checkpoint '{}' has an unreadable header: {}", path, e.what());
-  }
-  p.payload_offset = kFixed + header_len;
-  return p;
-}
-
 }  // namespace
 
 std::string save_checkpoint(const std::string& dir, int64_t step, const nlohmann::json& meta,
@@ -151,33 +108,71 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
   return path.string();
 }
 
-nlohmann::json read_checkpoint_meta(const std::string& path) {
-  return parse(path).header;
+CheckpointFile CheckpointFile::open(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TESSEL_CHECK(in, IoError, "cannot open checkpoint '{}'", path);
+  CheckpointFile p;
+  p.path_ = path;
+  p.bytes_.assign(std::istreambuf_iterator<char>(in), {});
+  const auto& b = p.bytes_;
+  constexpr size_t kFixed = 8 + 4 + 4 + 8;
+  TESSEL_CHECK(b.size() >= kFixed + 8, CorruptDataError,
+               "checkpoint '{}' is truncated ({} bytes): delete it or restore it from a copy", path,
+               b.size());
+  TESSEL_CHECK(std::memcmp(b.data(), kMagic, 8) == 0, CorruptDataError,
+               "'{}' is not a tessel checkpoint (bad magic)", path);
+  uint32_t version;
+  std::memcpy(&version, b.data() + 8, 4);
+  TESSEL_CHECK(version == kVersion, CorruptDataError,
+               "checkpoint '{}' has format version {}, this build reads version {}", path, version,
+               kVersion);
+  uint64_t stored;
+  std::memcpy(&stored, b.data() + b.size() - 8, 8);
+  uint64_t actual = XXH3_64bits(b.data(), b.size() - 8);
+  TESSEL_CHECK(stored == actual, CorruptDataError,
+               "checkpoint '{}' fails its checksum (file truncated or modified): delete it to "
+               "resume from the previous checkpoint",
+               path);
+  uint64_t header_len;
+  std::memcpy(&header_len, b.data() + 16, 8);
+  TESSEL_CHECK(header_len <= b.size() - kFixed - 8, CorruptDataError,
+               "checkpoint '{}' has a bad header length", path);
+  try {
+    p.header_ = nlohmann::json::parse(b.begin() + kFixed, b.begin() + kFixed + long(header_len));
+  } catch (const nlohmann::json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "checkpoint '{}' has an unreadable header: {}", path, e.what());
+  }
+  p.payload_offset_ = kFixed + header_len;
+  return p;
 }
 
-nlohmann::json load_checkpoint(const std::string& path,
-                               const std::vector<CheckpointSection>& sections) {
-  Parsed p = parse(path);
-  size_t offset = p.payload_offset;
+void CheckpointFile::load(const std::vector<CheckpointSection>& sections) const {
+  size_t offset = payload_offset_;
   std::map<std::string, std::pair<size_t, int64_t>> where;  // name -> (offset, count)
-  for (const auto& s : p.header.at("sections")) {
+  for (const auto& s : header_.at("sections")) {
     int64_t count = s.at("count").get<int64_t>();
     where[s.at("name").get<std::string>()] = {offset, count};
     offset += size_t(count) * sizeof(float);
   }
-  TESSEL_CHECK(offset + 8 == p.bytes.size(), CorruptDataError,
-               "checkpoint '{}' sizes do not add up ({} bytes of sections, file has {})", path,
-               offset + 8, p.bytes.size());
+  TESSEL_CHECK(offset + 8 == bytes_.size(), CorruptDataError,
+               "checkpoint '{}' sizes do not add up ({} bytes of sections, file has {})", path_,
+               offset + 8, bytes_.size());
   for (const auto& s : sections) {
     auto it = where.find(s.name);
-    TESSEL_CHECK(it != where.end(), CorruptDataError, "checkpoint '{}' has no section '{}'", path,
+    TESSEL_CHECK(it != where.end(), CorruptDataError, "checkpoint '{}' has no section '{}'", path_,
                  s.name);
     TESSEL_CHECK(it->second.second == s.count, CorruptDataError,
                  "checkpoint '{}' section '{}' holds {} values but {} are needed (another model?)",
-                 path, s.name, it->second.second, s.count);
-    std::memcpy(s.data, p.bytes.data() + it->second.first, size_t(s.count) * sizeof(float));
+                 path_, s.name, it->second.second, s.count);
+    std::memcpy(s.data, bytes_.data() + it->second.first, size_t(s.count) * sizeof(float));
   }
-  return p.header;
+}
+
+nlohmann::json load_checkpoint(const std::string& path,
+                               const std::vector<CheckpointSection>& sections) {
+  CheckpointFile file = CheckpointFile::open(path);
+  file.load(sections);
+  return file.meta();
 }
 
 }  // namespace tessel::runtime

@@ -35,12 +35,27 @@ std::string save_checkpoint(const std::string& dir, int64_t step, const nlohmann
 // Path of the newest complete checkpoint in dir, if any.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
 
-// Reads the metadata only (validates magic, version and checksum).
-nlohmann::json read_checkpoint_meta(const std::string& path);
+// A checkpoint read into memory once and verified (magic, version, checksum, header), so that
+// its metadata can be checked before its sections are loaded without reading the file twice.
+class CheckpointFile {
+ public:
+  // Throws IoError when the file cannot be read, CorruptDataError naming the file when it is
+  // truncated, fails its checksum or has an unreadable header.
+  static CheckpointFile open(const std::string& path);
 
-// Verifies and loads every section by name into the given buffers; each must exist with the same
-// element count. Throws CorruptDataError naming the file (and section) when the file is truncated,
-// fails its checksum, or does not hold what is asked for.
+  const nlohmann::json& meta() const { return header_; }
+  // Copies every section by name into the given buffers; each must exist with the same element
+  // count, else CorruptDataError naming the file and the section.
+  void load(const std::vector<CheckpointSection>& sections) const;
+
+ private:
+  std::string path_;
+  nlohmann::json header_;
+  std::vector<char> bytes_;  // the whole file
+  size_t payload_offset_ = 0;
+};
+
+// CheckpointFile::open(path).load(sections), returning the metadata.
 nlohmann::json load_checkpoint(const std::string& path,
                                const std::vector<CheckpointSection>& sections);
 

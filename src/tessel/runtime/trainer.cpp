@@ -73,7 +73,8 @@ struct Trainer::Impl {
     if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
     auto path = latest_checkpoint(cfg.checkpoint.dir);
     if (!path) return false;
-    auto meta = read_checkpoint_meta(*path);
+    CheckpointFile file = CheckpointFile::open(*path);
+    const nlohmann::json& meta = file.meta();
     auto saved = to_json(model_config_from_json(meta.at("model")));
     auto wanted = to_json(cfg.model);
     saved.erase("name");
@@ -88,7 +89,7 @@ struct Trainer::Impl {
                  "checkpoint '{}' was trained with data.seed {} and data.seq_len {}; resuming "
                  "with other values would repeat or skip samples",
                  *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>());
-    load_checkpoint(*path, sections());
+    file.load(sections());
     step = meta.at("step").get<int64_t>();
     cursor = meta.at("cursor").get<int64_t>();
     spdlog::info("resumed from {} at step {} (cursor {} samples)", *path, step, cursor);

@@ -1,0 +1,271 @@
+// The equivalence matrix of 3D-parallel training: for both model families, every (dp, tp, pp)
+// layout of the acceptance list, with ZeRO-1 on and off where there is data parallelism and with
+// each pipeline schedule where there is pipeline parallelism, 6 steps on real worker processes
+// (`tessel train CONFIG --nproc N`) give
+//   * per-step losses within 1e-5 relative of the single-process Trainer's, and
+//   * final parameters, reassembled from every rank's shards (every dp replica, every tp shard,
+//     both pipeline copies of a tied embedding, every copy of a replicated kv head), within
+//     kParamTolerance of the single-process Trainer's.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "tessel/model/model_spec.h"
+#include "tessel/model/tp_shard.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/trainer.h"
+#include "tessel/tensor/box_copy.h"
+
+namespace tessel::runtime {
+namespace {
+
+using tessel::testing::TempDir;
+using testing::make_corpus;
+using testing::write_config;
+
+// Final parameters. The layouts sum in other orders (tp splits the GEMM reductions, dp and the
+// loss sums are grouped differently), so they differ from one process by float rounding, which
+// Adam amplifies where a gradient is tiny: it divides by sqrt(v), so a near-dead GELU unit's
+// weights (gradients ~1e-7) can move by 1e-4 more or less than in one process while everything
+// else agrees to ~1e-6. Hence two bounds:
+//   * per tensor, |final - single| / |single - initial| (2-norms: the difference against how far
+//     training moved the tensor) below kRelUpdateDiff; a missing or doubled gradient
+//     contribution, a stale shard or a skipped update gives O(1) here;
+//   * every element within kMaxParamDiff absolute, a tenth of one Adam step (lr 0.01), so no
+//     single element can be wrong by a whole update either.
+// Every case prints both of its worst values (over the matrix: 7e-5 and 9e-5, on a near-dead MLP
+// unit of gpt2-tiny under tp 2; below 5e-5 and 8e-6 elsewhere).
+constexpr double kRelUpdateDiff = 1e-3;
+constexpr double kMaxParamDiff = 1e-3;
+constexpr int kSteps = 6;
+
+struct Case {
+  std::string preset;
+  int dp = 1, tp = 1, pp = 1, virtual_stages = 1;
+  int micro_batch = 2;
+  std::string schedule = "1f1b";
+  int zero_stage = 0;
+
+  int world() const { return dp * tp * pp; }
+  std::string name() const {
+    auto s = fmt::format("{}_dp{}_tp{}_pp{}", preset, dp, tp, pp);
+    if (virtual_stages > 1) s += fmt::format("_v{}", virtual_stages);
+    if (pp > 1) s += "_" + schedule;
+    if (dp > 1) s += fmt::format("_zero{}", zero_stage);
+    for (char& c : s)
+      if (c == '-') c = '_';
+    return s;
+  }
+  std::string yaml() const {
+    return fmt::format(
+        "parallel: {{dp: {}, tp: {}, pp: {}, virtual_stages: {}, micro_batch: {}, schedule: {}, "
+        "zero_stage: {}}}\n"
+        "output: {{metrics: metrics.jsonl}}\n",
+        dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage);
+  }
+};
+
+// Global batch 12: 12 / dp samples per replica, cut into micro-batches of `micro_batch`.
+const std::string kTraining = fmt::format(
+    "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
+    "optimizer: {{lr: 0.01, warmup_steps: 1}}\n",
+    kSteps);
+
+std::vector<Case> all_cases() {
+  std::vector<Case> out;
+  for (std::string preset : {"gpt2-tiny", "llama-tiny"}) {
+    out.push_back({.preset = preset});
+    // Data parallel, alone and with tensor parallelism: ZeRO-1 off and on.
+    for (int z : {0, 1}) {
+      out.push_back({.preset = preset, .dp = 2, .zero_stage = z});
+      out.push_back({.preset = preset, .dp = 3, .zero_stage = z});
+      out.push_back({.preset = preset, .dp = 2, .tp = 2, .zero_stage = z});
+    }
+    out.push_back({.preset = preset, .tp = 2});
+    // Pipelines: each schedule (interleaved with 2 virtual stages per rank).
+    struct Pipe {
+      int dp, tp, pp;
+    };
+    for (Pipe p : {Pipe{1, 1, 2}, Pipe{1, 1, 4}, Pipe{2, 1, 2}, Pipe{1, 2, 2}}) {
+      for (int z : p.dp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}) {
+        // micro-batches per replica: 12 / dp / micro_batch; interleaving needs a multiple of pp.
+        const int mb = p.pp == 4 ? 3 : (p.dp == 2 ? 3 : 2);
+        Case c{.preset = preset,
+               .dp = p.dp,
+               .tp = p.tp,
+               .pp = p.pp,
+               .micro_batch = mb,
+               .zero_stage = z};
+        for (std::string s : {"gpipe", "1f1b"}) {
+          c.schedule = s;
+          out.push_back(c);
+        }
+        c.schedule = "interleaved-1f1b";
+        c.virtual_stages = 2;
+        out.push_back(c);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<double> read_losses(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<double> losses;
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return losses;
+}
+
+// One shard as written by TESSEL_DUMP_PARAMS (parallel_trainer.h).
+struct Shard {
+  std::string name;
+  int tp_rank = 0, tp_size = 1;
+  std::vector<float> values;
+};
+
+std::vector<Shard> read_dump(const std::filesystem::path& path) {
+  std::vector<Shard> out;
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in) << path << " was not written";
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream head(line);
+    Shard s;
+    int64_t numel = 0;
+    head >> s.name >> numel >> s.tp_rank >> s.tp_size;
+    s.values.resize(size_t(numel));
+    in.read(reinterpret_cast<char*>(s.values.data()), std::streamsize(numel * sizeof(float)));
+    EXPECT_TRUE(in) << path << ": " << s.name;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+class Equivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
+  const Case& c = GetParam();
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  const auto single_cfg = write_config(dir, corpus, kTraining, "single.yaml", c.preset);
+  const Trainer initial(TrainConfig::load(single_cfg));  // the parameters before training
+  Trainer single(TrainConfig::load(single_cfg));
+  auto expected = single.run().losses;
+  ASSERT_EQ(int(expected.size()), kSteps);
+
+  auto cfg = write_config(dir, corpus, kTraining + c.yaml(), "parallel.yaml", c.preset);
+  std::filesystem::create_directories(dir / "dump");
+  auto bin = tessel::testing::tessel_binary();
+  ASSERT_TRUE(std::filesystem::exists(bin)) << bin << " is not built; build the `tessel` target";
+  // `tessel train` runs one worker in-process with the Trainer itself; (1,1,1) runs the
+  // parallel worker under the launcher instead, so that its path is compared too.
+  const auto args = c.world() == 1 ? fmt::format("launch -n 1 -- {} worker {}", bin.string(), cfg)
+                                   : fmt::format("train {} --nproc {}", cfg, c.world());
+  std::string out;
+  int rc = tessel::testing::run_command(fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} {}",
+                                                    (dir / "dump").string(), bin.string(), args),
+                                        &out);
+  ASSERT_EQ(rc, 0) << out;
+
+  auto losses = read_losses(dir / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), expected.size()) << out;
+  for (size_t i = 0; i < expected.size(); ++i)
+    EXPECT_NEAR(losses[i], expected[i], 1e-5 * expected[i]) << "step " << i;
+
+  // Every shard of every rank, placed into the whole tensor by its tp pieces, against the
+  // single-process parameters.
+  const auto& m = single.model();
+  const auto& config = m.config();
+  const auto spec = model::ModelSpec::from(config);
+  const float* ref = m.params().data<float>();
+  const float* init = initial.model().params().data<float>();
+  std::map<std::string, const model::ParamView*> views;
+  for (const auto& v : m.param_views()) views[v.name] = &v;
+  // Per tensor, how many shards hold each element (counted through packed element indices).
+  std::map<std::string, std::vector<int>> held;
+  double max_err = 0;
+  std::string worst;
+  std::map<std::string, std::pair<double, double>> norms;  // per tensor: |got-want|^2, |moved|^2
+  for (int r = 0; r < c.world(); ++r) {
+    for (const Shard& s : read_dump(dir / "dump" / fmt::format("rank{}.params", r))) {
+      ASSERT_TRUE(views.count(s.name)) << "rank " << r << " holds unknown " << s.name;
+      ASSERT_EQ(s.tp_size, c.tp) << s.name;
+      const auto& p = spec.at(s.name);
+      const float* whole = ref + views[s.name]->offset;
+      const float* start = init + views[s.name]->offset;
+      const Shape local_shape = model::tp_local_shape(p, config, s.tp_rank, s.tp_size);
+      ASSERT_EQ(local_shape.numel(), int64_t(s.values.size())) << s.name;
+      std::vector<int32_t> index(size_t(p.numel()));
+      for (size_t i = 0; i < index.size(); ++i) index[i] = int32_t(i);
+      auto& count = held[s.name];
+      count.resize(size_t(p.numel()), 0);
+      for (const auto& piece : model::tp_shard_pieces(p, config, s.tp_rank, s.tp_size)) {
+        const auto n = size_t(piece.global.volume());
+        std::vector<float> got(n), want(n), before(n);
+        std::vector<int32_t> at(n);
+        pack_box(s.values.data(), local_shape, piece.local, got.data(), sizeof(float));
+        pack_box(whole, p.shape, piece.global, want.data(), sizeof(float));
+        pack_box(start, p.shape, piece.global, before.data(), sizeof(float));
+        pack_box(index.data(), p.shape, piece.global, at.data(), sizeof(int32_t));
+        for (size_t i = 0; i < n; ++i) {
+          const double e = std::abs(got[i] - want[i]);
+          if (e > max_err) {
+            max_err = e;
+            worst =
+                fmt::format("{} element {} (rank {}): {} vs {}", s.name, at[i], r, got[i], want[i]);
+          }
+          ++count[size_t(at[i])];
+          auto& [diff2, moved2] = norms[s.name];
+          diff2 += double(got[i] - want[i]) * double(got[i] - want[i]);
+          moved2 += double(want[i] - before[i]) * double(want[i] - before[i]);
+        }
+      }
+    }
+  }
+  // Each element of each parameter is held by dp replicas x its tp copies (x 2 for the tied
+  // embedding on the two pipeline ends).
+  for (const auto& p : spec) {
+    ASSERT_TRUE(held.count(p.name)) << p.name << " is on no rank";
+    const bool tied_twice =
+        c.pp > 1 && config.tie_embeddings &&
+        p.name == model::global_param_name(config.family, model::GlobalParam::token_embedding);
+    const int want = c.dp * model::tp_copies(p, config, c.tp) * (tied_twice ? 2 : 1);
+    const auto& n = held.at(p.name);
+    for (size_t i = 0; i < n.size(); ++i)
+      ASSERT_EQ(n[i], want) << p.name << " element " << i
+                            << " is held by the wrong number of ranks";
+  }
+  EXPECT_LT(max_err, kMaxParamDiff) << "worst: " << worst;
+  double max_rel = 0;
+  for (const auto& [name, n] : norms) {
+    const double rel = std::sqrt(n.first / std::max(n.second, 1e-30));
+    EXPECT_LT(rel, kRelUpdateDiff) << name;
+    max_rel = std::max(max_rel, rel);
+  }
+  std::printf(
+      "%s: max loss rel diff vs one process %.2g, max parameter abs diff %.2g, max per-tensor "
+      "|diff| / |update| %.2g\n",
+      c.name().c_str(),
+      [&] {
+        double e = 0;
+        for (size_t i = 0; i < expected.size(); ++i)
+          e = std::max(e, std::abs(losses[i] - expected[i]) / expected[i]);
+        return e;
+      }(),
+      max_err, max_rel);
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, Equivalence, ::testing::ValuesIn(all_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+}  // namespace
+}  // namespace tessel::runtime

@@ -161,6 +161,11 @@ ProcessGroups connect_process_groups(const StoreOptions& store, const GridLayout
   groups.dp = join(axis_group(layout, world_rank, Axis::kDp));
   groups.pp = join(axis_group(layout, world_rank, Axis::kPp));
   if (auto g = embedding_group(layout, world_rank)) groups.embed = join(*g);
+  if (layout.dp > 1) {
+    auto g = axis_group(layout, world_rank, Axis::kDp);
+    g.name = "dpgrad" + g.name.substr(2);  // "dp.<i>" -> "dpgrad.<i>"
+    groups.dp_grad = join(g);
+  }
   return groups;
 }
 

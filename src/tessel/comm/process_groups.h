@@ -92,11 +92,15 @@ struct ProcessGroups {
   std::unique_ptr<Communicator> dp;
   std::unique_ptr<Communicator> pp;
   std::unique_ptr<Communicator> embed;  // null on middle pipeline stages
+  // A second communicator over the dp group's members ("dpgrad.<i>"), for the gradient
+  // all-reduce that a background thread overlaps with backward while the main thread keeps
+  // using `dp`. Null when dp == 1.
+  std::unique_ptr<Communicator> dp_grad;
 };
 
-// Connects all groups of `world_rank` (world, tp, dp, pp, embed, in that order on every rank, so
-// the sequence of blocking rendezvous cannot deadlock). Throws ConfigError when world_size does
-// not equal layout.world_size(), plus whatever Communicator::connect throws.
+// Connects all groups of `world_rank` (world, tp, dp, pp, embed, dp_grad, in that order on every
+// rank, so the sequence of blocking rendezvous cannot deadlock). Throws ConfigError when world_size
+// does not equal layout.world_size(), plus whatever Communicator::connect throws.
 ProcessGroups connect_process_groups(const StoreOptions& store, const GridLayout& layout,
                                      int world_rank, int world_size,
                                      std::chrono::milliseconds timeout = kDefaultTimeout,

@@ -432,23 +432,38 @@ void Transformer::head_backward() {
   }
 }
 
-void Transformer::backward_stage(int slot) {
+void Transformer::backward_stage(int slot, const GradsReady& grads_ready) {
   select_slot(slot);
   TESSEL_CHECK(slots_[size_t(cur_)].forward_ready, InvalidArgumentError,
                "backward_stage() needs a forward_stage() first (one backward per forward)");
   TESSEL_CHECK(!stage_.has_head || slots_[size_t(cur_)].dlogits_ready, InvalidArgumentError,
                "the head stage's backward needs forward_stage() with targets and a grad_scale");
   slots_[size_t(cur_)].forward_ready = slots_[size_t(cur_)].dlogits_ready = false;
-  if (stage_.has_head) head_backward();
+  // The first parameter of block l (parameters are in forward order, so block l's are
+  // [block_begin(l), block_begin(l + 1))).
+  auto block_begin = [&](int l) {
+    int64_t lo = num_params_;
+    for (int64_t off : layer_off_[size_t(l)])
+      if (off >= 0) lo = std::min(lo, off);
+    return lo;
+  };
+  if (stage_.has_head) {
+    head_backward();
+    // The final norm and an untied head are the last parameters; a tied head's gradient goes
+    // into the token embedding at offset 0, which is only reported at the end.
+    if (grads_ready) grads_ready(lnf_w_off_);
+  }
   // dres now holds d(stage output); each block turns it into d(block input) in place.
   for (int l = stage_.num_layers() - 1; l >= 0; --l) {
     block_backward(l, l == 0 ? a_.x0 : (*acts_)[size_t(l - 1)].res3);
+    if (grads_ready && l > 0) grads_ready(block_begin(l));
   }
   if (stage_.has_embedding) {
     // d(x0) is the same on every rank, so every rank's position gradient is the full one.
     backend_.embedding_backward(g(wte_off_), g(wpe_off_), a_.dres, tokens_, B_, T_, config_.n_embd,
                                 local_.vocab_start, local_.Vp);
   }
+  if (grads_ready) grads_ready(0);
 }
 
 // ---- GPT-2 block --------------------------------------------------------------------------------

@@ -53,6 +53,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,7 +157,13 @@ class Transformer {
   // which ends in the embedding). Throws InvalidArgumentError without a preceding forward on
   // the same slot (or for a slot out of range). Slots are independent: forwards and backwards
   // of different slots may interleave in any order.
-  void backward_stage(int slot = 0);
+  // `grads_ready`, when set, is called as parts of the backward finish with an offset `from`
+  // (decreasing from call to call, ending at 0): the gradient elements [from, num_params()) are
+  // complete for this backward -- after the head, after each block, after the embedding. The
+  // parameter buffer is in forward order and backward runs in reverse, so a caller can start
+  // reducing the tail of the gradients while the rest of the backward still runs.
+  using GradsReady = std::function<void(int64_t from)>;
+  void backward_stage(int slot = 0, const GradsReady& grads_ready = {});
 
   // [B, T, C] stage-boundary buffers of a slot. input_grad() and output_grad() are the same
   // memory, and it is SHARED by all slots (gradient scratch): the residual-stream gradient runs

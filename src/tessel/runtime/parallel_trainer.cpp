@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <optional>
 
 #include "tessel/comm/process_groups.h"
 #include "tessel/core/check.h"
@@ -16,6 +17,7 @@
 #include "tessel/data/token_source.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/model/transformer.h"
+#include "tessel/runtime/bucketed_all_reduce.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/runtime/tp_comm_group.h"
@@ -80,6 +82,8 @@ struct ParallelTrainer::Impl {
     // none); a forward takes a free slot, its backward gives it back.
     std::vector<int> slot_of;
     std::vector<int> free_slots;
+    int backwards_done = 0;   // this step's backwards so far (the M-th completes the gradients)
+    int grad_bucket_id = -1;  // the chunk's gradient buffer in grad_reduce
   };
 
   TrainConfig cfg;
@@ -91,6 +95,9 @@ struct ParallelTrainer::Impl {
   std::shared_ptr<const data::TokenSource> source;
   std::unique_ptr<data::BatchLoader> loader;
   std::vector<Chunk> chunks;
+  // dp > 1 without ZeRO: the dp all-reduce of the gradients, in buckets, overlapped with each
+  // chunk's last backward of the step.
+  std::unique_ptr<BucketedAllReduce> grad_reduce;
   std::vector<schedule::Instruction> program;  // this pipeline rank's instruction list
   int num_vs = 1;
   int64_t B = 1, T = 1, C = 1, M = 1;               // micro-batch, seq_len, n_embd, micro-batches
@@ -193,6 +200,13 @@ struct ParallelTrainer::Impl {
       }
       chunks.push_back(std::move(ch));
     }
+    if (plan.dp > 1 && plan.zero_stage == 0) {
+      const auto bucket = std::max<int64_t>(1, int64_t(cfg.bucket_mb * (1 << 20) / sizeof(float)));
+      grad_reduce = std::make_unique<BucketedAllReduce>(*groups.dp_grad, bucket);
+      for (auto& ch : chunks)
+        ch.grad_bucket_id =
+            grad_reduce->add_buffer(ch.model->grads().data<float>(), ch.model->num_params());
+    }
 
     inputs.resize(size_t(B * M * T));
     targets.resize(inputs.size());
@@ -261,7 +275,12 @@ struct ParallelTrainer::Impl {
       const auto& g = grad_in[size_t(c * M + mb)];
       std::copy(g.begin(), g.end(), m.output_grad(slot).data<float>());
     }
-    m.backward_stage(slot);
+    if (++ch.backwards_done == M && grad_reduce) {
+      m.backward_stage(slot,
+                       [&](int64_t from) { grad_reduce->ready_from(ch.grad_bucket_id, from); });
+    } else {
+      m.backward_stage(slot);
+    }
     ch.slot_of[size_t(mb)] = -1;
     ch.free_slots.push_back(slot);
   }
@@ -284,8 +303,27 @@ struct ParallelTrainer::Impl {
     std::deque<std::vector<float>> send_buffers;
     std::vector<comm::Request> sends;
     double loss_sum = 0;
+    for (auto& ch : chunks) ch.backwards_done = 0;
     const size_t boundary = size_t(B * T * C);
-    for (const auto& ins : program) {
+    // Every receive of the step is posted up front (each (chunk, micro-batch) has its own
+    // buffer) and only waited for at its instruction: Gloo's transport moves a message once the
+    // receiver has posted it, so posting late would put a handshake and the whole transfer on the
+    // critical path of every micro-batch instead of overlapping them with compute.
+    std::vector<std::optional<comm::Request>> recvs(program.size());
+    for (size_t i = 0; i < program.size(); ++i) {
+      const auto& ins = program[i];
+      const int mb = ins.micro_batch, c = ins.chunk;
+      if (ins.op == schedule::Op::recv_activation)
+        recvs[i] =
+            groups.pp->recv(act_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
+                            message_tag(mb, chunks[size_t(c)].vs - 1, num_vs, Kind::activation));
+      else if (ins.op == schedule::Op::recv_grad)
+        recvs[i] =
+            groups.pp->recv(grad_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
+                            message_tag(mb, chunks[size_t(c)].vs + 1, num_vs, Kind::grad));
+    }
+    for (size_t i = 0; i < program.size(); ++i) {
+      const auto& ins = program[i];
       const int mb = ins.micro_batch, c = ins.chunk;
       switch (ins.op) {
         case schedule::Op::forward:
@@ -303,10 +341,8 @@ struct ParallelTrainer::Impl {
           break;
         }
         case schedule::Op::recv_activation:
-          groups.pp
-              ->recv(act_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
-                     message_tag(mb, chunks[size_t(c)].vs - 1, num_vs, Kind::activation))
-              .wait();
+        case schedule::Op::recv_grad:
+          recvs[i]->wait();
           break;
         case schedule::Op::send_grad: {
           const float* g = chunks[size_t(c)].model->input_grad().data<float>();
@@ -316,12 +352,7 @@ struct ParallelTrainer::Impl {
                               message_tag(mb, chunks[size_t(c)].vs, num_vs, Kind::grad)));
           break;
         }
-        case schedule::Op::recv_grad:
-          groups.pp
-              ->recv(grad_in[size_t(c * M + mb)].data(), boundary * sizeof(float), ins.peer,
-                     message_tag(mb, chunks[size_t(c)].vs + 1, num_vs, Kind::grad))
-              .wait();
-          break;
+
         case schedule::Op::optimizer_step:
           break;  // below, after the sends completed
         default:
@@ -332,10 +363,12 @@ struct ParallelTrainer::Impl {
     for (auto& r : sends) r.wait();
 
     // Gradient reductions: over dp (each replica's grad_scale already divides by the global
-    // count, so the sum is the global mean's gradient), then the tied embedding's two copies.
+    // count, so the sum is the global mean's gradient; grad_reduce ran most of it during the last
+    // backwards), then the tied embedding's two copies.
     // ZeRO-1 sums the tied copies first (sums commute) and then reduce-scatters over dp, so each
     // dp rank holds the full gradient of its owned range only.
     const bool zero = plan.zero_stage == 1;
+    if (grad_reduce) grad_reduce->finish();
     double sq = 0;
     for (auto& ch : chunks) {
       float* grads = ch.model->grads().data<float>();
@@ -347,7 +380,6 @@ struct ParallelTrainer::Impl {
         }
         groups.dp->reduce_scatter_sum(grads, ch.dp_counts);
       } else {
-        groups.dp->all_reduce_sum(grads, size_t(ch.model->num_params()));
         if (ch.tied_view >= 0) {
           const auto& v = views[size_t(ch.tied_view)];
           groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));

@@ -12,10 +12,14 @@
 //     tagged with (micro-batch, sending virtual stage, kind). Each chunk's Transformer has as
 //     many activation slots as the chunk's peak number of micro-batches in flight in the
 //     program (pp at most for 1F1B, M for GPipe), so no forward is ever recomputed;
+//     Every receive of the step is posted when the step starts, so transfers overlap compute;
 //   * scales every micro-batch's loss gradient by 1 / (valid tokens of the GLOBAL batch; the
-//     count is all-reduced over dp), all-reduces the gradients over dp and the tied embedding's
-//     two copies over the first/last pipeline ranks, clips by the global norm (each element
-//     counted once: tp_primary, and the head stage's tied copy skipped), and steps AdamW;
+//     count is all-reduced over dp), all-reduces the gradients over dp -- in buckets of
+//     parallel.bucket_mb, from the end of each chunk's buffer, on a background thread with its own
+//     communicator, while the chunk's last backward of the step still runs (bucketed_all_reduce.h)
+//     -- and the tied embedding's two copies over the first/last pipeline ranks, clips by the
+//     global norm (each element counted once: tp_primary, and the head stage's tied copy skipped),
+//     and steps AdamW;
 //   * with parallel.zero_stage 1 (ZeRO-1) instead: sums the tied embedding's copies first, then
 //     reduce-scatters each chunk's flat gradient buffer over dp -- dp rank r owns the contiguous
 //     range [r * (n / dp) + min(r, n % dp), ...) of n / dp (+1 for the first n % dp ranks)

@@ -70,6 +70,9 @@ void read_parallel(YamlSection s, TrainConfig& c) {
   s.read("timeout_s", c.comm_timeout_s);
   TESSEL_CHECK(c.comm_timeout_s > 0, ConfigError, "{}: must be > 0 seconds, got {}",
                s.where("timeout_s"), c.comm_timeout_s);
+  s.read("bucket_mb", c.bucket_mb);
+  TESSEL_CHECK(c.bucket_mb > 0, ConfigError, "{}: must be > 0 MiB, got {}", s.where("bucket_mb"),
+               c.bucket_mb);
   TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
   const int64_t G = c.training.global_batch;
   const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;

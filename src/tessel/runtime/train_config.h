@@ -23,8 +23,8 @@
 #include <cstdint>
 #include <string>
 
-#include "tessel/layout/plan.h"
 #include "tessel/kernels/optimizer.h"
+#include "tessel/layout/plan.h"
 #include "tessel/model/model_config.h"
 
 namespace tessel::runtime {
@@ -82,6 +82,9 @@ struct TrainConfig {
   // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
   // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.
   double comm_timeout_s = 60;
+  // parallel.bucket_mb: size of the buckets in which data-parallel gradients are all-reduced
+  // while backward still runs (ZeRO stage 0).
+  double bucket_mb = 25;
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);

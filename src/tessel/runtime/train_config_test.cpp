@@ -60,7 +60,8 @@ TEST(TrainConfig, UnknownKeyIsNamedWithItsSection) {
                                          "training: {stepz: 10}\n"));
   EXPECT_NE(msg.find("unknown key 'training.stepz'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("steps"), std::string::npos) << msg;  // lists the allowed keys
-  msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x}\nextra: 1\n"));
+  msg =
+      error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x}\nextra: 1\n"));
   EXPECT_NE(msg.find("unknown key 'extra'"), std::string::npos) << msg;
 }
 
@@ -73,8 +74,9 @@ TEST(TrainConfig, HeadsThatDoNotDivideHiddenAreRejected) {
 
 TEST(TrainConfig, MicroBatchMustDivideGlobalBatch) {
   TempDir dir;
-  auto msg = error_of<ConfigError>(write(
-      dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {global_batch: 10, micro_batch: 4}\n"));
+  auto msg = error_of<ConfigError>(write(dir,
+                                         "model: {preset: gpt2-tiny}\ndata: {path: "
+                                         "x.tok}\ntraining: {global_batch: 10, micro_batch: 4}\n"));
   EXPECT_NE(msg.find("micro_batch"), std::string::npos) << msg;
   EXPECT_NE(msg.find("global_batch"), std::string::npos) << msg;
 }

@@ -21,10 +21,10 @@ using testing::write_config;
 
 TEST(Trainer, LossFallsOnASmallCorpus) {
   TempDir dir;
-  auto cfg = TrainConfig::load(write_config(
-      dir, make_corpus(dir),
-      "training: {steps: 40, global_batch: 8, micro_batch: 8, eval_every: 40}\n"
-      "optimizer: {lr: 0.01, warmup_steps: 5}\n"));
+  auto cfg = TrainConfig::load(
+      write_config(dir, make_corpus(dir),
+                   "training: {steps: 40, global_batch: 8, micro_batch: 8, eval_every: 40}\n"
+                   "optimizer: {lr: 0.01, warmup_steps: 5}\n"));
   Trainer trainer(cfg);
   auto summary = trainer.run();
   ASSERT_EQ(summary.losses.size(), 40u);
@@ -55,7 +55,8 @@ TEST(Trainer, ResumeContinuesWithTheSameLosses) {
     TempDir dir;
     auto corpus = make_corpus(dir);
     std::string train = "training: {steps: 8, global_batch: 4, micro_batch: 2}\n";
-    auto straight = Trainer(TrainConfig::load(write_config(dir, corpus, train, "a.yaml", preset))).run();
+    auto straight =
+        Trainer(TrainConfig::load(write_config(dir, corpus, train, "a.yaml", preset))).run();
 
     std::string ckpt = "checkpoint: {dir: ck, every: 3}\n";
     auto first_cfg = TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset));
@@ -66,7 +67,8 @@ TEST(Trainer, ResumeContinuesWithTheSameLosses) {
     EXPECT_EQ(resumed.cursor(), 5 * 4);
     auto rest = resumed.run();
     ASSERT_EQ(rest.losses.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.losses[i], straight.losses[5 + i]) << preset << " step " << 5 + i;
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(rest.losses[i], straight.losses[5 + i]) << preset << " step " << 5 + i;
   }
 }
 
@@ -86,7 +88,8 @@ TEST(Trainer, ResumeRefusesACheckpointOfAnotherModel) {
 
 TEST(Trainer, SteadyStateStepsAllocateNoFreshMemory) {
   TempDir dir;
-  auto cfg = TrainConfig::load(write_config(dir, make_corpus(dir), "training: {steps: 10, global_batch: 4, micro_batch: 2}\n"));
+  auto cfg = TrainConfig::load(write_config(
+      dir, make_corpus(dir), "training: {steps: 10, global_batch: 4, micro_batch: 2}\n"));
   Trainer trainer(cfg);
   trainer.train_step();
   auto before = HostAllocator::instance().stats().fresh_allocations;

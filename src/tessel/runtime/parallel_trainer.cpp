@@ -48,6 +48,10 @@ int64_t env_int(const char* name, bool required) {
 
 enum class Kind : uint32_t { activation = 0, grad = 1 };
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // Pipeline messages are matched by (micro-batch, virtual stage of the sender, kind).
 uint32_t message_tag(int micro_batch, int sender_vs, int num_vs, Kind kind) {
   return ((uint32_t(micro_batch) * uint32_t(num_vs) + uint32_t(sender_vs)) << 1) | uint32_t(kind);
@@ -107,6 +111,7 @@ struct ParallelTrainer::Impl {
   int64_t step = 0, cursor = 0;
   MetricsWriter metrics;
   double last_grad_norm = 0;
+  double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
 
   Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
     cfg.validate_for_workers(env.world_size);
@@ -304,6 +309,10 @@ struct ParallelTrainer::Impl {
     std::vector<comm::Request> sends;
     double loss_sum = 0;
     for (auto& ch : chunks) ch.backwards_done = 0;
+    // The pipeline's idle time: waiting for a receive or for the last sends (the bubble, plus
+    // any imbalance between stages), against the time the instruction list took.
+    double idle_s = 0;
+    const auto pipeline_start = std::chrono::steady_clock::now();
     const size_t boundary = size_t(B * T * C);
     // Every receive of the step is posted up front (each (chunk, micro-batch) has its own
     // buffer) and only waited for at its instruction: Gloo's transport moves a message once the
@@ -341,9 +350,12 @@ struct ParallelTrainer::Impl {
           break;
         }
         case schedule::Op::recv_activation:
-        case schedule::Op::recv_grad:
+        case schedule::Op::recv_grad: {
+          const auto t0 = std::chrono::steady_clock::now();
           recvs[i]->wait();
+          idle_s += seconds_since(t0);
           break;
+        }
         case schedule::Op::send_grad: {
           const float* g = chunks[size_t(c)].model->input_grad().data<float>();
           send_buffers.emplace_back(g, g + boundary);
@@ -360,7 +372,12 @@ struct ParallelTrainer::Impl {
                        schedule::to_string(ins));
       }
     }
-    for (auto& r : sends) r.wait();
+    {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& r : sends) r.wait();
+      idle_s += seconds_since(t0);
+    }
+    const double pipeline_s = seconds_since(pipeline_start);
 
     // Gradient reductions: over dp (each replica's grad_scale already divides by the global
     // count, so the sum is the global mean's gradient; grad_reduce ran most of it during the last
@@ -420,9 +437,12 @@ struct ParallelTrainer::Impl {
       }
     }
 
-    // The head stages hold the loss; one tp rank of each dp replica contributes it.
-    double loss = groups.tp->rank() == 0 ? loss_sum : 0.0;
-    groups.world->all_reduce_sum(&loss, 1);
+    // The head stages hold the loss; one tp rank of each dp replica contributes it. The idle
+    // and pipeline times ride along to give the world's idle share.
+    double sums[3] = {groups.tp->rank() == 0 ? loss_sum : 0.0, idle_s, pipeline_s};
+    groups.world->all_reduce_sum(sums, 3);
+    const double loss = sums[0];
+    pipeline_idle = sums[2] > 0 ? sums[1] / sums[2] : 0.0;
     ++step;
     cursor += plan.global_batch();
     return valid > 0 ? loss / double(valid) : 0.0;
@@ -454,6 +474,7 @@ TrainSummary ParallelTrainer::run() {
     double grad_norm = 0;
     double loss = s.train_step(&grad_norm);
     nlohmann::json record = tracker.end_step(s.step, loss, lr, grad_norm, s.cursor);
+    if (s.plan.pp > 1) record["pipeline_idle"] = s.pipeline_idle;
     if (lead) s.metrics.write(record);
   }
   const double elapsed = tracker.elapsed_seconds();

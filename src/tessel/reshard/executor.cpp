@@ -1,0 +1,197 @@
+#include "tessel/reshard/executor.h"
+
+#include <cstring>
+#include <memory>
+
+#include "tessel/core/check.h"
+
+namespace tessel::reshard {
+
+std::unique_ptr<comm::Communicator> connect_transition_world(
+    const comm::StoreOptions& store, const TransferPlan& plan, int process,
+    std::chrono::milliseconds timeout, const comm::TransportOptions& transport) {
+  return comm::Communicator::connect(store, kTransitionGroup, plan.union_rank(process),
+                                     int(plan.processes().size()), timeout, transport);
+}
+
+namespace {
+
+// The region must lie inside a buffer of `size` floats.
+void check_region(const StridedRegion& r, size_t size, const char* side, int rank, int buffer) {
+  TESSEL_CHECK(r.end() <= int64_t(size), InvalidArgumentError,
+               "{} rank {} buffer {} has {} floats but the plan reaches element {}", side, rank,
+               buffer, size, r.end() - 1);
+}
+
+template <typename Span>
+void check_buffers(const std::vector<Span>& given, const std::vector<int64_t>& want,
+                   const char* side, int rank) {
+  TESSEL_CHECK(given.size() == want.size(), InvalidArgumentError,
+               "{} rank {} has {} state buffers in the plan but {} were given", side, rank,
+               want.size(), given.size());
+  for (size_t b = 0; b < want.size(); ++b) {
+    TESSEL_CHECK(int64_t(given[b].size()) >= want[b], InvalidArgumentError,
+                 "{} rank {} buffer {} needs {} floats but has {}", side, rank, b, want[b],
+                 given[b].size());
+  }
+}
+
+void copy_kept(const TransferPlan& plan, int new_rank,
+               const std::vector<std::span<const float>>& old_buffers,
+               const std::vector<std::span<float>>& new_buffers) {
+  for (size_t b = 0; b < new_buffers.size(); ++b) {
+    const int ob = plan.kept_from(new_rank, int(b));
+    if (ob < 0) continue;
+    const float* src = old_buffers[size_t(ob)].data();
+    float* dst = new_buffers[b].data();
+    const size_t n = size_t(plan.new_buffer_sizes(new_rank)[b]);
+    if (src == dst || n == 0) continue;  // the caller keeps the old buffer itself
+    TESSEL_CHECK(src + n <= dst || dst + n <= src, InvalidArgumentError,
+                 "new buffer {} of rank {} overlaps old buffer {} without being it", b, new_rank,
+                 ob);
+    std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+void run_local(const TransferPlan& plan, int process,
+               const std::vector<std::span<const float>>& old_buffers,
+               const std::vector<std::span<float>>& new_buffers) {
+  for (int t : plan.local_transfers(process)) {
+    const Transfer& tr = plan.transfers()[size_t(t)];
+    const auto& src = old_buffers[size_t(tr.src_buffer)];
+    const auto& dst = new_buffers[size_t(tr.dst_buffer)];
+    check_region(tr.src, src.size(), "old", tr.src_rank, tr.src_buffer);
+    check_region(tr.dst, dst.size(), "new", tr.dst_rank, tr.dst_buffer);
+    layout::copy_region(src.data(), tr.src, dst.data(), tr.dst);
+  }
+}
+
+}  // namespace
+
+void pack_message(const TransferPlan& plan, const Message& m,
+                  const std::vector<std::span<const float>>& old_buffers, float* out) {
+  for (int t : m.transfers) {
+    const Transfer& tr = plan.transfers()[size_t(t)];
+    const auto& buf = old_buffers.at(size_t(tr.src_buffer));
+    check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
+    layout::gather(buf.data(), tr.src, out);
+    out += tr.numel();
+  }
+}
+
+void unpack_message(const TransferPlan& plan, const Message& m, const float* in,
+                    const std::vector<std::span<float>>& new_buffers) {
+  for (int t : m.transfers) {
+    const Transfer& tr = plan.transfers()[size_t(t)];
+    const auto& buf = new_buffers.at(size_t(tr.dst_buffer));
+    check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
+    layout::scatter(in, tr.dst, buf.data());
+    in += tr.numel();
+  }
+}
+
+void execute(const TransferPlan& plan, int process, comm::Communicator& world,
+             const ProcessBuffers& buffers) {
+  const int me = plan.union_rank(process);
+  TESSEL_CHECK(world.size() == int(plan.processes().size()) && world.rank() == me,
+               InvalidArgumentError,
+               "process {} is rank {} of the plan's union world of {} processes, but the "
+               "communicator '{}' makes it rank {} of {}; connect it with "
+               "connect_transition_world",
+               process, me, plan.processes().size(), world.name(), world.rank(), world.size());
+  const int old_rank = plan.old_rank_of(process), new_rank = plan.new_rank_of(process);
+  if (old_rank >= 0) {
+    check_buffers(buffers.old_buffers, plan.old_buffer_sizes(old_rank), "old", old_rank);
+  } else {
+    TESSEL_CHECK(buffers.old_buffers.empty(), InvalidArgumentError,
+                 "process {} joins (it has no old rank) but {} old buffers were given", process,
+                 buffers.old_buffers.size());
+  }
+  if (new_rank >= 0) {
+    check_buffers(buffers.new_buffers, plan.new_buffer_sizes(new_rank), "new", new_rank);
+  } else {
+    TESSEL_CHECK(buffers.new_buffers.empty(), InvalidArgumentError,
+                 "process {} leaves (it has no new rank) but {} new buffers were given", process,
+                 buffers.new_buffers.size());
+  }
+
+  // 1. Receives first, so every send finds its receive posted.
+  std::vector<const Message*> incoming;
+  // Message buffers are left uninitialised: every float is written by pack or the network.
+  std::vector<std::unique_ptr<float[]>> inbox;
+  std::vector<comm::Request> recvs, sends;
+  for (const Message& m : plan.messages()) {
+    if (m.dst_process != process) continue;
+    incoming.push_back(&m);
+    inbox.emplace_back(new float[size_t(m.numel)]);
+  }
+  for (size_t i = 0; i < incoming.size(); ++i) {
+    recvs.push_back(world.recv(inbox[i].get(), size_t(incoming[i]->bytes()),
+                               plan.union_rank(incoming[i]->src_process), kReshardTag));
+  }
+  // 2. Pack and send.
+  std::vector<std::unique_ptr<float[]>> outbox;
+  for (const Message& m : plan.messages()) {
+    if (m.src_process != process) continue;
+    outbox.emplace_back(new float[size_t(m.numel)]);
+    pack_message(plan, m, buffers.old_buffers, outbox.back().get());
+    sends.push_back(world.send(outbox.back().get(), size_t(m.bytes()),
+                               plan.union_rank(m.dst_process), kReshardTag));
+  }
+  // 3. Local work while the network runs.
+  if (new_rank >= 0) {
+    run_local(plan, process, buffers.old_buffers, buffers.new_buffers);
+    copy_kept(plan, new_rank, buffers.old_buffers, buffers.new_buffers);
+  }
+  // 4. Receive, then make sure our sends are out.
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    recvs[i].wait();
+    unpack_message(plan, *incoming[i], inbox[i].get(), buffers.new_buffers);
+  }
+  for (auto& s : sends) s.wait();
+  // 5. Nobody leaves while a peer may still read from its connection.
+  world.barrier();
+}
+
+layout::ScalarState share_scalar_state(const TransferPlan& plan, int process,
+                                       comm::Communicator& world, const layout::ScalarState* mine) {
+  const int root = plan.union_rank(plan.process_of_old_rank(0));
+  const bool is_root = world.rank() == root;
+  TESSEL_CHECK(!is_root || mine != nullptr, InvalidArgumentError,
+               "process {} holds old rank 0 and must provide the scalar state", process);
+  std::vector<uint8_t> blob;
+  if (is_root) blob = layout::encode(*mine);
+  int64_t size = int64_t(blob.size());
+  world.broadcast(&size, 1, root);
+  blob.resize(size_t(size));
+  world.broadcast_bytes(blob.data(), blob.size(), root);
+  return layout::decode_scalar_state(blob.data(), blob.size());
+}
+
+void execute_in_memory(const TransferPlan& plan,
+                       const std::vector<std::vector<std::span<const float>>>& old_by_rank,
+                       const std::vector<std::vector<std::span<float>>>& new_by_rank) {
+  TESSEL_CHECK(
+      int(old_by_rank.size()) == plan.old_world() && int(new_by_rank.size()) == plan.new_world(),
+      InvalidArgumentError,
+      "the plan moves {} old ranks to {} new ranks but buffers for {} and {} were given",
+      plan.old_world(), plan.new_world(), old_by_rank.size(), new_by_rank.size());
+  for (int i = 0; i < plan.old_world(); ++i)
+    check_buffers(old_by_rank[size_t(i)], plan.old_buffer_sizes(i), "old", i);
+  for (int j = 0; j < plan.new_world(); ++j)
+    check_buffers(new_by_rank[size_t(j)], plan.new_buffer_sizes(j), "new", j);
+  for (const Message& m : plan.messages()) {
+    std::unique_ptr<float[]> staging(new float[size_t(m.numel)]);
+    pack_message(plan, m, old_by_rank[size_t(plan.old_rank_of(m.src_process))], staging.get());
+    unpack_message(plan, m, staging.get(), new_by_rank[size_t(plan.new_rank_of(m.dst_process))]);
+  }
+  for (int j = 0; j < plan.new_world(); ++j) {
+    const int process = plan.process_of_new_rank(j);
+    const int i = plan.old_rank_of(process);
+    if (i < 0) continue;
+    run_local(plan, process, old_by_rank[size_t(i)], new_by_rank[size_t(j)]);
+    copy_kept(plan, j, old_by_rank[size_t(i)], new_by_rank[size_t(j)]);
+  }
+}
+
+}  // namespace tessel::reshard

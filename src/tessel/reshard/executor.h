@@ -1,0 +1,81 @@
+// Executing a TransferPlan: moving the training state from the old layout to the new one.
+//
+// The transition world. Resharding needs every process that holds old state or will hold new
+// state, leaving and joining ones included, in ONE communicator: the union world. Its members
+// are TransferPlan::processes() (ascending process ids); process processes()[u] is its rank u.
+// It is formed in the NEW generation's store (StoreOptions::generation = the new world's
+// generation) under the group name kTransitionGroup, by every member calling
+// connect_transition_world with the same plan -- leaving processes take part in the new
+// generation only for this. After execute() the union world may be dropped; the new world's own
+// process groups (over the new ranks) are formed separately.
+//
+// execute() on each member, all at once:
+//   1. posts a receive for every message addressed to it (TransferPlan::messages()),
+//   2. packs and sends every message it owes (one per receiving peer, boxes back to back),
+//   3. meanwhile does its local transfers (old buffer -> new buffer within the process) and
+//      copies kept buffers (none when the caller passes the old buffer itself as the new one),
+//   4. waits for and unpacks its receives, then waits for its sends,
+//   5. ends with a barrier of the union world, so nobody (a leaving process in particular) goes
+//      away while a peer may still need its connection.
+// Every wait is bounded by the communicator's timeout: a dead or hung peer surfaces as
+// PeerLostError / TimeoutError (communicator.h), never a hang. A failure leaves the new buffers
+// partly written; the caller must treat the transition as failed (the old buffers are intact).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "tessel/comm/communicator.h"
+#include "tessel/layout/training_state.h"
+#include "tessel/reshard/transfer_plan.h"
+
+namespace tessel::reshard {
+
+inline constexpr const char* kTransitionGroup = "reshard";
+inline constexpr uint32_t kReshardTag = 0x52534844;  // "RSHD"
+
+// Joins the union world of `plan` as `process`. `store.generation` must be the new
+// generation. Throws like Communicator::connect, and InvalidArgumentError when `process` takes
+// no part in the plan.
+std::unique_ptr<comm::Communicator> connect_transition_world(
+    const comm::StoreOptions& store, const TransferPlan& plan, int process,
+    std::chrono::milliseconds timeout = comm::kDefaultTimeout,
+    const comm::TransportOptions& transport = {});
+
+// Buffers of one process: its old rank's buffers (empty for a joining process) and its new
+// rank's (empty for a leaving one), as many and as large as the plan's buffer sizes (a buffer may
+// be longer). New buffers must not overlap old ones, except that a new buffer the plan keeps
+// (kept_from) may BE its old buffer (same data pointer and size): it is then left alone.
+struct ProcessBuffers {
+  std::vector<std::span<const float>> old_buffers;
+  std::vector<std::span<float>> new_buffers;
+};
+
+// Runs the plan's part of `process` over the union world `world` (see above). Throws
+// InvalidArgumentError when the world or the buffers do not match the plan, and the
+// communicator's TimeoutError / PeerLostError when a peer fails.
+void execute(const TransferPlan& plan, int process, comm::Communicator& world,
+             const ProcessBuffers& buffers);
+
+// The replicated scalar state for every member of the union world: the process of old rank 0
+// broadcasts its `mine` (which must then be non-null); the others' `mine` is ignored. Collective
+// over `world`.
+layout::ScalarState share_scalar_state(const TransferPlan& plan, int process,
+                                       comm::Communicator& world, const layout::ScalarState* mine);
+
+// The same movement without a network, for tests and single-process tools: buffers indexed by
+// old / new rank. Packs and unpacks every message exactly as execute() does.
+void execute_in_memory(const TransferPlan& plan,
+                       const std::vector<std::vector<std::span<const float>>>& old_by_rank,
+                       const std::vector<std::vector<std::span<float>>>& new_by_rank);
+
+// The building blocks: a message's floats packed from the sender's old buffers (m.numel floats
+// into `out`), and unpacked into the receiver's new buffers.
+void pack_message(const TransferPlan& plan, const Message& m,
+                  const std::vector<std::span<const float>>& old_buffers, float* out);
+void unpack_message(const TransferPlan& plan, const Message& m, const float* in,
+                    const std::vector<std::span<float>>& new_buffers);
+
+}  // namespace tessel::reshard

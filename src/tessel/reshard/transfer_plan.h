@@ -1,0 +1,122 @@
+// TransferPlan: how to turn the training state laid out by one StateLayout into another.
+//
+// Processes. A transition involves *processes*, each with an integer id: old rank i of layout
+// `from` is process old_ids[i], new rank j of `to` is process new_ids[j]. A process in both lists
+// survives (it keeps its old buffers until the transition ends); one only in old_ids leaves (it
+// only sends), one only in new_ids joins (it only receives). Each process runs on a host; hosts
+// are integers too, and a surviving process must keep its host.
+//
+// What the plan guarantees (the property tests check all of it element by element):
+//   - every element of every new buffer is written exactly once, from an old copy of the same
+//     (tensor, kind, element) -- so A -> B reproduces exactly the state B would hold;
+//   - a process never receives an element it already holds (in any old buffer): such data is a
+//     local copy, or nothing at all when a whole new buffer is laid out exactly like one of the
+//     process's old buffers (kept_from: the runtime may keep that buffer as it is);
+//   - so the bytes sent between processes are the least any exact plan moves: the elements each
+//     new process needs and does not hold, once each.
+// Sources. For each new piece (largest first), the old copies are tried in order: the same
+// process (all of its copies), then copies on the same host, then the rest; within a tier the
+// least-loaded sender (bytes it sends so far) goes first, ties to the lower old rank. Each copy
+// takes what it holds of what is still missing. Building is deterministic: every process builds
+// the same plan from the same arguments.
+// Messages. All transfers from one process to another travel as ONE message: the transfers'
+// boxes packed back to back in transfer order (Message::transfers), float32 row-major.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tessel/layout/state_layout.h"
+
+namespace tessel::reshard {
+
+using layout::StateKind;
+using layout::StridedRegion;
+
+// One box of one tensor's state, copied from an old buffer to a new one.
+struct Transfer {
+  int tensor = 0;  // index into the model spec
+  StateKind kind = StateKind::param;
+  Box global;                        // the box of the tensor
+  int src_rank = 0, src_buffer = 0;  // old rank and its buffer
+  StridedRegion src;
+  int dst_rank = 0, dst_buffer = 0;  // new rank and its buffer
+  StridedRegion dst;
+  int src_process = 0, dst_process = 0;
+
+  int64_t numel() const { return global.volume(); }
+};
+
+// Everything one process sends to another (src != dst).
+struct Message {
+  int src_process = 0, dst_process = 0;
+  std::vector<int> transfers;  // indices into TransferPlan::transfers(), in packing order
+  int64_t numel = 0;           // floats
+  int64_t bytes() const { return numel * int64_t(sizeof(float)); }
+};
+
+struct TransferStats {
+  int64_t bytes_moved = 0;       // between processes (sum of message sizes)
+  int64_t bytes_cross_host = 0;  // part of bytes_moved between different hosts
+  int64_t max_send_bytes = 0;    // most bytes one process sends
+  int64_t max_recv_bytes = 0;    // most bytes one process receives
+  int64_t min_bytes = 0;         // the bytes new processes need but do not hold (lower bound)
+  int64_t local_copy_bytes = 0;  // copied within a process between different places
+  int64_t kept_bytes = 0;        // in buffers a process keeps unchanged
+  int64_t total_bytes = 0;       // the new layout's state, all ranks together
+  int64_t messages = 0;
+};
+
+class TransferPlan {
+ public:
+  // Throws ConfigError when the layouts describe different models, `to` holds a kind `from`
+  // lacks, a list has the wrong length, process or host ids are negative, process ids repeat
+  // within a list, or a surviving process changes host.
+  static TransferPlan build(const layout::StateLayout& from, const layout::StateLayout& to,
+                            const std::vector<int>& host_of_old_rank,
+                            const std::vector<int>& host_of_new_rank,
+                            const std::vector<int>& old_ids, const std::vector<int>& new_ids);
+  // Same processes: old rank i and new rank i are process i (the world may grow or shrink).
+  static TransferPlan build(const layout::StateLayout& from, const layout::StateLayout& to,
+                            const std::vector<int>& host_of_old_rank,
+                            const std::vector<int>& host_of_new_rank);
+
+  // Every process of the transition, ascending: the members of the union world (executor.h);
+  // process processes()[u] is rank u of that world.
+  const std::vector<int>& processes() const { return processes_; }
+  // Rank of `process` in the union world; throws InvalidArgumentError for a stranger.
+  int union_rank(int process) const;
+  // The process's old / new rank, -1 when it has none (joining / leaving).
+  int old_rank_of(int process) const;
+  int new_rank_of(int process) const;
+  int process_of_old_rank(int rank) const { return old_ids_.at(size_t(rank)); }
+  int process_of_new_rank(int rank) const { return new_ids_.at(size_t(rank)); }
+  int old_world() const { return int(old_ids_.size()); }
+  int new_world() const { return int(new_ids_.size()); }
+
+  // Buffer sizes (floats) per old / new rank, as the layouts say.
+  const std::vector<int64_t>& old_buffer_sizes(int old_rank) const;
+  const std::vector<int64_t>& new_buffer_sizes(int new_rank) const;
+
+  const std::vector<Transfer>& transfers() const { return transfers_; }
+  // Ordered by (src_process, dst_process).
+  const std::vector<Message>& messages() const { return messages_; }
+  // The transfers within `process` (old buffer -> new buffer), in order.
+  std::vector<int> local_transfers(int process) const;
+  // For new rank j's buffer b: the old buffer of the same process holding exactly its contents
+  // in exactly its layout (no transfer writes that buffer), or -1.
+  int kept_from(int new_rank, int buffer) const;
+
+  const TransferStats& stats() const { return stats_; }
+
+ private:
+  std::vector<int> processes_, old_ids_, new_ids_;
+  std::vector<std::vector<int64_t>> old_sizes_, new_sizes_;
+  std::vector<std::vector<int>> kept_;  // [new rank][buffer]
+  std::vector<Transfer> transfers_;
+  std::vector<Message> messages_;
+  TransferStats stats_;
+};
+
+}  // namespace tessel::reshard

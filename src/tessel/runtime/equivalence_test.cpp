@@ -174,7 +174,8 @@ TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
   ASSERT_TRUE(std::filesystem::exists(bin)) << bin << " is not built; build the `tessel` target";
   // `tessel train` runs one worker in-process with the Trainer itself; (1,1,1) runs the
   // parallel worker under the launcher instead, so that its path is compared too.
-  const auto args = c.world() == 1 ? fmt::format("launch -n 1 -- {} worker {}", bin.string(), cfg)
+  const auto args = c.world() == 1 ? fmt::format("launch -n 1 --log-dir {} -- {} worker {}",
+                                                 (dir / "logs").string(), bin.string(), cfg)
                                    : fmt::format("train {} --nproc {}", cfg, c.world());
   std::string out;
   int rc = tessel::testing::run_command(fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} {}",

@@ -30,7 +30,12 @@
 //    must not kill the launcher and orphan its workers) and restored before it returns.
 //  * Every wait is bounded; when launch() returns (or throws) all workers have been reaped, their
 //    process groups sent SIGKILL (no stray grandchildren), and every fd it opened is closed.
-//    Launches in one process are serialised (a mutex): the signal plumbing is process-wide.
+//    Launches in one process are serialised (the signal plumbing is process-wide), with each
+//    other and with every Supervisor; launch() on a thread that holds a live Supervisor throws
+//    ConfigError instead of waiting forever.
+//
+// launch() is a Supervisor (supervisor.h; it does the process, output and signal work described
+// above) plus the policy "the first failure is THE failure; wait peer_grace; stop the rest".
 //
 // Exit code of the launch: 0 when every rank exited 0 and no signal interrupted the launcher;
 // otherwise the failed rank's exit code (127 when its command could not be run), 128 + signal
@@ -43,6 +48,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "tessel/runtime/supervisor.h"  // WorkerExit, signal_name
 
 namespace tessel::runtime {
 
@@ -64,24 +71,6 @@ struct LaunchOptions {
   std::map<std::string, std::string> extra_env;
 };
 
-struct WorkerExit {
-  int rank = 0;
-  pid_t pid = -1;
-  bool signaled = false;  // true: ended by `signal`; false: exited with `code`
-  int code = 0;           // exit status when !signaled (127 when the command could not be run)
-  int signal = 0;         // terminating signal when signaled
-  bool core_dumped = false;
-  bool could_not_run = false;         // exec failed; `exec_error` says why, code is 127
-  std::string exec_error;             // strerror of the failed exec
-  bool stopped_by_launcher = false;   // the launcher signalled it (shutdown) before it ended
-  std::chrono::milliseconds wall{0};  // from spawn to reap
-
-  bool ok() const { return !signaled && code == 0; }
-  // "exited with code 3", "was killed by signal 9 (SIGKILL)", "could not run 'x': No such file
-  // or directory (exit code 127)".
-  std::string describe(const std::string& program = "") const;
-};
-
 struct LaunchResult {
   int exit_code = 0;                // 0 when all ranks exited 0; see the header comment
   std::vector<WorkerExit> workers;  // indexed by rank
@@ -100,9 +89,6 @@ struct LaunchResult {
 // already started are killed and reaped first). A worker's failure is reported in the result,
 // never thrown.
 LaunchResult launch(const LaunchOptions& options);
-
-// "SIGKILL" for 9; "signal 42" for a signal without a name.
-std::string signal_name(int sig);
 
 // OMP_NUM_THREADS the launcher gives each of nproc workers: max(1, usable cores / nproc), where
 // usable cores is the size of this process's CPU affinity mask.

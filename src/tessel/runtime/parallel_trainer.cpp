@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <deque>
 #include <optional>
+#include <span>
 
 #include "tessel/comm/process_groups.h"
 #include "tessel/core/check.h"
@@ -16,7 +17,11 @@
 #include "tessel/data/batch_loader.h"
 #include "tessel/data/token_source.h"
 #include "tessel/kernels/backend.h"
+#include "tessel/layout/state_layout.h"
+#include "tessel/layout/training_state.h"
 #include "tessel/model/transformer.h"
+#include "tessel/reshard/executor.h"
+#include "tessel/reshard/transfer_plan.h"
 #include "tessel/runtime/bucketed_all_reduce.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
@@ -71,7 +76,12 @@ WorkerEnv WorkerEnv::from_environment() {
   return e;
 }
 
-struct ParallelTrainer::Impl {
+namespace {
+
+// One generation of the job: this process as rank `rank` of `plan`, with its process groups, its
+// model chunks and its optimizer state. A live switch of plans builds a new World and moves the
+// state into it (ParallelTrainer::Impl::transition).
+struct World {
   // One model chunk (virtual stage) of this pipeline rank.
   struct Chunk {
     int vs = 0;
@@ -90,9 +100,10 @@ struct ParallelTrainer::Impl {
     int grad_bucket_id = -1;  // the chunk's gradient buffer in grad_reduce
   };
 
-  TrainConfig cfg;
+  const TrainConfig& cfg;
   WorkerEnv env;
   layout::Plan plan;
+  int rank = 0;  // in this generation's world
   comm::ProcessGroups groups;
   std::unique_ptr<CommTpGroup> tp_group;
   std::unique_ptr<kernels::Backend> backend;
@@ -113,9 +124,11 @@ struct ParallelTrainer::Impl {
   double last_grad_norm = 0;
   double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
 
-  Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
-    cfg.validate_for_workers(env.world_size);
-    plan = cfg.plan.with_defaults(cfg.model);
+  // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
+  // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
+  World(const TrainConfig& c, const WorkerEnv& e, const layout::Plan& p, int rank_in_plan,
+        int64_t generation, bool init_params)
+      : cfg(c), env(e), plan(p.with_defaults(c.model)), rank(rank_in_plan) {
     if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
 
     comm::GridLayout grid;
@@ -127,10 +140,10 @@ struct ParallelTrainer::Impl {
     comm::StoreOptions store;
     store.path = env.store_dir;
     store.job_id = env.job_id;
-    store.generation = env.generation;
+    store.generation = generation;
     const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
     store.timeout = timeout;
-    groups = comm::connect_process_groups(store, grid, env.rank, env.world_size, timeout);
+    groups = comm::connect_process_groups(store, grid, rank, plan.world(), timeout);
     if (plan.tp > 1) tp_group = std::make_unique<CommTpGroup>(*groups.tp);
 
     backend = kernels::make_backend(cfg.training.backend);
@@ -183,7 +196,7 @@ struct ParallelTrainer::Impl {
                                                       tp_group.get(), peak[size_t(c)]);
       ch.slot_of.assign(size_t(M), -1);
       for (int i = peak[size_t(c)] - 1; i >= 0; --i) ch.free_slots.push_back(i);
-      ch.model->init(cfg.training.seed);
+      if (init_params) ch.model->init(cfg.training.seed);
       const int64_t n = ch.model->num_params();
       ch.own_n = n;
       if (plan.zero_stage == 1) {
@@ -219,16 +232,26 @@ struct ParallelTrainer::Impl {
     grad_in.assign(act_in.size(), std::vector<float>(size_t(B * T * C)));
     lr_schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                              cfg.training.steps};
-    if (env.rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+    if (rank == 0) metrics = MetricsWriter(cfg.metrics_path);
   }
 
-  bool is_first_rank_of_job() const { return env.rank == 0; }
+  // This rank's training state in StateLayout order (layout/state_layout.h): per chunk, its
+  // parameters, Adam m and Adam v (ZeRO-1: the owned range only).
+  std::vector<std::span<float>> state_buffers() {
+    std::vector<std::span<float>> out;
+    for (auto& ch : chunks) {
+      out.emplace_back(ch.model->params().data<float>(), size_t(ch.model->num_params()));
+      out.emplace_back(ch.adam_m.data<float>(), size_t(ch.adam_m.numel()));
+      out.emplace_back(ch.adam_v.data<float>(), size_t(ch.adam_v.numel()));
+    }
+    return out;
+  }
 
   // Writes <dir>/rank<R>.params: for every parameter view of every chunk, a text line
   // "<name> <numel> <tp_rank> <tp_size>\n" followed by numel raw native floats (this rank's
   // local shard; tensor-parallel shards are not reassembled here).
   void dump_params(const std::string& dir) const {
-    auto path = fmt::format("{}/rank{}.params", dir, env.rank);
+    auto path = fmt::format("{}/rank{}.params", dir, rank);
     std::FILE* f = std::fopen(path.c_str(), "wb");
     TESSEL_CHECK(f != nullptr, IoError, "cannot write {} (TESSEL_DUMP_PARAMS)", path);
     bool ok = true;
@@ -449,45 +472,135 @@ struct ParallelTrainer::Impl {
   }
 };
 
+}  // namespace
+
+struct ParallelTrainer::Impl {
+  TrainConfig cfg;
+  WorkerEnv env;       // env.rank: this process's id, stable over generations (= its rank in each)
+  int generation = 0;  // index into the config's plans (0: parallel, i: timeline[i-1])
+  std::unique_ptr<World> world;  // null while this process has no rank in the current plan
+
+  Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
+    cfg.validate_for_workers(env.world_size);
+    // Processes beyond the first plan's world wait for the switch that gives them a rank.
+    if (env.rank < cfg.plan.world())
+      world = std::make_unique<World>(cfg, env, cfg.plan, env.rank, env.generation, true);
+  }
+
+  // The steps of the current generation end before this step.
+  int64_t generation_end() const {
+    return generation + 1 < cfg.generations() ? cfg.timeline[size_t(generation)].at_step
+                                              : cfg.training.steps;
+  }
+
+  // Live switch to the next generation's plan at a step boundary (the timeline): every process
+  // of the old or the new world joins one transition world, the training state moves by the
+  // TransferPlan (each piece from the nearest holder; nothing a process keeps moves), the new
+  // world's members build their chunks in the new generation and continue with the old world's
+  // step, data cursor and learning-rate position. Processes without a rank in the new plan drop
+  // their state; the others' old chunks are released once the move is done.
+  void transition() {
+    const int next = generation + 1;
+    const layout::Plan& from = cfg.plan_of_generation(generation);
+    const layout::Plan& to = cfg.plan_of_generation(next);
+    generation = next;
+    const int process = env.rank;
+    const bool in_new = process < to.world();
+    if (world == nullptr && !in_new) return;  // not involved
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto old_layout = layout::StateLayout::build(cfg.model, from);
+    const auto new_layout = layout::StateLayout::build(cfg.model, to);
+    // One host: every process is local.
+    const auto plan = reshard::TransferPlan::build(old_layout, new_layout,
+                                                   std::vector<int>(size_t(from.world()), 0),
+                                                   std::vector<int>(size_t(to.world()), 0));
+    comm::StoreOptions store;
+    store.path = env.store_dir;
+    store.job_id = env.job_id;
+    store.generation = env.generation + next;
+    const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+    store.timeout = timeout;
+    auto union_world = reshard::connect_transition_world(store, plan, process, timeout);
+    std::unique_ptr<World> successor;
+    if (in_new) successor = std::make_unique<World>(cfg, env, to, process, store.generation, false);
+    reshard::ProcessBuffers buffers;
+    if (world)
+      for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
+    if (successor) buffers.new_buffers = successor->state_buffers();
+    reshard::execute(plan, process, *union_world, buffers);
+    layout::ScalarState mine;
+    if (world) {
+      mine.step = world->step;
+      mine.lr_step = world->step;
+      mine.data_cursor = world->cursor;
+    }
+    const auto shared =
+        reshard::share_scalar_state(plan, process, *union_world, world ? &mine : nullptr);
+    world = std::move(successor);
+    if (world) {
+      world->step = shared.step;
+      world->cursor = shared.data_cursor;
+    }
+    if (process == 0) {
+      const auto& st = plan.stats();
+      spdlog::info(
+          "step {}: switched from {} to {} in {:.3f} s: {:.1f} MB moved between "
+          "processes, {:.1f} MB copied locally, {} messages",
+          shared.step, from.describe(), to.describe(), seconds_since(t0),
+          double(st.bytes_moved) / 1e6, double(st.local_copy_bytes) / 1e6, st.messages);
+    }
+  }
+};
+
 ParallelTrainer::ParallelTrainer(TrainConfig config, const WorkerEnv& env)
     : impl_(std::make_unique<Impl>(std::move(config), env)) {}
 ParallelTrainer::~ParallelTrainer() = default;
 
 double ParallelTrainer::train_step() {
+  TESSEL_CHECK(impl_->world != nullptr, InvalidArgumentError,
+               "process {} has no rank in the current plan", impl_->env.rank);
   double norm = 0;
-  return impl_->train_step(&norm);
+  return impl_->world->train_step(&norm);
 }
 
 TrainSummary ParallelTrainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
-  const bool lead = s.env.rank == 0;
+  const bool lead = s.env.rank == 0;  // process 0 is rank 0 of every plan
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
   if (lead) {
     spdlog::info("training {} on {} workers ({}) for {} steps, {} tokens per step", cfg.model.name,
-                 s.env.world_size, s.plan.describe(), cfg.training.steps, tokens_per_step);
+                 cfg.plan.world(), cfg.plan.describe(), cfg.training.steps, tokens_per_step);
   }
-  RunTracker tracker(s.step, cfg.training.steps, cfg.training.log_every, tokens_per_step, lead);
-  while (s.step < cfg.training.steps) {
-    tracker.begin_step();
-    double lr = s.lr_schedule.at(s.step);
-    double grad_norm = 0;
-    double loss = s.train_step(&grad_norm);
-    nlohmann::json record = tracker.end_step(s.step, loss, lr, grad_norm, s.cursor);
-    if (s.plan.pp > 1) record["pipeline_idle"] = s.pipeline_idle;
-    if (lead) s.metrics.write(record);
+  RunTracker tracker(s.world ? s.world->step : 0, cfg.training.steps, cfg.training.log_every,
+                     tokens_per_step, lead);
+  for (;;) {
+    while (s.world && s.world->step < s.generation_end()) {
+      World& w = *s.world;
+      tracker.begin_step();
+      double lr = w.lr_schedule.at(w.step);
+      double grad_norm = 0;
+      double loss = w.train_step(&grad_norm);
+      nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
+      if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
+      if (s.generation > 0) record["generation"] = s.generation;
+      if (lead) w.metrics.write(record);
+    }
+    if (s.generation + 1 >= cfg.generations()) break;
+    s.transition();
   }
   const double elapsed = tracker.elapsed_seconds();
   const TrainSummary& summary = tracker.finish();
+  if (s.world == nullptr) return summary;  // left the job at a switch
+  World& w = *s.world;
   if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
-    s.dump_params(dir);
+    w.dump_params(dir);
   // Nobody leaves before everyone is done with the last step's collectives.
-  s.groups.world->barrier();
+  w.groups.world->barrier();
   if (lead && summary.steps_run > 0) {
     std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
                 static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
-                s.env.world_size, summary.final_loss,
-                format_rate(summary.tokens_per_second).c_str());
+                w.plan.world(), summary.final_loss, format_rate(summary.tokens_per_second).c_str());
   }
   return summary;
 }

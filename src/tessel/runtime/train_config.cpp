@@ -52,9 +52,9 @@ model::ModelConfig read_model(YamlSection s) {
   return m;
 }
 
-// Reads the optional `parallel:` section into c.plan (after `training`, whose batch sizes it uses).
-void read_parallel(YamlSection s, TrainConfig& c) {
-  layout::Plan& p = c.plan;
+// Reads the plan keys of a `parallel:` section into `p` (micro-batching derived from training,
+// see train_config.h); returns the plan's micro_batch.
+void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) {
   s.read("dp", p.dp);
   s.read("tp", p.tp);
   s.read("pp", p.pp);
@@ -67,34 +67,62 @@ void read_parallel(YamlSection s, TrainConfig& c) {
   std::string order = std::string(layout::rank_order_name(p.order));
   s.read("rank_order", order);
   p.order = layout::parse_rank_order(order);
+  TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
+  const int64_t G = training.global_batch;
+  const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
+  if (s.has("micro_batch")) {
+    s.read("micro_batch", p.micro_batch);
+  } else if (p.dp == 1) {
+    p.micro_batch = training.micro_batch;  // validate() explains a micro_batch that does not divide
+  } else if (per_replica > 0) {
+    int64_t mb = std::min(std::max<int64_t>(training.micro_batch, 1), per_replica);
+    while (per_replica % mb != 0) --mb;
+    p.micro_batch = mb;
+  } else {
+    p.micro_batch = std::max<int64_t>(training.micro_batch, 1);
+  }
+  // When the sizes do not divide, the floor still makes validate() explain which one to change.
+  p.micro_batches = p.micro_batch >= 1 ? std::max<int64_t>(1, per_replica / p.micro_batch) : 1;
+}
+
+// Reads the optional `parallel:` section into c.plan (after `training`, whose batch sizes it uses).
+void read_parallel(YamlSection s, TrainConfig& c) {
+  read_plan(s, c.training, c.plan);
   s.read("timeout_s", c.comm_timeout_s);
   TESSEL_CHECK(c.comm_timeout_s > 0, ConfigError, "{}: must be > 0 seconds, got {}",
                s.where("timeout_s"), c.comm_timeout_s);
   s.read("bucket_mb", c.bucket_mb);
   TESSEL_CHECK(c.bucket_mb > 0, ConfigError, "{}: must be > 0 MiB, got {}", s.where("bucket_mb"),
                c.bucket_mb);
-  TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
-  const int64_t G = c.training.global_batch;
-  const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
-  if (s.has("micro_batch")) {
-    s.read("micro_batch", p.micro_batch);
-  } else if (p.dp == 1) {
-    p.micro_batch =
-        c.training.micro_batch;  // validate() explains a micro_batch that does not divide
-  } else if (per_replica > 0) {
-    int64_t mb = std::min(std::max<int64_t>(c.training.micro_batch, 1), per_replica);
-    while (per_replica % mb != 0) --mb;
-    p.micro_batch = mb;
-  } else {
-    p.micro_batch = std::max<int64_t>(c.training.micro_batch, 1);
-  }
-  // A count that does not divide leaves micro_batches at 0 for validate() to explain.
-  // When the sizes do not divide, the floor still makes validate() explain which one to change.
-  p.micro_batches = p.micro_batch >= 1 ? std::max<int64_t>(1, per_replica / p.micro_batch) : 1;
-  if (p.micro_batch >= 1) c.training.micro_batch = p.micro_batch;
+  if (c.plan.micro_batch >= 1) c.training.micro_batch = c.plan.micro_batch;
   s.reject_unknown_keys();
 }
 
+// The optional `timeline:` list (after `parallel`).
+void read_timeline(YamlSection& top, TrainConfig& c) {
+  for (auto& entry : top.list("timeline")) {
+    PlanSwitch sw;
+    TESSEL_CHECK(entry.has("at_step"), ConfigError,
+                 "{}: every timeline entry needs 'at_step' (e.g. {{at_step: 100, parallel: {{dp: "
+                 "2}}}})",
+                 entry.where("at_step"));
+    entry.read("at_step", sw.at_step);
+    TESSEL_CHECK(entry.has("parallel"), ConfigError,
+                 "{}: every timeline entry needs the plan to switch to (parallel: {{dp: .., tp: "
+                 ".., pp: ..}})",
+                 entry.where("parallel"));
+    auto par = entry.section("parallel");
+    read_plan(par, c.training, sw.plan);
+    par.reject_unknown_keys();
+    entry.reject_unknown_keys();
+    const int64_t prev = c.timeline.empty() ? 0 : c.timeline.back().at_step;
+    TESSEL_CHECK(sw.at_step > prev && sw.at_step < c.training.steps, ConfigError,
+                 "{}: is {} but timeline steps must increase and lie in ({}, {}) (after the "
+                 "previous switch, before training.steps)",
+                 entry.where("at_step"), sw.at_step, prev, c.training.steps);
+    c.timeline.push_back(std::move(sw));
+  }
+}
 }  // namespace
 
 TrainConfig TrainConfig::load(const std::string& path) {
@@ -154,10 +182,12 @@ TrainConfig TrainConfig::load(const std::string& path) {
   c.metrics_path = resolve(c.metrics_path, base);
 
   read_parallel(top.section("parallel"), c);
+  read_timeline(top, c);
 
   top.reject_unknown_keys();
   c.validate();
   c.plan = c.plan.with_defaults(c.model);
+  for (auto& sw : c.timeline) sw.plan = sw.plan.with_defaults(c.model);
   return c;
 }
 
@@ -207,11 +237,48 @@ void TrainConfig::validate_plan(int workers) const {
     // Adds the config file to the plan's message; its location already names where it failed.
     throw ConfigError(fmt::format("{}: parallel: {}", source, e.what()));
   }
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    const auto& p = timeline[i].plan;
+    try {
+      p.validate(model, training.global_batch, p.world());
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}: timeline[{}].parallel: {}", source, i, e.what()));
+    }
+  }
+}
+
+const layout::Plan& TrainConfig::plan_of_generation(int generation) const {
+  TESSEL_CHECK(generation >= 0 && generation <= int(timeline.size()), InvalidArgumentError,
+               "generation {} is outside the config's 0..{}", generation, timeline.size());
+  return generation == 0 ? plan : timeline[size_t(generation - 1)].plan;
+}
+
+int TrainConfig::generation_at(int64_t step) const {
+  int g = 0;
+  while (g < int(timeline.size()) && timeline[size_t(g)].at_step <= step) ++g;
+  return g;
+}
+
+const layout::Plan& TrainConfig::plan_at(int64_t step) const {
+  return plan_of_generation(generation_at(step));
+}
+
+int TrainConfig::max_workers() const {
+  int n = plan.world();
+  for (const auto& sw : timeline) n = std::max(n, sw.plan.world());
+  return n;
 }
 
 void TrainConfig::validate_for_workers(int workers) const {
   validate();
-  validate_plan(workers);
+  if (timeline.empty()) {
+    validate_plan(workers);
+  } else {
+    TESSEL_CHECK(workers == max_workers(), ConfigError,
+                 "{}: the timeline's largest plan needs {} workers but {} were started; run "
+                 "with --nproc {}",
+                 source, max_workers(), workers, max_workers());
+  }
   if (workers > 1) {
     TESSEL_CHECK(training.eval_every == 0, ConfigError,
                  "{}: 'training.eval_every' is {} but evaluation is not supported with more than "
@@ -221,10 +288,15 @@ void TrainConfig::validate_for_workers(int workers) const {
                  "{}: 'checkpoint.dir' is set but checkpoints are not supported with more than one "
                  "worker yet; remove it or train with one worker",
                  source);
-    TESSEL_CHECK(plan.zero_stage == 0 || plan.zero_stage == 1, ConfigError,
-                 "{}: 'parallel.zero_stage' is {} but the multi-worker trainer supports only 0 "
-                 "and 1 yet; set it to 0 or 1",
-                 source, plan.zero_stage);
+    for (int g = 0; g < generations(); ++g) {
+      const auto& p = plan_of_generation(g);
+      TESSEL_CHECK(p.zero_stage == 0 || p.zero_stage == 1, ConfigError,
+                   "{}: '{}zero_stage' is {} but the multi-worker trainer supports only 0 "
+                   "and 1 yet; set it to 0 or 1",
+                   source,
+                   g == 0 ? std::string("parallel.") : fmt::format("timeline[{}].parallel.", g - 1),
+                   p.zero_stage);
+    }
   }
 }
 

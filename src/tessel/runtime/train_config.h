@@ -1,14 +1,15 @@
 // The training job configuration, read from a YAML file.
 //
-//   model:      {preset: gpt2-tiny, n_layer: 4, ...}     a preset, optionally with fields
-//   overridden data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1} training:
-//   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
+//   model:      {preset: gpt2-tiny, n_layer: 4, ...}   a preset, optionally with fields overridden
+//   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
+//   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
 //                log_every, backend, threads}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep}
 //   output:     {metrics}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
-//                rank_order, timeout_s}   (optional; default: one worker, dp = tp = pp = 1)
+//                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
+//   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}}, ...]   (optional)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -16,12 +17,19 @@
 // per step follow as global_batch / (dp * micro_batch), and training.micro_batch is set to the
 // plan's micro_batch.
 //
+// timeline: live re-partitioning at step boundaries. Before step S (0-based: after S steps) the
+// running workers switch to the entry's plan (its `parallel` keys as above, minus the job-wide
+// timeout_s and bucket_mb), moving the whole training state directly between them
+// (reshard/transfer_plan.h), and continue. Entries are in increasing step order within
+// (0, training.steps). `tessel train --nproc N` needs N = the largest world over all plans.
+//
 // Every key is checked (unknown keys are errors) and the whole config is validated before any
 // work starts, so mistakes surface as one ConfigError naming the field and the fix.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tessel/kernels/optimizer.h"
 #include "tessel/layout/plan.h"
@@ -70,6 +78,12 @@ struct CheckpointConfig {
   int keep = 2;        // newest checkpoints kept
 };
 
+// One entry of the timeline: from step at_step on, train under `plan`.
+struct PlanSwitch {
+  int64_t at_step = 0;
+  layout::Plan plan;  // with layers_per_stage filled in
+};
+
 struct TrainConfig {
   std::string source;  // file it was read from, for messages
   model::ModelConfig model;
@@ -85,6 +99,16 @@ struct TrainConfig {
   // parallel.bucket_mb: size of the buckets in which data-parallel gradients are all-reduced
   // while backward still runs (ZeRO stage 0).
   double bucket_mb = 25;
+  std::vector<PlanSwitch> timeline;  // in increasing at_step order
+
+  // The plan in force during step `step` (0-based) and its generation: 0 for `plan`, i for
+  // timeline[i - 1].
+  const layout::Plan& plan_at(int64_t step) const;
+  int generation_at(int64_t step) const;
+  const layout::Plan& plan_of_generation(int generation) const;
+  int generations() const { return int(timeline.size()) + 1; }
+  // The most workers any plan of the run needs.
+  int max_workers() const;
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);
@@ -95,7 +119,8 @@ struct TrainConfig {
   // features a multi-worker run does not support yet (evaluation, checkpoints). Throws
   // ConfigError naming the field and the fix.
   void validate_for_workers(int workers) const;
-  bool is_parallel() const { return plan.world() > 1; }
+  // Whether the run needs the multi-worker path (more than one worker, or a timeline).
+  bool is_parallel() const { return plan.world() > 1 || !timeline.empty(); }
   // Plan::validate against `workers`, its message prefixed with the config file.
   void validate_plan(int workers) const;
   int64_t micro_steps() const { return training.global_batch / training.micro_batch; }

@@ -21,6 +21,19 @@ YamlSection YamlSection::section(const std::string& key) {
   return YamlSection(child, path_.empty() ? key : path_ + "." + key, file_);
 }
 
+std::vector<YamlSection> YamlSection::list(const std::string& key) {
+  known_.insert(key);
+  std::vector<YamlSection> out;
+  if (!has(key)) return out;
+  const YAML::Node items = node_[key];
+  const std::string name = path_.empty() ? key : path_ + "." + key;
+  TESSEL_CHECK(items.IsSequence(), ConfigError, "{}: '{}' must be a list (line {})", file_, name,
+               items.Mark().line + 1);
+  for (size_t i = 0; i < items.size(); ++i)
+    out.emplace_back(items[i], fmt::format("{}[{}]", name, i), file_);
+  return out;
+}
+
 std::string YamlSection::where(const std::string& key) const {
   return fmt::format("{}: '{}'", file_, path_.empty() ? key : path_ + "." + key);
 }

@@ -39,6 +39,9 @@ class YamlSection {
   void read(const std::string& key, T& out);
   // A nested section; an absent key gives an empty section.
   YamlSection section(const std::string& key);
+  // A list of sections ("key[0]", "key[1]", ...); an absent key gives an empty list. Throws
+  // ConfigError when the value is not a list of mappings.
+  std::vector<YamlSection> list(const std::string& key);
   // Throws ConfigError for the first key that no read()/section()/has()-then-read call consumed.
   void reject_unknown_keys() const;
   const std::string& path() const { return path_; }

@@ -1,0 +1,166 @@
+// Live re-partitioning: a run whose config switches plans at step boundaries (`timeline:`) moves
+// the whole training state between the workers and continues; its per-step losses and final
+// parameters equal the single-process run's, like a run that never switched. Real processes:
+// `tessel train CONFIG --nproc N`, N the largest world of the timeline (processes without a rank in
+// the current plan wait for the switch that gives them one, or leave).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tessel/core/error.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/trainer.h"
+
+namespace tessel::runtime {
+namespace {
+
+using tessel::testing::TempDir;
+using testing::make_corpus;
+using testing::write_config;
+
+constexpr int kSteps = 8;
+
+const std::string kTraining = fmt::format(
+    "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
+    "optimizer: {{lr: 0.01, warmup_steps: 1}}\n"
+    "output: {{metrics: metrics.jsonl}}\n",
+    kSteps);
+
+std::vector<nlohmann::json> read_records(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// rank0.params of TESSEL_DUMP_PARAMS (one rank holding every whole tensor: a (1,1,1) last plan).
+std::map<std::string, std::vector<float>> read_whole_dump(const std::filesystem::path& path) {
+  std::map<std::string, std::vector<float>> out;
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in) << path << " was not written";
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream head(line);
+    std::string name;
+    int64_t numel = 0;
+    head >> name >> numel;
+    std::vector<float> v(static_cast<size_t>(numel));
+    in.read(reinterpret_cast<char*>(v.data()), std::streamsize(numel * sizeof(float)));
+    out[name] = std::move(v);
+  }
+  return out;
+}
+
+void expect_switching_run_matches(const std::string& preset, const std::string& plans, int nproc) {
+  SCOPED_TRACE(preset + "\n" + plans);
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  Trainer single(TrainConfig::load(write_config(dir, corpus, kTraining, "single.yaml", preset)));
+  const auto expected = single.run().losses;
+  std::filesystem::remove(dir / "metrics.jsonl");
+
+  auto cfg = write_config(dir, corpus, kTraining + plans, "live.yaml", preset);
+  std::filesystem::create_directories(dir / "dump");
+  auto bin = tessel::testing::tessel_binary();
+  std::string out;
+  int rc = tessel::testing::run_command(
+      fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} train {} --nproc {}",
+                  (dir / "dump").string(), bin.string(), cfg, nproc),
+      &out);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("switched from"), std::string::npos) << out;
+  auto records = read_records(dir / "metrics.jsonl");
+  ASSERT_EQ(records.size(), expected.size()) << out;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double loss = records[i].at("loss").get<double>();
+    EXPECT_NEAR(loss, expected[i], 1e-5 * expected[i]) << "step " << i;
+    EXPECT_EQ(records[i].value("cursor", int64_t(-1)), int64_t(12 * (i + 1))) << "step " << i;
+  }
+  // The last plan is (1,1,1): rank 0 holds every tensor whole.
+  auto dump = read_whole_dump(dir / "dump" / "rank0.params");
+  const auto& m = single.model();
+  const float* ref = m.params().data<float>();
+  double max_err = 0;
+  for (const auto& v : m.param_views()) {
+    ASSERT_TRUE(dump.count(v.name)) << v.name;
+    ASSERT_EQ(int64_t(dump[v.name].size()), v.numel) << v.name;
+    for (int64_t i = 0; i < v.numel; ++i)
+      max_err = std::max(max_err, double(std::abs(dump[v.name][size_t(i)] - ref[v.offset + i])));
+  }
+  // The tolerance of equivalence_test.cpp's per-element bound.
+  EXPECT_LT(max_err, 1e-3);
+  std::printf("%s: final parameters max abs difference %.2g\n", preset.c_str(), max_err);
+}
+
+// The sequence: dp 2 -> (tp 2 x pp 2: two processes join) -> one process (three leave).
+TEST(LiveReshard, DataToTensorAndPipelineToOneProcess) {
+  const std::string plans =
+      "parallel: {dp: 2}\n"
+      "timeline:\n"
+      "  - {at_step: 3, parallel: {tp: 2, pp: 2}}\n"
+      "  - {at_step: 6, parallel: {dp: 1}}\n";
+  expect_switching_run_matches("gpt2-tiny", plans, 4);
+  expect_switching_run_matches("llama-tiny", plans, 4);
+}
+
+// ZeRO-1 flat ranges and interleaved stages on both sides of a switch, shrinking and growing.
+TEST(LiveReshard, ZeroOneAndInterleavedAcrossSwitches) {
+  expect_switching_run_matches("gpt2-tiny",
+                               "parallel: {dp: 2, pp: 2, zero_stage: 1, micro_batch: 3}\n"
+                               "timeline:\n"
+                               "  - {at_step: 2, parallel: {dp: 3, zero_stage: 1}}\n"
+                               "  - {at_step: 4, parallel: {pp: 2, virtual_stages: 2, schedule: "
+                               "interleaved-1f1b}}\n"
+                               "  - {at_step: 6, parallel: {dp: 1}}\n",
+                               4);
+}
+
+TEST(LiveReshard, TimelineMistakesAreConfigErrors) {
+  TempDir dir;
+  auto load_error = [&](const std::string& extra) -> std::string {
+    try {
+      TrainConfig::load(write_config(dir, (dir / "none.tok").string(), kTraining + extra));
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(load_error("timeline:\n  - {at_step: 9, parallel: {dp: 2}}\n").find("before"),
+            std::string::npos);
+  EXPECT_NE(load_error("timeline:\n  - {at_step: 3, parallel: {dp: 2}}\n"
+                       "  - {at_step: 3, parallel: {dp: 1}}\n")
+                .find("must increase"),
+            std::string::npos);
+  EXPECT_NE(load_error("timeline:\n  - {parallel: {dp: 2}}\n").find("at_step"), std::string::npos);
+  EXPECT_NE(
+      load_error("timeline:\n  - {at_step: 3, parallel: {tp: 3}}\n").find("timeline[0].parallel"),
+      std::string::npos)
+      << load_error("timeline:\n  - {at_step: 3, parallel: {tp: 3}}\n");
+  EXPECT_NE(load_error("timeline:\n  - {at_step: 3, parallel: {dp: 2, timeout_s: 4}}\n")
+                .find("timeout_s"),
+            std::string::npos);
+  EXPECT_NE(load_error("timeline: {at_step: 3}\n").find("must be a list"), std::string::npos);
+  auto cfg = TrainConfig::load(write_config(
+      dir, (dir / "none.tok").string(),
+      kTraining + "parallel: {dp: 2}\ntimeline:\n  - {at_step: 3, parallel: {tp: 2, pp: 2}}\n"));
+  EXPECT_EQ(cfg.max_workers(), 4);
+  EXPECT_EQ(cfg.generation_at(2), 0);
+  EXPECT_EQ(cfg.generation_at(3), 1);
+  EXPECT_EQ(cfg.plan_at(5).tp, 2);
+  try {
+    cfg.validate_for_workers(2);
+    ADD_FAILURE() << "2 workers accepted for a timeline that needs 4";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--nproc 4"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tessel::runtime

@@ -1,12 +1,15 @@
 #include "tessel/cli/app.h"
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <memory>
 
+#include "tessel/cli/plan_command.h"
+#include "tessel/cli/store_command.h"
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
 #include "tessel/data/tokenizer.h"
@@ -57,6 +60,29 @@ int launch_training(const Args& args) {
   // After one worker fails, the others get up to the comm timeout (plus a little) to end with
   // their own PeerLostError / TimeoutError, so their logs say what they saw, before SIGTERM.
   opt.peer_grace = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000) + 2000);
+  if (!cfg.timeline.empty()) {
+    // Live re-partitioning: start with the first plan's workers; when rank 0 reaches a switch
+    // that needs more, it leaves a marker in the job's store and the new ranks are started to
+    // join the transition (workers without a rank in the next plan leave by themselves).
+    opt.nproc = cfg.plan.world();
+    opt.tick = std::chrono::milliseconds(50);
+    opt.world_size = cfg.max_workers();
+    auto next = std::make_shared<int>(1);  // the next generation whose marker is awaited
+    opt.on_tick = [cfg, next](const runtime::LaunchOptions::Spawn& spawn,
+                              const runtime::LaunchResult& job) {
+      while (*next < cfg.generations()) {
+        const int from = cfg.plan_of_generation(*next - 1).world();
+        const int to = cfg.plan_of_generation(*next).world();
+        if (to > from) {
+          const auto marker = fmt::format("{}/{}.switch-{}", job.store_dir, job.job_id, *next);
+          if (!std::filesystem::exists(marker)) return;
+          for (int r = from; r < to; ++r)
+            spawn(r, {{"TESSEL_JOIN_GENERATION", std::to_string(*next)}});
+        }
+        ++*next;
+      }
+    };
+  }
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = runtime::launch(opt);
   if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);
@@ -67,12 +93,16 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* cmd = app.add_subcommand("train", "train a model from a YAML config");
   cmd->add_option("config", args.config, "YAML config file")->required();
   cmd->add_option("--steps", args.steps, "override training.steps");
-  cmd->add_option("--nproc", args.nproc,
-                  "local worker processes; must equal dp * tp * pp of the config's parallel section");
-  cmd->add_option("--log-dir", args.train_log_dir, "directory for one log file per worker (--nproc > 1)");
-  cmd->callback([&] {
-    action = [&] {
+  auto* nproc = cmd->add_option(
+      "--nproc", args.nproc,
+      "local worker processes (default: as many as the config's plans need); must equal dp * tp * "
+      "pp of the parallel section, or the largest plan of the timeline");
+  cmd->add_option("--log-dir", args.train_log_dir,
+                  "directory for one log file per worker (--nproc > 1)");
+  cmd->callback([&, nproc] {
+    action = [&, nproc] {
       auto cfg = load_train_config(args);
+      if (nproc->count() == 0) args.nproc = cfg.max_workers();
       if (args.nproc == 1 && !cfg.is_parallel()) {
         runtime::Trainer trainer(cfg);
         trainer.run();
@@ -99,14 +129,15 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
 void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* data = app.add_subcommand("data", "prepare training data");
   data->require_subcommand(1);
-  auto* prepare = data->add_subcommand("prepare", "tokenize text files (byte-level) into a token file");
+  auto* prepare =
+      data->add_subcommand("prepare", "tokenize text files (byte-level) into a token file");
   prepare->add_option("--input", args.inputs, "text files, one document each")->required();
   prepare->add_option("--output", args.output, "token file to write")->required();
   prepare->callback([&] {
     action = [&] {
       auto stats = data::prepare_dataset(args.inputs, args.output);
-      fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {})\n", args.output, stats.documents,
-                 stats.bytes, stats.tokens, data::ByteTokenizer::kVocabSize);
+      fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {})\n", args.output,
+                 stats.documents, stats.bytes, stats.tokens, data::ByteTokenizer::kVocabSize);
       fmt::print("unigram entropy of the bytes: {:.3f} bits = {:.3f} nats per token\n",
                  stats.entropy_bits, stats.entropy_nats);
       return 0;
@@ -116,7 +147,8 @@ void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
 
 void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* cmd = app.add_subcommand(
-      "launch", "run N local copies of a worker command, torchrun style (rank and world in the environment)");
+      "launch",
+      "run N local copies of a worker command, torchrun style (rank and world in the environment)");
   cmd->add_option("-n,--nproc", args.nproc, "number of workers")->required();
   cmd->add_option("--log-dir", args.log_dir, "directory for one log file per rank");
   cmd->add_option("--stop-timeout", args.stop_timeout_s,
@@ -143,9 +175,11 @@ void add_presets(CLI::App& app, std::function<int()>& action) {
     action = [] {
       for (const auto& name : model::ModelConfig::preset_names()) {
         auto c = model::ModelConfig::preset(name);
-        fmt::print("{:<12} {:<6} layers {:>3}  hidden {:>6}  heads {:>3}/{:<3}  vocab {:>6}  params {:.3g}\n",
-                   name, model::family_name(c.family), c.n_layer, c.n_embd, c.n_head, c.n_kv_head,
-                   c.vocab_size, double(c.num_params()));
+        fmt::print(
+            "{:<12} {:<6} layers {:>3}  hidden {:>6}  heads {:>3}/{:<3}  vocab {:>6}  params "
+            "{:.3g}\n",
+            name, model::family_name(c.family), c.n_layer, c.n_embd, c.n_head, c.n_kv_head,
+            c.vocab_size, double(c.num_params()));
       }
       return 0;
     };
@@ -164,6 +198,8 @@ int run(int argc, char** argv) {
   add_data(app, args, action);
   add_launch(app, args, action);
   add_presets(app, action);
+  add_plan_command(app, action);
+  add_store_command(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

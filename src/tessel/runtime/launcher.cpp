@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -111,29 +112,40 @@ LaunchResult launch(const LaunchOptions& o) {
   }
   for (const auto& [k, v] : o.extra_env) so.env[k] = v;
   so.env["WORLD_SIZE"] = so.env["LOCAL_WORLD_SIZE"] = so.env["TESSEL_WORLD_SIZE"] =
-      std::to_string(o.nproc);
+      std::to_string(o.world_size > 0 ? o.world_size : o.nproc);
   so.env["TESSEL_JOB_ID"] = result.job_id;
   so.env["TESSEL_STORE_DIR"] = result.store_dir;
   so.env["TESSEL_GENERATION"] = "0";
 
   Supervisor sup(std::move(so));
-  for (int r = 0; r < o.nproc; ++r) {
-    std::string rank = std::to_string(r);
+  // Supervisor ids count spawns (never reused); ranks may be started again (on_tick).
+  std::vector<int> rank_of_id;
+  std::set<int> ranks_started;
+  int left = 0;
+  auto spawn = [&](int rank, const std::map<std::string, std::string>& env) {
+    const std::string r = std::to_string(rank);
     WorkerSpec spec;
-    spec.id = r;
+    spec.id = int(rank_of_id.size());
     spec.command = o.command;
-    spec.env = {{"RANK", rank}, {"LOCAL_RANK", rank}, {"TESSEL_RANK", rank}};
+    spec.env = env;
+    spec.env["RANK"] = spec.env["LOCAL_RANK"] = spec.env["TESSEL_RANK"] = r;
+    spec.log_name = "rank" + r + ".log";
+    spec.append_log = ranks_started.count(rank) > 0;
+    spec.console_prefix = o.prefix_console ? "[rank " + r + "] " : "";
     sup.spawn(spec);
-  }
+    rank_of_id.push_back(rank);
+    ranks_started.insert(rank);
+    result.workers.emplace_back();
+    ++left;
+  };
+  for (int r = 0; r < o.nproc; ++r) spawn(r, {});
 
   // Policy: the first worker that does not end ok (or the launcher's own interruption) is THE
   // failure; the others get peer_grace to end by themselves, then terminate_all().
-  result.workers.resize(static_cast<size_t>(o.nproc));
-  int left = o.nproc;
   bool in_grace = false;  // a failure happened; terminate_all() at term_at
   Clock::time_point term_at{};
   while (left > 0) {
-    milliseconds wait{1000};
+    milliseconds wait = o.on_tick ? std::min(o.tick, milliseconds(1000)) : milliseconds(1000);
     if (in_grace) {
       wait = std::clamp(std::chrono::ceil<milliseconds>(term_at - Clock::now()), milliseconds(0),
                         wait);
@@ -149,12 +161,14 @@ LaunchResult launch(const LaunchOptions& o) {
         result.exit_code = 128 + sup.interrupt_signal();
       }
     }
-    for (const auto& e : exits) {
+    for (auto e : exits) {
+      const int rank = rank_of_id[static_cast<size_t>(e.id)];
+      e.rank = rank;
       result.workers[static_cast<size_t>(e.id)] = e;
       --left;
       if (e.ok() || !result.failure.empty()) continue;
-      result.failed_rank = e.id;
-      result.failure = fmt::format("rank {} (pid {}) {}", e.id, e.pid, e.describe(o.command[0]));
+      result.failed_rank = rank;
+      result.failure = fmt::format("rank {} (pid {}) {}", rank, e.pid, e.describe(o.command[0]));
       result.exit_code = e.status_lost ? 255 : e.signaled ? 128 + e.signal : e.code;
       size_t others = sup.running().size();
       if (others == 0) {
@@ -171,6 +185,16 @@ LaunchResult launch(const LaunchOptions& o) {
         in_grace = true;
         term_at = Clock::now() + o.peer_grace;
       } else {
+        sup.terminate_all();
+      }
+    }
+    if (o.on_tick && result.failure.empty() && !sup.interrupted()) {
+      try {
+        o.on_tick(spawn, result);
+      } catch (const std::exception& e) {
+        result.failure = fmt::format("starting more workers failed: {}", e.what());
+        result.exit_code = 1;
+        sup.notice(result.failure + "; stopping the workers");
         sup.terminate_all();
       }
     }

@@ -45,6 +45,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -55,6 +56,8 @@ namespace tessel::runtime {
 
 struct LaunchOptions {
   int nproc = 1;                     // number of workers; >= 1
+  int world_size = 0;  // WORLD_SIZE / TESSEL_WORLD_SIZE given to workers; 0: nproc (on_tick may
+                       // start more workers than nproc)
   std::vector<std::string> command;  // argv of every worker; command[0] is searched in PATH
   std::string log_dir;  // one file per rank, rank<R>.log (created if missing); empty: no files
   std::string job_id;   // TESSEL_JOB_ID; empty: 12 random hex digits
@@ -69,11 +72,21 @@ struct LaunchOptions {
   bool prefix_console = true;  // "[rank R] " before every console line
   int console_fd = 1;          // where console lines go (not closed); -1: nowhere
   std::map<std::string, std::string> extra_env;
+  // Workers started later: called after every poll of the workers (at least every `tick`) with
+  // a function that starts one more copy of `command` as rank `rank` (RANK, LOCAL_RANK and
+  // TESSEL_RANK set to it) with extra environment variables. A rank may be started again after
+  // its earlier worker ended (its log file is appended to). Used by `tessel train` to start the
+  // workers a timeline's switch adds. Its exceptions end the launch like a failure.
+  using Spawn = std::function<void(int rank, const std::map<std::string, std::string>& env)>;
+  // `job` holds the job id and store dir the workers see.
+  std::function<void(const Spawn& spawn, const struct LaunchResult& job)> on_tick;
+  std::chrono::milliseconds tick{1000};
 };
 
 struct LaunchResult {
   int exit_code = 0;                // 0 when all ranks exited 0; see the header comment
-  std::vector<WorkerExit> workers;  // indexed by rank
+  std::vector<WorkerExit> workers;  // indexed by worker (rank for the first nproc; later spawns
+                                    // follow in spawn order)
   // The first failure, e.g. "rank 2 (pid 1234) was killed by signal 9 (SIGKILL)" or
   // "rank 1 (pid 1234) exited with code 3"; empty on success.
   std::string failure;

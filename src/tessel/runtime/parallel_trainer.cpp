@@ -481,10 +481,29 @@ struct ParallelTrainer::Impl {
   std::unique_ptr<World> world;  // null while this process has no rank in the current plan
 
   Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
-    cfg.validate_for_workers(env.world_size);
-    // Processes beyond the first plan's world wait for the switch that gives them a rank.
-    if (env.rank < cfg.plan.world())
+    // A timeline's workers are started as its plans need them (tessel train), so the world size
+    // in the environment is only checked against runs without one.
+    cfg.validate_for_workers(cfg.timeline.empty() ? env.world_size : cfg.max_workers());
+    const int64_t join = env_int("TESSEL_JOIN_GENERATION", false);
+    if (join > 0) {
+      // Started for the switch to generation `join`: take part in it as a receiver only.
+      TESSEL_CHECK(join < cfg.generations() && env.rank < cfg.plan_of_generation(int(join)).world(),
+                   ConfigError,
+                   "TESSEL_JOIN_GENERATION={} with TESSEL_RANK={} does not match the config's "
+                   "timeline ({} plans)",
+                   join, env.rank, cfg.generations());
+      generation = int(join) - 1;
+    } else if (env.rank < cfg.plan.world()) {
       world = std::make_unique<World>(cfg, env, cfg.plan, env.rank, env.generation, true);
+    }
+    // Otherwise a process started before its plan needs it: it waits in the switch that gives it
+    // a rank (bounded by parallel.timeout_s).
+  }
+
+  // Where the launcher learns that the workers reached the switch to generation g (and starts the
+  // processes that join there): a file in the job's rendezvous directory.
+  std::string switch_marker(int g) const {
+    return fmt::format("{}/{}.switch-{}", env.store_dir, env.job_id, g);
   }
 
   // The steps of the current generation end before this step.
@@ -508,6 +527,12 @@ struct ParallelTrainer::Impl {
     const bool in_new = process < to.world();
     if (world == nullptr && !in_new) return;  // not involved
     const auto t0 = std::chrono::steady_clock::now();
+    if (process == 0 && world != nullptr && to.world() > from.world()) {
+      std::FILE* f = std::fopen(switch_marker(next).c_str(), "w");
+      TESSEL_CHECK(f != nullptr, IoError, "cannot create {} to ask for {} more workers",
+                   switch_marker(next), to.world() - from.world());
+      std::fclose(f);
+    }
     const auto old_layout = layout::StateLayout::build(cfg.model, from);
     const auto new_layout = layout::StateLayout::build(cfg.model, to);
     // One host: every process is local.

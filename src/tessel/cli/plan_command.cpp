@@ -1,0 +1,179 @@
+#include "tessel/cli/plan_command.h"
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tessel/core/atomic_file.h"
+#include "tessel/core/check.h"
+#include "tessel/planner/cluster.h"
+#include "tessel/planner/search.h"
+
+namespace tessel::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string model;
+  std::string cluster;  // empty: dgx-a100, or this-machine with --profile
+  std::string profile;
+  std::string precision;
+  int gpus = 0;
+  int64_t global_batch = 0;
+  int seq = 0;
+  int top = 10;
+  bool json = false;
+  std::string out;
+};
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  TESSEL_CHECK(in.good(), IoError, "cannot read profile '{}': no such file or not readable", path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    TESSEL_THROW(CorruptDataError, "profile '{}' is not valid JSON: {}", path, e.what());
+  }
+}
+
+std::string yes_no(bool b) {
+  return b ? "yes" : "no";
+}
+
+std::string gib(double bytes) {
+  return fmt::format("{:.1f}", bytes / (1024.0 * 1024.0 * 1024.0));
+}
+
+std::string table(const planner::SearchRequest& req, const planner::SearchResult& res) {
+  const auto& c = req.cluster;
+  std::string s = fmt::format(
+      "tessel plan: {} ({:.3g} params) on {} x {} ({}: {} host{} x {}), global batch {} x seq {}, "
+      "{}\n",
+      req.model.name, double(req.model.num_params()), c.num_devices(), c.device.name, c.name,
+      c.hosts, c.hosts == 1 ? "" : "s", c.devices_per_host, req.global_batch, req.seq,
+      planner::precision_name(req.precision));
+  s += fmt::format("searched {} layouts ({} over memory) in {:.3f} s\n\n", res.evaluated,
+                   res.rejected_memory, res.seconds);
+  s += fmt::format(
+      "{:>3} {:>5} {:>3} {:>4} {:>2} {:>12} {:<16} {:>4} {:>9} {:>9} {:>11} {:>6} "
+      "{:>9}\n",
+      "#", "dp", "tp", "pp", "v", "mb x m", "schedule", "zero", "recompute", "step s", "tokens/s",
+      "MFU", "GiB/dev");
+  int i = 0;
+  for (const auto& cand : res.ranked) {
+    const auto& p = cand.plan;
+    s += fmt::format(
+        "{:>3} {:>5} {:>3} {:>4} {:>2} {:>12} {:<16} {:>4} {:>9} {:>9.3f} {:>11.0f} {:>5.1f}% "
+        "{:>9}\n",
+        ++i, p.dp, p.tp, p.pp, p.virtual_stages,
+        fmt::format("{} x {}", p.micro_batch, p.micro_batches), layout::schedule_name(p.schedule),
+        p.zero_stage, yes_no(p.recompute), cand.step_s, cand.tokens_per_s, 100 * cand.mfu,
+        gib(cand.memory_bytes));
+  }
+  const auto& b = res.ranked.front();
+  s += fmt::format("\nbest: {}\n", b.plan.describe());
+  s += fmt::format(
+      "  step {:.3f} s = pipeline {:.3f} s ({} x slowest stage {:.4f} s; bubble {:.1f}%) + dp sync "
+      "{:.3f} s + optimizer {:.3f} s; {:.1f} of {} GiB per device\n",
+      b.step_s, b.pipeline_s, b.plan.virtual_stages * b.plan.micro_batches + b.plan.pp - 1,
+      b.max_stage_s, 100 * b.bubble, b.dp_exposed_s, b.optimizer_s,
+      b.memory_bytes / (1024.0 * 1024 * 1024), gib(b.capacity_bytes));
+  return s;
+}
+
+int run_plan(const PlanArgs& a) {
+  planner::SearchRequest req;
+  req.model = model::ModelConfig::preset(a.model);
+  const std::string cluster = !a.cluster.empty()  ? a.cluster
+                              : a.profile.empty() ? "dgx-a100"
+                                                  : "this-machine";
+  if (!a.profile.empty()) {
+    TESSEL_CHECK(cluster == "this-machine", ConfigError,
+                 "--profile describes this machine; use it with --cluster this-machine, not '{}'",
+                 cluster);
+    const nlohmann::json doc = read_json_file(a.profile);
+    req.cluster = planner::from_profile_json(doc);
+    if (doc.contains("layer_times"))
+      req.profile = planner::compute_profile_from_json(doc, req.model);
+  } else {
+    TESSEL_CHECK(cluster != "this-machine", ConfigError,
+                 "--cluster this-machine needs --profile FILE (written by `tessel profile`)");
+    req.cluster = planner::ClusterSpec::resolve(cluster);
+  }
+  if (a.gpus > 0) req.cluster = req.cluster.with_devices(a.gpus);
+  if (!a.precision.empty()) {
+    req.precision = planner::parse_precision(a.precision);
+  } else {
+    req.precision = req.cluster.device.peak(planner::Precision::bf16) > 0
+                        ? planner::Precision::bf16
+                        : planner::Precision::fp32;
+  }
+  req.global_batch = a.global_batch;
+  req.seq = a.seq > 0 ? a.seq : req.model.max_seq_len;
+  TESSEL_CHECK(a.top >= 1, ConfigError, "--top is {}; it must be at least 1", a.top);
+  req.options.top_k = a.top;
+
+  const planner::SearchResult res = planner::search(req);
+  const planner::Candidate& best = res.best();  // throws the infeasible answer
+
+  if (!a.out.empty()) {
+    const std::string text = layout::to_json(best.plan).dump(2) + "\n";
+    AtomicFileWriter file(a.out);
+    file.write(text.data(), text.size());
+    file.commit();
+  }
+  if (a.json) {
+    nlohmann::json doc;
+    doc["model"] = req.model.name;
+    doc["cluster"] = req.cluster.name;
+    doc["devices"] = req.cluster.num_devices();
+    doc["global_batch"] = req.global_batch;
+    doc["seq"] = req.seq;
+    doc["precision"] = planner::precision_name(req.precision);
+    doc["plan"] = layout::to_json(best.plan);
+    nlohmann::json predicted = planner::to_json(best);
+    predicted.erase("plan");
+    doc["predicted"] = predicted;
+    doc["alternatives"] = nlohmann::json::array();
+    for (const auto& c : res.ranked) doc["alternatives"].push_back(planner::to_json(c));
+    doc["search"] = {{"seconds", res.seconds},
+                     {"evaluated", res.evaluated},
+                     {"rejected_memory", res.rejected_memory}};
+    std::cout << doc.dump(2) << "\n";
+  } else {
+    std::cout << table(req, res);
+    if (!a.out.empty()) std::cout << fmt::format("wrote the best plan to {}\n", a.out);
+  }
+  std::cout.flush();
+  return 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, std::function<int()>& action) {
+  auto args = std::make_shared<PlanArgs>();
+  auto* cmd = app.add_subcommand(
+      "plan", "search the fastest dp x tp x pp layout of a model that fits a cluster");
+  cmd->add_option("--model", args->model, "model preset (see `tessel presets`)")->required();
+  cmd->add_option("--cluster", args->cluster,
+                  "dgx-a100 (the default), dgx-h100, a cluster YAML file, or this-machine (the "
+                  "default with --profile)");
+  cmd->add_option("--profile", args->profile,
+                  "profile JSON from `tessel profile`: plans for this machine with measured times");
+  cmd->add_option("--gpus", args->gpus, "total devices (default: the cluster's)");
+  cmd->add_option("--global-batch", args->global_batch, "samples per optimizer step")->required();
+  cmd->add_option("--seq", args->seq, "tokens per sample (default: the model's max_seq_len)");
+  cmd->add_option("--precision", args->precision,
+                  "fp32, bf16 or fp16 (default: bf16 where the device has it, else fp32)");
+  cmd->add_option("--top", args->top, "alternatives to list")->capture_default_str();
+  cmd->add_flag("--json", args->json, "print JSON instead of a table");
+  cmd->add_option("--out", args->out, "write the best plan's JSON to this file");
+  cmd->callback([args, &action] { action = [args] { return run_plan(*args); }; });
+}
+
+}  // namespace tessel::cli

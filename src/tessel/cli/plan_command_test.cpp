@@ -1,0 +1,152 @@
+// `tessel plan` through a CLI::App built here (parse, run the chosen action, read what it printed).
+#include "tessel/cli/plan_command.h"
+
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tessel/core/error.h"
+#include "tessel/layout/plan.h"
+#include "tessel/model/model_config.h"
+#include "tessel/testing/testing.h"
+
+namespace tessel::cli {
+namespace {
+
+// Parses `args` as the `tessel` command line and runs the plan action, returning its stdout.
+std::string run_plan(const std::string& args, int* status = nullptr) {
+  CLI::App app{"test"};
+  std::function<int()> action;
+  add_plan_command(app, action);
+  app.parse(args, false);
+  EXPECT_TRUE(action) << args;
+  std::ostringstream captured;
+  auto* old = std::cout.rdbuf(captured.rdbuf());
+  int rc = -1;
+  try {
+    rc = action();
+  } catch (...) {
+    std::cout.rdbuf(old);
+    throw;
+  }
+  std::cout.rdbuf(old);
+  if (status) *status = rc;
+  return captured.str();
+}
+
+TEST(PlanCommand, PrintsARankedTable) {
+  int rc = -1;
+  const std::string out = run_plan(
+      "plan --model gpt2-124m --cluster dgx-a100 --gpus 8 --global-batch 64 --seq 1024 --top 4",
+      &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("gpt2-124m"), std::string::npos) << out;
+  EXPECT_NE(out.find("8 x A100-SXM4-80GB"), std::string::npos) << out;
+  EXPECT_NE(out.find("tokens/s"), std::string::npos) << out;
+  EXPECT_NE(out.find("MFU"), std::string::npos) << out;
+  EXPECT_NE(out.find("\n  1 "), std::string::npos) << out;
+  EXPECT_NE(out.find("\n  4 "), std::string::npos) << out;
+  EXPECT_EQ(out.find("\n  5 "), std::string::npos) << out;
+  EXPECT_NE(out.find("best: dp="), std::string::npos) << out;
+  EXPECT_NE(out.find("bf16"), std::string::npos) << out;
+}
+
+TEST(PlanCommand, JsonCarriesTheBestPlanAndAlternatives) {
+  testing::TempDir dir;
+  const auto out_file = (dir / "plan.json").string();
+  const std::string out = run_plan(
+      "plan --model gpt2-350m --cluster dgx-h100 --gpus 16 --global-batch 32 --seq 512 --top 3 "
+      "--json --out " +
+      out_file);
+  const auto doc = nlohmann::json::parse(out);
+  const layout::Plan best = layout::plan_from_json(doc.at("plan"));
+  const auto model = model::ModelConfig::preset("gpt2-350m");
+  EXPECT_NO_THROW(best.validate(model, 32, 16));
+  EXPECT_EQ(doc.at("devices"), 16);
+  EXPECT_EQ(doc.at("cluster"), "dgx-h100");
+  ASSERT_TRUE(doc.at("alternatives").is_array());
+  EXPECT_GE(doc.at("alternatives").size(), 1u);
+  EXPECT_LE(doc.at("alternatives").size(), 3u);
+  EXPECT_EQ(layout::plan_from_json(doc.at("alternatives")[0].at("plan")), best);
+  for (const auto& alt : doc.at("alternatives")) {
+    EXPECT_NO_THROW(layout::plan_from_json(alt.at("plan")).validate(model, 32, 16));
+    EXPECT_GT(alt.at("tokens_per_s").get<double>(), 0);
+  }
+  EXPECT_GT(doc.at("predicted").at("step_s").get<double>(), 0);
+  EXPECT_GT(doc.at("predicted").at("mfu").get<double>(), 0);
+  EXPECT_FALSE(doc.at("predicted").contains("plan"));
+  // --out holds exactly the best plan.
+  std::ifstream in(out_file);
+  const layout::Plan written = layout::plan_from_json(nlohmann::json::parse(in));
+  EXPECT_EQ(written, best);
+}
+
+TEST(PlanCommand, ClusterFromYamlAndPrecision) {
+  testing::TempDir dir;
+  std::ofstream(dir / "lab.yaml") << "preset: dgx-a100\nname: lab\ndevice: {memory_gib: 40}\n";
+  const std::string out =
+      run_plan("plan --model gpt2-124m --cluster " + (dir / "lab.yaml").string() +
+               " --gpus 4 --global-batch 8 --seq 256 --precision fp32 --json");
+  const auto doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc.at("cluster"), "lab");
+  EXPECT_EQ(doc.at("precision"), "fp32");
+  EXPECT_EQ(doc.at("seq"), 256);
+  EXPECT_LE(doc.at("predicted").at("capacity_gib").get<double>(), 40.0);
+}
+
+TEST(PlanCommand, ThisMachineFromAProfile) {
+  testing::TempDir dir;
+  std::ofstream(dir / "profile.json") << R"({
+    "workers": 2, "memory_bytes": 8589934592, "flops": {"fp32": 2e11},
+    "p2p": {"bandwidth_bytes_per_s": 4e9, "latency_s": 3e-5},
+    "all_reduce": {"bus_bandwidth_bytes_per_s": 1.5e9, "latency_s": 8e-5},
+    "layer_times": {"seq": 64, "points": [
+      {"micro_batch": 1, "forward_s": 0.01, "backward_s": 0.02, "embedding_forward_s": 0.001,
+       "embedding_backward_s": 0.001, "head_forward_s": 0.02, "head_backward_s": 0.04}]}})";
+  const std::string out =
+      run_plan("plan --model gpt2-tiny --cluster this-machine --profile " +
+               (dir / "profile.json").string() + " --global-batch 8 --seq 64 --json");
+  const auto doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc.at("cluster"), "this-machine");
+  EXPECT_EQ(doc.at("devices"), 2);
+  EXPECT_EQ(doc.at("precision"), "fp32");  // the profile has no bf16 rate
+  EXPECT_NO_THROW(layout::plan_from_json(doc.at("plan"))
+                      .validate(model::ModelConfig::preset("gpt2-tiny"), 8, 2));
+  // --profile alone means this machine; with another cluster it is a mistake.
+  EXPECT_NE(run_plan("plan --model gpt2-tiny --profile " + (dir / "profile.json").string() +
+                     " --global-batch 8 --seq 64")
+                .find("this-machine"),
+            std::string::npos);
+  EXPECT_THROW(run_plan("plan --model gpt2-tiny --cluster dgx-a100 --profile " +
+                        (dir / "profile.json").string() + " --global-batch 8"),
+               ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-tiny --cluster this-machine --global-batch 8"),
+               ConfigError);
+}
+
+TEST(PlanCommand, InfeasibleRequestsSayWhy) {
+  try {
+    run_plan("plan --model gpt3-175b --cluster dgx-a100 --gpus 8 --global-batch 64 --seq 2048");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no layout of model 'gpt3-175b' fits"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("use >= "), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(run_plan("plan --model gpt2-124m --cluster dgx-z --global-batch 8"), ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-nope --global-batch 8"), ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-124m --gpus 12 --global-batch 8"), ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-124m --global-batch 8 --top 0"), ConfigError);
+  // Required options are CLI11 parse errors.
+  CLI::App app{"test"};
+  std::function<int()> action;
+  add_plan_command(app, action);
+  EXPECT_THROW(app.parse("plan --model gpt2-124m", false), CLI::ParseError);
+}
+
+}  // namespace
+}  // namespace tessel::cli

@@ -1,0 +1,307 @@
+#include "tessel/planner/search.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+
+#include "tessel/core/error.h"
+
+namespace tessel::planner {
+namespace {
+
+using layout::ScheduleKind;
+
+// Every way to cut `costs` into `stages` non-empty contiguous parts; the best largest part.
+double brute_force(const std::vector<double>& costs, int stages) {
+  const int U = int(costs.size());
+  double best = 1e300;
+  std::function<void(int, int, double)> go = [&](int begin, int left, double worst) {
+    if (left == 1) {
+      double sum = 0;
+      for (int u = begin; u < U; ++u) sum += costs[u];
+      best = std::min(best, std::max(worst, sum));
+      return;
+    }
+    double sum = 0;
+    for (int end = begin + 1; end <= U - (left - 1); ++end) {
+      sum += costs[end - 1];
+      go(end, left - 1, std::max(worst, sum));
+    }
+  };
+  go(0, stages, 0);
+  return best;
+}
+
+void check_split(const std::vector<double>& costs, int stages, const StageSplit& s) {
+  ASSERT_EQ(int(s.units_per_stage.size()), stages);
+  int begin = 0;
+  double worst = 0;
+  for (int n : s.units_per_stage) {
+    ASSERT_GE(n, 1);
+    double sum = 0;
+    for (int u = begin; u < begin + n; ++u) sum += costs[u];
+    worst = std::max(worst, sum);
+    begin += n;
+  }
+  EXPECT_EQ(begin, int(costs.size()));
+  EXPECT_NEAR(worst, s.max_cost, 1e-9 * std::max(1.0, worst));
+}
+
+TEST(BalanceStages, OptimalAgainstBruteForce) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> cost(0.0, 10.0);
+  std::uniform_int_distribution<int> pick(0, 3);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int U = 1 + trial % 11;
+    std::vector<double> costs(U);
+    for (auto& c : costs) {
+      // A mix of distinct values, repeats (like identical layers) and zeros, to hit ties.
+      const int kind = pick(rng);
+      c = kind == 0 ? 0.0 : kind == 1 ? 1.0 : cost(rng);
+    }
+    for (int S = 1; S <= U; ++S) {
+      const StageSplit s = balance_stages(costs, S);
+      check_split(costs, S, s);
+      EXPECT_NEAR(s.max_cost, brute_force(costs, S), 1e-9) << "trial " << trial << " S " << S;
+    }
+  }
+}
+
+TEST(BalanceStages, EmbeddingAndHeadHaveTheirOwnCosts) {
+  // Embedding worth half a block, 11 blocks, a head worth 1.5 blocks, 4 stages. Under 3.5 the
+  // stages could hold at most 2 + 3 + 3 + 1 blocks < 11, and 3.5 is reached only by
+  // emb + 3 | 3 | 3 | 2 + head: uneven, the head's stage with fewer blocks.
+  std::vector<double> costs(13, 1.0);
+  costs[0] = 0.5;
+  costs[12] = 1.5;
+  const StageSplit s = balance_stages(costs, 4);
+  EXPECT_DOUBLE_EQ(s.max_cost, 3.5);
+  EXPECT_EQ(brute_force(costs, 4), 3.5);
+  EXPECT_EQ(s.units_per_stage, (std::vector<int>{4, 3, 3, 3}));
+  EXPECT_THROW(balance_stages(costs, 15), InvalidArgumentError);
+  EXPECT_THROW(balance_stages(costs, 0), InvalidArgumentError);
+  costs[3] = -1;
+  EXPECT_THROW(balance_stages(costs, 2), InvalidArgumentError);
+}
+
+// Four CPU-like workers on one machine (the shape `tessel profile` describes).
+ClusterSpec cpu_workers(int workers = 4, double memory_gib = 16) {
+  nlohmann::json doc = {
+      {"workers", workers},
+      {"memory_bytes", int64_t(memory_gib * 1024 * 1024 * 1024)},
+      {"memory_bandwidth_bytes_per_s", 2e10},
+      {"flops", {{"fp32", 3e11}}},
+      {"p2p", {{"bandwidth_bytes_per_s", 4e9}, {"latency_s", 3e-5}}},
+      {"all_reduce", {{"bus_bandwidth_bytes_per_s", 1.5e9}, {"latency_s", 8e-5}}},
+  };
+  return from_profile_json(doc);
+}
+
+SearchRequest gpt2_on_cpus() {
+  SearchRequest r;
+  r.model = model::ModelConfig::preset("gpt2-124m");
+  r.cluster = cpu_workers();
+  r.global_batch = 16;
+  r.seq = 256;
+  r.precision = Precision::fp32;
+  return r;
+}
+
+TEST(Search, FindsAFeasiblePlanForGpt2OnFourCpus) {
+  const SearchRequest req = gpt2_on_cpus();
+  const SearchResult res = search(req);
+  ASSERT_TRUE(res.feasible()) << res.infeasible;
+  EXPECT_GT(res.evaluated, 0);
+  EXPECT_LE(int(res.ranked.size()), req.options.top_k);
+  for (size_t i = 0; i < res.ranked.size(); ++i) {
+    const Candidate& c = res.ranked[i];
+    SCOPED_TRACE(c.plan.describe());
+    EXPECT_NO_THROW(c.plan.validate(req.model, req.global_batch, 4));
+    EXPECT_LE(c.memory_bytes, c.capacity_bytes);
+    if (i > 0) {
+      EXPECT_GE(c.step_s, res.ranked[i - 1].step_s);
+    }
+    EXPECT_GT(c.mfu, 0);
+    EXPECT_LE(c.mfu, 1);
+    EXPECT_NEAR(c.tokens_per_s, 16.0 * 256 / c.step_s, 1e-6 * c.tokens_per_s);
+    // The pipeline runs v*m + p - 1 slots of the slowest stage; dp sync and optimizer follow.
+    EXPECT_NEAR(
+        c.pipeline_s,
+        double(c.plan.virtual_stages * c.plan.micro_batches + c.plan.pp - 1) * c.max_stage_s,
+        1e-12 * c.pipeline_s);
+    EXPECT_GE(c.step_s, c.pipeline_s + c.dp_exposed_s + c.optimizer_s - 1e-12);
+    EXPECT_NEAR(c.bubble,
+                double(c.plan.pp - 1) /
+                    double(c.plan.virtual_stages * c.plan.micro_batches + c.plan.pp - 1),
+                1e-12);
+    // The memory agrees with the memory model on the returned plan.
+    const auto mem = estimate_memory(req.model, c.plan, req.seq, req.precision, req.cluster.device);
+    EXPECT_DOUBLE_EQ(mem.peak().total(), c.memory_bytes);
+    // Scoring the returned plan again gives the same prediction.
+    EXPECT_NEAR(predict(req, c.plan).step_s, c.step_s, 1e-12 * c.step_s);
+  }
+  // The best plan's JSON is what the runtime reads back.
+  const layout::Plan& best = res.best().plan;
+  const layout::Plan back =
+      layout::plan_from_json(nlohmann::json::parse(layout::to_json(best).dump()));
+  EXPECT_EQ(back, best);
+  EXPECT_NO_THROW(back.validate(req.model, req.global_batch, 4));
+  const auto j = to_json(res.best());
+  EXPECT_EQ(layout::plan_from_json(j.at("plan")), best);
+  EXPECT_DOUBLE_EQ(j.at("step_s").get<double>(), res.best().step_s);
+}
+
+TEST(Search, PredictBalancesAnEmptySplitAndRejectsInvalidPlans) {
+  const SearchRequest req = gpt2_on_cpus();
+  layout::Plan p;
+  p.pp = 4;
+  p.micro_batch = 2;
+  p.micro_batches = 8;
+  const Candidate c = predict(req, p);
+  EXPECT_EQ(c.plan.layers_per_stage.size(), 4u);
+  EXPECT_GT(c.step_s, 0);
+  // Uneven balanced split beats (or ties) the default one.
+  layout::Plan d = p.with_defaults(req.model);
+  EXPECT_LE(c.step_s, predict(req, d).step_s + 1e-12);
+  // The slowest stage sets the pace: piling the blocks onto stage 0 is slower.
+  layout::Plan lopsided = p;
+  lopsided.layers_per_stage = {11, 1, 1, 1};
+  const Candidate l = predict(req, lopsided);
+  EXPECT_GT(l.max_stage_s, 1.5 * c.max_stage_s);
+  EXPECT_GT(l.step_s, c.step_s);
+  EXPECT_GT(l.memory_bytes, c.memory_bytes);
+  p.micro_batches = 7;  // 2 x 7 != 16
+  EXPECT_THROW(predict(req, p), ConfigError);
+}
+
+TEST(Search, OptionsRestrictTheSpace) {
+  SearchRequest req = gpt2_on_cpus();
+  req.options.schedules = {ScheduleKind::gpipe};
+  req.options.zero_stages = {0};
+  req.options.recompute = {true};
+  req.options.max_micro_batch = 2;
+  req.options.top_k = 3;
+  const SearchResult res = search(req);
+  ASSERT_TRUE(res.feasible()) << res.infeasible;
+  EXPECT_LE(res.ranked.size(), 3u);
+  for (const auto& c : res.ranked) {
+    EXPECT_EQ(c.plan.schedule, ScheduleKind::gpipe);
+    EXPECT_EQ(c.plan.zero_stage, 0);
+    EXPECT_TRUE(c.plan.recompute);
+    EXPECT_LE(c.plan.micro_batch, 2);
+  }
+}
+
+TEST(Search, TensorParallelStaysOnAHost) {
+  SearchRequest req;
+  req.model = model::ModelConfig::preset("gpt2-350m");
+  req.cluster = ClusterSpec::preset("dgx-a100").with_devices(32);
+  req.global_batch = 64;
+  req.seq = 1024;
+  req.options.top_k = 50;
+  const SearchResult res = search(req);
+  ASSERT_TRUE(res.feasible()) << res.infeasible;
+  for (const auto& c : res.ranked) {
+    EXPECT_EQ(8 % c.plan.tp, 0) << c.plan.describe();
+    EXPECT_NO_THROW(c.plan.validate(req.model, 64, 32));
+    EXPECT_LE(c.memory_bytes, c.capacity_bytes);
+  }
+  // A 350M model fits one GPU: plain data parallelism is among the best.
+  EXPECT_EQ(res.best().plan.pp * res.best().plan.tp, 1) << res.best().plan.describe();
+}
+
+TEST(Search, ModelThatFitsNowhereSaysWhatWouldFit) {
+  SearchRequest req;
+  req.model = model::ModelConfig::preset("gpt3-175b");
+  req.cluster = ClusterSpec::preset("dgx-a100").with_devices(8);
+  req.global_batch = 64;
+  req.seq = 2048;
+  const SearchResult res = search(req);
+  ASSERT_FALSE(res.feasible());
+  const std::string& msg = res.infeasible;
+  EXPECT_NE(msg.find("no layout of model 'gpt3-175b' fits"), std::string::npos) << msg;
+  // 8 devices: at most tp 8 x pp 1 or tp 1 x pp 8; the smallest is named with its parts.
+  EXPECT_NE(msg.find("the smallest (tp "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("recompute"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("GiB per device on stage 0, has 78.0 GiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("optimizer"), std::string::npos) << msg;
+  try {
+    res.best();
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("the smallest"), std::string::npos);
+  }
+  // The suggested device count really fits (with a batch its dp divides).
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(msg, match, std::regex("use >= ([0-9]+) devices"))) << msg;
+  const int need = std::stoi(match[1]);
+  EXPECT_GT(need, 8);
+  req.cluster = ClusterSpec::preset("dgx-a100").with_devices(need);
+  req.global_batch = need;
+  EXPECT_TRUE(search(req).feasible()) << need;
+  // and one host fewer does not.
+  req.cluster = ClusterSpec::preset("dgx-a100").with_devices(need - 8);
+  req.global_batch = need - 8;
+  EXPECT_FALSE(search(req).feasible()) << need - 8;
+}
+
+TEST(Search, BatchThatDividesNoLayoutGetsTheValidValues) {
+  // gpt2-tiny (8 units, 4 heads) on 64 devices: tp <= 4 and pp <= 8, so dp >= 2 — an odd
+  // global batch divides no layout.
+  SearchRequest req;
+  req.model = model::ModelConfig::preset("gpt2-tiny");
+  req.cluster = ClusterSpec::preset("dgx-a100").with_devices(64);
+  req.global_batch = 3;
+  req.seq = 64;
+  const SearchResult res = search(req);
+  ASSERT_FALSE(res.feasible());
+  const std::string& msg = res.infeasible;
+  EXPECT_NE(msg.find("global batch 3 does not divide"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("dp in {2, 4, 8"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("multiple of 2 (e.g. 2 or 4)"), std::string::npos) << msg;
+  req.global_batch = 4;
+  EXPECT_TRUE(search(req).feasible());
+}
+
+TEST(Search, RejectsRequestsThatCannotBeSearched) {
+  SearchRequest req = gpt2_on_cpus();
+  req.seq = 4096;
+  try {
+    search(req);
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("max_seq_len 1024"), std::string::npos) << e.what();
+  }
+  req = gpt2_on_cpus();
+  req.global_batch = 0;
+  EXPECT_THROW(search(req), ConfigError);
+  req = gpt2_on_cpus();
+  req.precision = Precision::bf16;  // the profile measured only fp32
+  EXPECT_THROW(search(req), ConfigError);
+  req = gpt2_on_cpus();
+  req.options.zero_stages = {2};
+  EXPECT_THROW(search(req), ConfigError);
+}
+
+TEST(Search, LessMemoryPushesTowardsFrugalPlans) {
+  // With ample memory the best gpt2-124m plan needs no recompute; squeezed, every plan that is
+  // left fits the smaller device.
+  SearchRequest req = gpt2_on_cpus();
+  req.global_batch = 64;
+  const SearchResult roomy = search(req);
+  ASSERT_TRUE(roomy.feasible());
+  const double need = roomy.best().memory_bytes;
+  req.cluster = cpu_workers(4, need * 0.6 / (1024.0 * 1024 * 1024));
+  const SearchResult tight = search(req);
+  ASSERT_TRUE(tight.feasible()) << tight.infeasible;
+  EXPECT_LE(tight.best().memory_bytes, need * 0.6);
+  EXPECT_GE(tight.best().step_s, roomy.best().step_s);
+  EXPECT_GT(tight.rejected_memory, roomy.rejected_memory);
+}
+
+}  // namespace
+}  // namespace tessel::planner

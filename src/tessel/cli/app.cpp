@@ -16,7 +16,9 @@
 #include "tessel/model/model_config.h"
 #include "tessel/runtime/launcher.h"
 #include "tessel/runtime/parallel_trainer.h"
+#include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/trainer.h"
+#include "tessel/store/checkpoint_store.h"
 
 namespace tessel::cli {
 
@@ -64,10 +66,16 @@ int launch_training(const Args& args) {
     // Live re-partitioning: start with the first plan's workers; when rank 0 reaches a switch
     // that needs more, it leaves a marker in the job's store and the new ranks are started to
     // join the transition (workers without a rank in the next plan leave by themselves).
-    opt.nproc = cfg.plan.world();
+    // A resumed run starts in the plan in force at its checkpoint's step.
+    int first = 0;
+    if (!cfg.checkpoint.dir.empty() && cfg.checkpoint.resume) {
+      if (auto path = runtime::latest_sharded_checkpoint(cfg.checkpoint.dir))
+        first = cfg.generation_at(store::CheckpointReader(*path).meta().at("step").get<int64_t>());
+    }
+    opt.nproc = cfg.plan_of_generation(first).world();
     opt.tick = std::chrono::milliseconds(50);
     opt.world_size = cfg.max_workers();
-    auto next = std::make_shared<int>(1);  // the next generation whose marker is awaited
+    auto next = std::make_shared<int>(first + 1);  // the next generation whose marker is awaited
     opt.on_tick = [cfg, next](const runtime::LaunchOptions::Spawn& spawn,
                               const runtime::LaunchResult& job) {
       while (*next < cfg.generations()) {

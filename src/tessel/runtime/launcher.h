@@ -55,7 +55,7 @@
 namespace tessel::runtime {
 
 struct LaunchOptions {
-  int nproc = 1;                     // number of workers; >= 1
+  int nproc = 1;       // number of workers; >= 1
   int world_size = 0;  // WORLD_SIZE / TESSEL_WORLD_SIZE given to workers; 0: nproc (on_tick may
                        // start more workers than nproc)
   std::vector<std::string> command;  // argv of every worker; command[0] is searched in PATH

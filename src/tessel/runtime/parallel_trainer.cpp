@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <filesystem>
 #include <optional>
 #include <span>
 
@@ -25,8 +26,11 @@
 #include "tessel/runtime/bucketed_all_reduce.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
+#include "tessel/runtime/model_json.h"
+#include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/tp_comm_group.h"
 #include "tessel/schedule/generators.h"
+#include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
 
@@ -123,6 +127,7 @@ struct World {
   MetricsWriter metrics;
   double last_grad_norm = 0;
   double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
+  std::optional<layout::StateLayout> state_layout;  // built at the first checkpoint
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
@@ -233,6 +238,42 @@ struct World {
     lr_schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                              cfg.training.steps};
     if (rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+  }
+
+  // Saves the whole state as checkpoint.dir/step-N (sharded_checkpoint.h): every rank writes its
+  // share, then rank 0 publishes it. Collective over the world.
+  void save_checkpoint() {
+    const auto& dir = cfg.checkpoint.dir;
+    if (rank == 0) std::filesystem::create_directories(dir);
+    groups.world->barrier();
+    if (!state_layout) state_layout = layout::StateLayout::build(cfg.model, plan);
+    store::CheckpointWriterOptions opt;
+    opt.save_id = fmt::format("{}-{}", env.job_id, step);
+    store::CheckpointWriter writer(
+        (std::filesystem::path(dir) / checkpoint_step_name(step)).string(), rank, opt);
+    std::vector<std::span<const float>> buffers;
+    for (auto b : state_buffers()) buffers.emplace_back(b.data(), b.size());
+    add_rank_state(writer, *state_layout, rank, buffers);
+    writer.write_rank_file();
+    groups.world->barrier();
+    if (rank == 0) {
+      publish_checkpoint(writer, plan.world(), checkpoint_meta(), dir, cfg.checkpoint.keep);
+      spdlog::info("saved checkpoint {} ({:.1f} MB)", writer.dir(), double(writer.bytes()) / 1e6);
+    }
+    // Nobody runs ahead (and could die) before the checkpoint is published.
+    groups.world->barrier();
+  }
+
+  nlohmann::json checkpoint_meta() const {
+    return {{"model", to_json(cfg.model)},
+            {"plan", layout::to_json(plan)},
+            {"step", step},
+            {"lr_step", step},
+            {"cursor", cursor},
+            {"init_seed", cfg.training.seed},
+            {"data_seed", cfg.data.seed},
+            {"seq_len", cfg.data.seq_len},
+            {"global_batch", cfg.training.global_batch}};
   }
 
   // This rank's training state in StateLayout order (layout/state_layout.h): per chunk, its
@@ -485,6 +526,7 @@ struct ParallelTrainer::Impl {
     // in the environment is only checked against runs without one.
     cfg.validate_for_workers(cfg.timeline.empty() ? env.world_size : cfg.max_workers());
     const int64_t join = env_int("TESSEL_JOIN_GENERATION", false);
+    if (join == 0 && resume()) return;
     if (join > 0) {
       // Started for the switch to generation `join`: take part in it as a receiver only.
       TESSEL_CHECK(join < cfg.generations() && env.rank < cfg.plan_of_generation(int(join)).world(),
@@ -500,6 +542,47 @@ struct ParallelTrainer::Impl {
     // a rank (bounded by parallel.timeout_s).
   }
 
+  // Continues from the newest checkpoint in checkpoint.dir, saved under any plan: this process
+  // joins the plan in force at the saved step and reads its share. Returns false when there is
+  // none (or resume is off).
+  bool resume() {
+    if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
+    auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
+    if (!path) return false;
+    store::CheckpointReader reader(*path);
+    const auto& meta = reader.meta();
+    auto saved = meta.at("model");
+    auto wanted = to_json(cfg.model);
+    saved.erase("name");
+    wanted.erase("name");
+    TESSEL_CHECK(saved == wanted, ConfigError,
+                 "checkpoint '{}' holds a different model ({}) than the config asks for ({}): "
+                 "point checkpoint.dir elsewhere or set checkpoint.resume: false",
+                 *path, saved.dump(), wanted.dump());
+    TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
+                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len &&
+                     meta.at("global_batch").get<int64_t>() == cfg.training.global_batch,
+                 ConfigError,
+                 "checkpoint '{}' was trained with data.seed {}, data.seq_len {} and "
+                 "training.global_batch {}; resuming with other values would repeat or skip "
+                 "samples",
+                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
+                 meta.at("global_batch").get<int64_t>());
+    const int64_t step = meta.at("step").get<int64_t>();
+    generation = cfg.generation_at(step);
+    const auto& plan = cfg.plan_of_generation(generation);
+    if (env.rank >= plan.world()) return true;  // no rank at that step: waits for a switch
+    world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation + generation, false);
+    load_rank_state(reader, layout::StateLayout::build(cfg.model, world->plan), env.rank,
+                    world->state_buffers());
+    world->step = step;
+    world->cursor = meta.at("cursor").get<int64_t>();
+    if (env.rank == 0)
+      spdlog::info("resumed from {} at step {} (saved under {}, continuing under {})", *path, step,
+                   layout::plan_from_json(meta.at("plan")).describe(), world->plan.describe());
+    return true;
+  }
+
   // Where the launcher learns that the workers reached the switch to generation g (and starts the
   // processes that join there): a file in the job's rendezvous directory.
   std::string switch_marker(int g) const {
@@ -508,8 +591,9 @@ struct ParallelTrainer::Impl {
 
   // The steps of the current generation end before this step.
   int64_t generation_end() const {
-    return generation + 1 < cfg.generations() ? cfg.timeline[size_t(generation)].at_step
-                                              : cfg.training.steps;
+    return std::min(generation + 1 < cfg.generations() ? cfg.timeline[size_t(generation)].at_step
+                                                       : cfg.training.steps,
+                    cfg.training.end_step());
   }
 
   // Live switch to the next generation's plan at a step boundary (the timeline): every process
@@ -610,8 +694,14 @@ TrainSummary ParallelTrainer::run() {
       if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
       if (s.generation > 0) record["generation"] = s.generation;
       if (lead) w.metrics.write(record);
+      const auto& ck = cfg.checkpoint;
+      if (!ck.dir.empty() &&
+          ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
+        w.save_checkpoint();
     }
-    if (s.generation + 1 >= cfg.generations()) break;
+    if (s.generation + 1 >= cfg.generations() ||
+        (s.world && s.world->step >= cfg.training.end_step()))
+      break;
     s.transition();
   }
   const double elapsed = tracker.elapsed_seconds();

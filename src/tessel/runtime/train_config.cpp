@@ -155,6 +155,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   t.read("log_every", c.training.log_every);
   t.read("backend", c.training.backend);
   t.read("threads", c.training.threads);
+  t.read("stop_at", c.training.stop_at);
   t.reject_unknown_keys();
 
   auto o = top.section("optimizer");
@@ -216,6 +217,7 @@ void TrainConfig::validate() const {
                "evaluate on",
                f);
   TESSEL_CHECK(training.threads >= 0, ConfigError, "{}: 'training.threads' must be >= 0", f);
+  TESSEL_CHECK(training.stop_at >= 0, ConfigError, "{}: 'training.stop_at' must be >= 0", f);
   TESSEL_CHECK(optimizer.lr > 0 && optimizer.min_lr >= 0 && optimizer.min_lr <= optimizer.lr,
                ConfigError, "{}: need 0 <= 'optimizer.min_lr' <= 'optimizer.lr' and lr > 0", f);
   TESSEL_CHECK(optimizer.warmup_steps >= 0, ConfigError,
@@ -284,10 +286,6 @@ void TrainConfig::validate_for_workers(int workers) const {
                  "{}: 'training.eval_every' is {} but evaluation is not supported with more than "
                  "one worker yet; set it to 0 or train with one worker",
                  source, training.eval_every);
-    TESSEL_CHECK(checkpoint.dir.empty(), ConfigError,
-                 "{}: 'checkpoint.dir' is set but checkpoints are not supported with more than one "
-                 "worker yet; remove it or train with one worker",
-                 source);
     for (int g = 0; g < generations(); ++g) {
       const auto& p = plan_of_generation(g);
       TESSEL_CHECK(p.zero_stage == 0 || p.zero_stage == 1, ConfigError,

@@ -3,7 +3,7 @@
 //   model:      {preset: gpt2-tiny, n_layer: 4, ...}   a preset, optionally with fields overridden
 //   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
 //   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
-//                log_every, backend, threads}
+//                log_every, backend, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep}
 //   output:     {metrics}
@@ -27,6 +27,7 @@
 // work starts, so mistakes surface as one ConfigError naming the field and the fix.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -55,6 +56,10 @@ struct TrainingConfig {
   int64_t log_every = 10;    // steps between log lines when not on a terminal
   std::string backend = "cpu";
   int threads = 0;  // OpenMP threads; 0 = all cores
+  // Ends this run after this many steps (0: at `steps`), with a checkpoint, without changing the
+  // learning-rate schedule, which always spans `steps`: for jobs that run in slices.
+  int64_t stop_at = 0;
+  int64_t end_step() const { return stop_at > 0 ? std::min(stop_at, steps) : steps; }
 };
 
 struct OptimizerConfig {

@@ -11,10 +11,11 @@
 #include "tessel/data/token_source.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/checkpoint.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/runtime/model_json.h"
+#include "tessel/runtime/sharded_checkpoint.h"
+#include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
 
@@ -54,28 +55,37 @@ struct Trainer::Impl {
     metrics = MetricsWriter(cfg.metrics_path);
   }
 
-  std::vector<CheckpointSection> sections() {
-    return {{"params", model->params().data<float>(), model->num_params()},
-            {"adam_m", adam_m.data<float>(), adam_m.numel()},
-            {"adam_v", adam_v.data<float>(), adam_v.numel()}};
+  // The state in StateLayout order for the one-rank plan: parameters, Adam m, Adam v.
+  std::vector<std::span<float>> state_buffers() {
+    return {{model->params().data<float>(), size_t(model->num_params())},
+            {adam_m.data<float>(), size_t(adam_m.numel())},
+            {adam_v.data<float>(), size_t(adam_v.numel())}};
+  }
+  layout::StateLayout state_layout() const {
+    return layout::StateLayout::build(cfg.model, layout::Plan{}.with_defaults(cfg.model));
   }
 
   nlohmann::json checkpoint_meta() const {
-    return {{"format", "tessel-interim-checkpoint"},
-            {"model", to_json(cfg.model)},
+    return {{"model", to_json(cfg.model)},
+            {"plan", layout::to_json(layout::Plan{}.with_defaults(cfg.model))},
+            {"step", step},
+            {"lr_step", step},
             {"cursor", cursor},
             {"init_seed", cfg.training.seed},
             {"data_seed", cfg.data.seed},
-            {"seq_len", cfg.data.seq_len}};
+            {"seq_len", cfg.data.seq_len},
+            {"global_batch", cfg.training.global_batch}};
   }
 
+  // Continues from the newest checkpoint in checkpoint.dir, which may have been saved by any
+  // number of workers under any plan (sharded_checkpoint.h).
   bool resume() {
     if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
-    auto path = latest_checkpoint(cfg.checkpoint.dir);
+    auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
     if (!path) return false;
-    CheckpointFile file = CheckpointFile::open(*path);
-    const nlohmann::json& meta = file.meta();
-    auto saved = to_json(model_config_from_json(meta.at("model")));
+    store::CheckpointReader reader(*path);
+    const nlohmann::json& meta = reader.meta();
+    auto saved = meta.at("model");
     auto wanted = to_json(cfg.model);
     saved.erase("name");
     wanted.erase("name");
@@ -84,12 +94,15 @@ struct Trainer::Impl {
                  "point checkpoint.dir elsewhere or set checkpoint.resume: false",
                  *path, saved.dump(), wanted.dump());
     TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
-                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len,
+                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len &&
+                     meta.at("global_batch").get<int64_t>() == cfg.training.global_batch,
                  ConfigError,
-                 "checkpoint '{}' was trained with data.seed {} and data.seq_len {}; resuming "
-                 "with other values would repeat or skip samples",
-                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>());
-    file.load(sections());
+                 "checkpoint '{}' was trained with data.seed {}, data.seq_len {} and "
+                 "training.global_batch {}; resuming with other values would repeat or skip "
+                 "samples",
+                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
+                 meta.at("global_batch").get<int64_t>());
+    load_rank_state(reader, state_layout(), 0, state_buffers());
     step = meta.at("step").get<int64_t>();
     cursor = meta.at("cursor").get<int64_t>();
     spdlog::info("resumed from {} at step {} (cursor {} samples)", *path, step, cursor);
@@ -98,9 +111,15 @@ struct Trainer::Impl {
 
   void save() {
     if (cfg.checkpoint.dir.empty()) return;
-    auto path = save_checkpoint(cfg.checkpoint.dir, step, checkpoint_meta(), sections(),
-                                cfg.checkpoint.keep);
-    spdlog::debug("saved checkpoint {}", path);
+    std::filesystem::create_directories(cfg.checkpoint.dir);
+    store::CheckpointWriter writer(
+        (std::filesystem::path(cfg.checkpoint.dir) / checkpoint_step_name(step)).string(), 0);
+    std::vector<std::span<const float>> buffers;
+    for (auto b : state_buffers()) buffers.emplace_back(b.data(), b.size());
+    add_rank_state(writer, state_layout(), 0, buffers);
+    writer.write_rank_file();
+    publish_checkpoint(writer, 1, checkpoint_meta(), cfg.checkpoint.dir, cfg.checkpoint.keep);
+    spdlog::debug("saved checkpoint {}", writer.dir());
   }
 
   // One optimizer step over one global batch; returns the mean loss.
@@ -190,13 +209,13 @@ TrainSummary Trainer::run() {
                cfg.model.name, double(s.model->num_params()), s.source->describe(),
                cfg.training.steps, tokens_per_step, s.backend->name());
   RunTracker tracker(s.step, cfg.training.steps, cfg.training.log_every, tokens_per_step, true);
-  while (s.step < cfg.training.steps) {
+  while (s.step < cfg.training.end_step()) {
     tracker.begin_step();
     double lr = s.schedule.at(s.step);
     double grad_norm = 0;
     double loss = s.train_step(&grad_norm);
     nlohmann::json record = tracker.end_step(s.step, loss, lr, grad_norm, s.cursor);
-    bool last = s.step == cfg.training.steps;
+    bool last = s.step == cfg.training.end_step();
     if (cfg.training.eval_every > 0 && (s.step % cfg.training.eval_every == 0 || last)) {
       double eval_loss = s.evaluate();
       record["eval_loss"] = eval_loss;

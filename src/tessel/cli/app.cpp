@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 
+#include "tessel/cli/convert_command.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/store_command.h"
 #include "tessel/core/error.h"
@@ -208,6 +209,7 @@ int run(int argc, char** argv) {
   add_presets(app, action);
   add_plan_command(app, action);
   add_store_command(app, action);
+  add_convert_command(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

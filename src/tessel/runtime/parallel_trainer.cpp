@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <optional>
 #include <span>
+#include <thread>
 
 #include "tessel/comm/process_groups.h"
 #include "tessel/core/check.h"
@@ -30,6 +31,7 @@
 #include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/tp_comm_group.h"
 #include "tessel/schedule/generators.h"
+#include "tessel/store/async_saver.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
@@ -59,6 +61,21 @@ enum class Kind : uint32_t { activation = 0, grad = 1 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
+// renamed into place), bounded by `timeout`.
+void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int r = 0; r < n; ++r) {
+    const auto path = std::filesystem::path(staging) / store::rank_file_name(r);
+    while (!std::filesystem::exists(path)) {
+      TESSEL_CHECK(std::chrono::steady_clock::now() < deadline, TimeoutError,
+                   "checkpoint: rank {}'s file {} did not appear within {} ms", r, path.string(),
+                   timeout.count());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
 }
 
 // Pipeline messages are matched by (micro-batch, virtual stage of the sender, kind).
@@ -128,6 +145,7 @@ struct World {
   double last_grad_norm = 0;
   double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
   std::optional<layout::StateLayout> state_layout;  // built at the first checkpoint
+  store::AsyncSaver saver;                          // checkpoint.async
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
@@ -254,6 +272,25 @@ struct World {
     std::vector<std::span<const float>> buffers;
     for (auto b : state_buffers()) buffers.emplace_back(b.data(), b.size());
     add_rank_state(writer, *state_layout, rank, buffers);
+    if (cfg.checkpoint.async) {
+      // The state is already copied (add_rank_state): write in the background. Rank 0 then waits
+      // for every rank's file and publishes; a save that fails is reported and leaves the previous
+      // checkpoint in place, training goes on.
+      const int world_size = plan.world();
+      const auto meta = checkpoint_meta();
+      const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+      const int keep = cfg.checkpoint.keep;
+      const int r = rank;
+      saver.save(std::move(writer),
+                 [world_size, meta, timeout, keep, r, dir](store::CheckpointWriter& w) {
+                   if (r != 0) return;
+                   wait_for_rank_files(w.staging_dir(), world_size, timeout);
+                   publish_checkpoint(w, world_size, meta, dir, keep);
+                   spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)",
+                                w.dir(), double(w.bytes()) / 1e6);
+                 });
+      return;
+    }
     writer.write_rank_file();
     groups.world->barrier();
     if (rank == 0) {
@@ -263,6 +300,9 @@ struct World {
     // Nobody runs ahead (and could die) before the checkpoint is published.
     groups.world->barrier();
   }
+
+  // Ends the background save, if one runs; rethrows its error.
+  void finish_checkpoint() { saver.wait(); }
 
   nlohmann::json checkpoint_meta() const {
     return {{"model", to_json(cfg.model)},
@@ -708,6 +748,7 @@ TrainSummary ParallelTrainer::run() {
   const TrainSummary& summary = tracker.finish();
   if (s.world == nullptr) return summary;  // left the job at a switch
   World& w = *s.world;
+  w.finish_checkpoint();
   if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
     w.dump_params(dir);
   // Nobody leaves before everyone is done with the last step's collectives.

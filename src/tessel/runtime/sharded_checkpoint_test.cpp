@@ -23,13 +23,13 @@ using testing::make_corpus;
 using testing::write_config;
 
 // 8 steps in all (the learning-rate schedule spans them); this run ends after `stop_at`.
-std::string training(int stop_at) {
+std::string training(int stop_at, int every = 0, bool async = false) {
   return fmt::format(
       "training: {{steps: 8, stop_at: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
       "optimizer: {{lr: 0.01, warmup_steps: 1}}\n"
       "output: {{metrics: metrics.jsonl}}\n"
-      "checkpoint: {{dir: ck, every: {}}}\n",
-      stop_at, stop_at);
+      "checkpoint: {{dir: ck, every: {}, async: {}}}\n",
+      stop_at, every > 0 ? every : stop_at, async);
 }
 
 std::vector<double> read_losses(const std::filesystem::path& path) {
@@ -63,12 +63,13 @@ TEST(ShardedCheckpoint, SavedUnderOneLayoutResumesUnderAnother) {
     const auto expected = Trainer(ref_cfg).run().losses;
 
     // Steps 1-3 on 4 workers (dp 2 x pp 2, ZeRO-1), 4-5 on 4 workers (tp 2 x pp 2), 6-8 in one
-    // process: each run resumes from the checkpoint the previous one saved at its end.
-    run_workers(
-        write_config(dir, corpus,
-                     training(3) + "parallel: {dp: 2, pp: 2, zero_stage: 1, micro_batch: 3}\n",
-                     "a.yaml", preset),
-        4);
+    // process: each run resumes from the checkpoint the previous one saved at its end (run a
+    // saves in the background, after every step).
+    run_workers(write_config(dir, corpus,
+                             training(3, 1, true) +
+                                 "parallel: {dp: 2, pp: 2, zero_stage: 1, micro_batch: 3}\n",
+                             "a.yaml", preset),
+                4);
     run_workers(
         write_config(dir, corpus, training(5) + "parallel: {tp: 2, pp: 2}\n", "b.yaml", preset), 4);
     auto c = TrainConfig::load(write_config(dir, corpus, training(8), "c.yaml", preset));

@@ -174,6 +174,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   ck.read("every", c.checkpoint.every);
   ck.read("resume", c.checkpoint.resume);
   ck.read("keep", c.checkpoint.keep);
+  ck.read("async", c.checkpoint.async);
   ck.reject_unknown_keys();
   c.checkpoint.dir = resolve(c.checkpoint.dir, base);
 

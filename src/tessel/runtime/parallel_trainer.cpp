@@ -497,7 +497,18 @@ struct World {
       if (zero) {
         if (ch.tied_view >= 0) {
           const auto& v = views[size_t(ch.tied_view)];
-          groups.embed->all_reduce_sum(grads + v.offset, size_t(v.numel));
+          float* g = grads + v.offset;
+          groups.embed->all_reduce_sum(g, size_t(v.numel));
+          // The two pipeline ends hold the tied embedding at different offsets of their flat
+          // buffers, so the reduce-scatter below would add its dp contributions in different
+          // orders on the two (dp >= 3) and the copies would drift apart in the last bits. Reduce
+          // it over dp on its own instead (the same ring on both ends, so the same bits) and
+          // leave only dp rank 0's sum in the buffer: adding zeros is exact in any order.
+          // (With dp 2 both orders are a + b = b + a, exact: nothing to do.)
+          if (plan.dp >= 3) {
+            groups.dp->all_reduce_sum(g, size_t(v.numel));
+            if (groups.coord.dp != 0) std::fill(g, g + v.numel, 0.0f);
+          }
         }
         groups.dp->reduce_scatter_sum(grads, ch.dp_counts);
       } else {

@@ -122,6 +122,20 @@ TEST(LiveReshard, ZeroOneAndInterleavedAcrossSwitches) {
                                4);
 }
 
+// Worker counts instead of plans: the planner picks each plan (4 -> 2 -> 3 -> 4 workers), and the
+// run still matches one process. The last plan must hold every tensor whole on rank 0 for the
+// final-parameter check, so the run ends with a (1,1,1) switch.
+TEST(LiveReshard, WorkerCountsThroughThePlanner) {
+  expect_switching_run_matches("gpt2-tiny",
+                               "parallel: {dp: 4}\n"
+                               "timeline:\n"
+                               "  - {at_step: 2, workers: 2}\n"
+                               "  - {at_step: 3, workers: 3}\n"
+                               "  - {at_step: 5, workers: 4}\n"
+                               "  - {at_step: 7, parallel: {dp: 1}}\n",
+                               4);
+}
+
 TEST(LiveReshard, TimelineMistakesAreConfigErrors) {
   TempDir dir;
   auto load_error = [&](const std::string& extra) -> std::string {
@@ -139,6 +153,11 @@ TEST(LiveReshard, TimelineMistakesAreConfigErrors) {
                 .find("must increase"),
             std::string::npos);
   EXPECT_NE(load_error("timeline:\n  - {parallel: {dp: 2}}\n").find("at_step"), std::string::npos);
+  EXPECT_NE(
+      load_error("timeline:\n  - {at_step: 3, workers: 2, parallel: {dp: 2}}\n").find("either"),
+      std::string::npos);
+  EXPECT_NE(load_error("timeline:\n  - {at_step: 3, workers: 0}\n").find("must be >= 1"),
+            std::string::npos);
   EXPECT_NE(
       load_error("timeline:\n  - {at_step: 3, parallel: {tp: 3}}\n").find("timeline[0].parallel"),
       std::string::npos)

@@ -753,7 +753,11 @@ TrainSummary ParallelTrainer::run() {
     if (s.generation + 1 >= cfg.generations() ||
         (s.world && s.world->step >= cfg.training.end_step()))
       break;
+    const bool had_rank = s.world != nullptr;
     s.transition();
+    // A worker the new plan does not need leaves; `tessel train` starts a fresh process when a
+    // later plan needs the rank again.
+    if (had_rank && s.world == nullptr) break;
   }
   const double elapsed = tracker.elapsed_seconds();
   const TrainSummary& summary = tracker.finish();

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "tessel/runtime/auto_plan.h"
 #include "tessel/runtime/yaml_reader.h"
 
 namespace tessel::runtime {
@@ -107,13 +108,19 @@ void read_timeline(YamlSection& top, TrainConfig& c) {
                  "2}}}})",
                  entry.where("at_step"));
     entry.read("at_step", sw.at_step);
-    TESSEL_CHECK(entry.has("parallel"), ConfigError,
-                 "{}: every timeline entry needs the plan to switch to (parallel: {{dp: .., tp: "
-                 ".., pp: ..}})",
+    TESSEL_CHECK(entry.has("parallel") != entry.has("workers"), ConfigError,
+                 "{}: every timeline entry needs either the plan to switch to (parallel: {{dp: .., "
+                 "tp: .., pp: ..}}) or a worker count for the planner (workers: N)",
                  entry.where("parallel"));
-    auto par = entry.section("parallel");
-    read_plan(par, c.training, sw.plan);
-    par.reject_unknown_keys();
+    if (entry.has("workers")) {
+      entry.read("workers", sw.workers);
+      TESSEL_CHECK(sw.workers >= 1, ConfigError, "{}: must be >= 1, got {}", entry.where("workers"),
+                   sw.workers);
+    } else {
+      auto par = entry.section("parallel");
+      read_plan(par, c.training, sw.plan);
+      par.reject_unknown_keys();
+    }
     entry.reject_unknown_keys();
     const int64_t prev = c.timeline.empty() ? 0 : c.timeline.back().at_step;
     TESSEL_CHECK(sw.at_step > prev && sw.at_step < c.training.steps, ConfigError,
@@ -187,6 +194,9 @@ TrainConfig TrainConfig::load(const std::string& path) {
   read_timeline(top, c);
 
   top.reject_unknown_keys();
+  // Worker counts become the planner's plans (deterministic: every worker gets the same).
+  for (auto& sw : c.timeline)
+    if (sw.workers > 0) sw.plan = plan_for_workers(c, sw.workers);
   c.validate();
   c.plan = c.plan.with_defaults(c.model);
   for (auto& sw : c.timeline) sw.plan = sw.plan.with_defaults(c.model);

@@ -9,7 +9,7 @@
 //   output:     {metrics}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
-//   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}}, ...]   (optional)
+//   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -20,7 +20,8 @@
 // timeline: live re-partitioning at step boundaries. Before step S (0-based: after S steps) the
 // running workers switch to the entry's plan (its `parallel` keys as above, minus the job-wide
 // timeout_s and bucket_mb), moving the whole training state directly between them
-// (reshard/transfer_plan.h), and continue. Entries are in increasing step order within
+// (reshard/transfer_plan.h), and continue; `workers: N` lets the planner choose the plan for N
+// workers (runtime/auto_plan.h). Entries are in increasing step order within
 // (0, training.steps). `tessel train --nproc N` needs N = the largest world over all plans.
 //
 // Every key is checked (unknown keys are errors) and the whole config is validated before any
@@ -91,6 +92,7 @@ struct CheckpointConfig {
 struct PlanSwitch {
   int64_t at_step = 0;
   layout::Plan plan;  // with layers_per_stage filled in
+  int workers = 0;    // > 0: `plan` is the planner's choice for this many workers
 };
 
 struct TrainConfig {

@@ -28,7 +28,7 @@ constexpr int kSteps = 8;
 const std::string kTraining = fmt::format(
     "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
     "optimizer: {{lr: 0.01, warmup_steps: 1}}\n"
-    "output: {{metrics: metrics.jsonl}}\n",
+    "output: {{metrics: metrics.jsonl, events: events.jsonl}}\n",
     kSteps);
 
 std::vector<nlohmann::json> read_records(const std::filesystem::path& path) {
@@ -82,6 +82,16 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
     const double loss = records[i].at("loss").get<double>();
     EXPECT_NEAR(loss, expected[i], 1e-5 * expected[i]) << "step " << i;
     EXPECT_EQ(records[i].value("cursor", int64_t(-1)), int64_t(12 * (i + 1))) << "step " << i;
+  }
+  // One event line per switch, with its costs.
+  auto cfg_loaded = TrainConfig::load(cfg);
+  auto events = read_records(dir / "events.jsonl");
+  ASSERT_EQ(events.size(), cfg_loaded.timeline.size());
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(events[i].at("step").get<int64_t>(), cfg_loaded.timeline[i].at_step);
+    EXPECT_EQ(events[i].at("new_workers").get<int>(), cfg_loaded.timeline[i].plan.world());
+    EXPECT_GE(events[i].at("total_pause_s").get<double>(),
+              events[i].at("transfer_s").get<double>());
   }
   // The last plan is (1,1,1): rank 0 holds every tensor whole.
   auto dump = read_whole_dump(dir / "dump" / "rank0.params");

@@ -571,8 +571,10 @@ struct ParallelTrainer::Impl {
   WorkerEnv env;       // env.rank: this process's id, stable over generations (= its rank in each)
   int generation = 0;  // index into the config's plans (0: parallel, i: timeline[i-1])
   std::unique_ptr<World> world;  // null while this process has no rank in the current plan
+  MetricsWriter events;          // output.events, on process 0
 
   Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
+    if (env.rank == 0) events = MetricsWriter(cfg.events_path);
     // A timeline's workers are started as its plans need them (tessel train), so the world size
     // in the environment is only checked against runs without one.
     cfg.validate_for_workers(cfg.timeline.empty() ? env.world_size : cfg.max_workers());
@@ -674,15 +676,22 @@ struct ParallelTrainer::Impl {
     const auto plan = reshard::TransferPlan::build(old_layout, new_layout,
                                                    std::vector<int>(size_t(from.world()), 0),
                                                    std::vector<int>(size_t(to.world()), 0));
+    const double planning_s = seconds_since(t0);
     comm::StoreOptions store;
     store.path = env.store_dir;
     store.job_id = env.job_id;
     store.generation = env.generation + next;
     const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
     store.timeout = timeout;
+    // Waits for every process of the transition, joiners (being started now) included.
+    auto t1 = std::chrono::steady_clock::now();
     auto union_world = reshard::connect_transition_world(store, plan, process, timeout);
+    const double connect_s = seconds_since(t1);
+    t1 = std::chrono::steady_clock::now();
     std::unique_ptr<World> successor;
     if (in_new) successor = std::make_unique<World>(cfg, env, to, process, store.generation, false);
+    const double rebuild_s = seconds_since(t1);
+    t1 = std::chrono::steady_clock::now();
     reshard::ProcessBuffers buffers;
     if (world)
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
@@ -696,6 +705,7 @@ struct ParallelTrainer::Impl {
     }
     const auto shared =
         reshard::share_scalar_state(plan, process, *union_world, world ? &mine : nullptr);
+    const double transfer_s = seconds_since(t1);
     world = std::move(successor);
     if (world) {
       world->step = shared.step;
@@ -703,11 +713,35 @@ struct ParallelTrainer::Impl {
     }
     if (process == 0) {
       const auto& st = plan.stats();
+      const double total_s = seconds_since(t0);
       spdlog::info(
           "step {}: switched from {} to {} in {:.3f} s: {:.1f} MB moved between "
           "processes, {:.1f} MB copied locally, {} messages",
-          shared.step, from.describe(), to.describe(), seconds_since(t0),
-          double(st.bytes_moved) / 1e6, double(st.local_copy_bytes) / 1e6, st.messages);
+          shared.step, from.describe(), to.describe(), total_s, double(st.bytes_moved) / 1e6,
+          double(st.local_copy_bytes) / 1e6, st.messages);
+      // One line per reconfiguration (output.events).
+      events.write({{"event", "reconfigure"},
+                    {"cause", cfg.timeline[size_t(next - 1)].workers > 0 ? "timeline (workers)"
+                                                                         : "timeline (plan)"},
+                    {"generation", next},
+                    {"step", shared.step},
+                    {"old_plan", from.describe()},
+                    {"new_plan", to.describe()},
+                    {"old_workers", from.world()},
+                    {"new_workers", to.world()},
+                    {"detection_s", 0.0},
+                    {"planning_s", planning_s},
+                    {"connect_s", connect_s},
+                    {"rebuild_s", rebuild_s},
+                    {"transfer_s", transfer_s},
+                    {"total_pause_s", total_s},
+                    {"bytes_moved", st.bytes_moved},
+                    {"bytes_cross_host", st.bytes_cross_host},
+                    {"bytes_copied_locally", st.local_copy_bytes},
+                    {"max_send_bytes", st.max_send_bytes},
+                    {"max_recv_bytes", st.max_recv_bytes},
+                    {"messages", st.messages},
+                    {"steps_lost", 0}});
     }
   }
 };

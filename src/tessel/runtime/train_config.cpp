@@ -187,8 +187,10 @@ TrainConfig TrainConfig::load(const std::string& path) {
 
   auto out = top.section("output");
   out.read("metrics", c.metrics_path);
+  out.read("events", c.events_path);
   out.reject_unknown_keys();
   c.metrics_path = resolve(c.metrics_path, base);
+  c.events_path = resolve(c.events_path, base);
 
   read_parallel(top.section("parallel"), c);
   read_timeline(top, c);

@@ -6,7 +6,7 @@
 //                log_every, backend, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep, async}
-//   output:     {metrics}
+//   output:     {metrics, events}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
@@ -103,6 +103,7 @@ struct TrainConfig {
   OptimizerConfig optimizer;
   CheckpointConfig checkpoint;
   std::string metrics_path;  // JSON lines; empty = none
+  std::string events_path;   // JSON lines, one per reconfiguration; empty = none
   layout::Plan plan;         // with layers_per_stage filled in (Plan::with_defaults)
   // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
   // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.

@@ -33,9 +33,14 @@ nlohmann::json RunTracker::end_step(int64_t step, double loss, double lr, double
   ++summary_.steps_run;
   const double tps = double(tokens_per_step_) / dt;
   if (progress_) progress_->step(step - 1, loss, lr, tps, smoothed_step_s_);
+  // Wall-clock time the step ended (seconds since the epoch): lines of several runs (a resumed
+  // job, a benchmark of pauses between steps) share one clock.
+  const double unix_time =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   return {
       {"step", step},        {"loss", loss}, {"lr", lr},         {"grad_norm", grad_norm},
-      {"tokens_per_s", tps}, {"step_s", dt}, {"cursor", cursor}, {"elapsed_s", elapsed_seconds()}};
+      {"tokens_per_s", tps}, {"step_s", dt}, {"cursor", cursor}, {"elapsed_s", elapsed_seconds()},
+      {"time", unix_time}};
 }
 
 void RunTracker::record_eval(int64_t step, double eval_loss) {

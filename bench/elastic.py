@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""`scripts/bench elastic`: the pause of a live reconfiguration against the stop-checkpoint-restart
+path, for GPT-2 124M with its Adam state, on this machine (see bench/README.md).
+
+The same sequence of plans runs twice, each step of both runs identical:
+  live     one `tessel train` whose timeline switches plans at steps S1, S2, ...: the workers
+           move the state between them (reshard) and continue;
+  restart  one `tessel train` per plan, each ending at the next switch step with a checkpoint
+           (training.stop_at) and the next resuming from it under the next plan.
+A reconfiguration's pause is the wall-clock time from the end of the last step before the switch
+to the start of the first step after it (metrics lines carry "time", the end of the step, and
+"step_s"). Human-readable lines first, the last line is one JSON object. Standard library only.
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+SEQ = 64
+GLOBAL_BATCH = 4
+# (at_step, plan) in order; the first entry is the starting plan. Workers: 2 -> 1 -> 2 -> 2.
+PLANS = [
+    (0, {"dp": 2, "micro_batch": 2}),
+    (2, {"dp": 1, "micro_batch": 2}),
+    (4, {"dp": 2, "micro_batch": 2}),
+    (6, {"pp": 2, "micro_batch": 2}),
+]
+STEPS = 8
+
+
+def flow(d):
+    return "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"
+
+
+def config(args, name, parallel, timeline=None, stop_at=0, resume_dir=None):
+    text = f"""model: {{preset: {args.model}}}
+data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0, seed: 1}}
+training: {{steps: {STEPS}, stop_at: {stop_at}, global_batch: {GLOBAL_BATCH}, seed: 1234, log_every: 1}}
+optimizer: {{lr: 1.0e-4, warmup_steps: 1}}
+output: {{metrics: {args.work}/{name}.metrics.jsonl, events: {args.work}/{name}.events.jsonl}}
+parallel: {flow(parallel)}
+"""
+    if resume_dir:
+        text += f"checkpoint: {{dir: {resume_dir}}}\n"
+    if timeline:
+        text += "timeline:\n" + "".join(f"  - {{at_step: {s}, parallel: {flow(p)}}}\n"
+                                         for s, p in timeline)
+    path = pathlib.Path(args.work) / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def workers(plan):
+    return plan.get("dp", 1) * plan.get("tp", 1) * plan.get("pp", 1)
+
+
+def train(args, name, cfg, nproc):
+    log = pathlib.Path(args.work) / f"{name}.log"
+    env = dict(os.environ)
+    with open(log, "w") as out:
+        rc = subprocess.run([args.tessel, "train", str(cfg), "--nproc", str(nproc)], env=env,
+                            stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.exit(f"bench elastic: {name} failed (exit {rc}); see {log}")
+
+
+def records(path):
+    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+
+
+def pauses(recs, switch_steps):
+    by_step = {r["step"]: r for r in recs}
+    out = []
+    for s in switch_steps:
+        before, after = by_step[s], by_step[s + 1]
+        out.append(after["time"] - after["step_s"] - before["time"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tessel", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--model", default="gpt2-124m", help="preset (gpt2-tiny for a smoke test)")
+    args = ap.parse_args()
+    args.data, args.work = os.path.abspath(args.data), os.path.abspath(args.work)
+    os.makedirs(args.work, exist_ok=True)
+    for f in pathlib.Path(args.work).glob("*.jsonl"):
+        f.unlink()
+    switch_steps = [s for s, _ in PLANS[1:]]
+    print(f"{args.model} (+ Adam state), seq {SEQ}, global batch {GLOBAL_BATCH}, {STEPS} steps; "
+          f"plans: " + " -> ".join(f"{p} (at step {s})" for s, p in PLANS), flush=True)
+
+    # Live: one run with a timeline.
+    live_cfg = config(args, "live", PLANS[0][1], timeline=PLANS[1:])
+    train(args, "live", live_cfg, max(workers(p) for _, p in PLANS))
+    live = pauses(records(pathlib.Path(args.work) / "live.metrics.jsonl"), switch_steps)
+    events = records(pathlib.Path(args.work) / "live.events.jsonl")
+
+    # Restart: one run per plan, each stopping at the next switch with a checkpoint.
+    ck = pathlib.Path(args.work) / "restart-ck"
+    subprocess.run(["rm", "-rf", str(ck)], check=True)
+    for i, (start, plan) in enumerate(PLANS):
+        stop = PLANS[i + 1][0] if i + 1 < len(PLANS) else STEPS
+        cfg = config(args, "restart", plan, stop_at=stop, resume_dir=ck)
+        train(args, f"restart-{i}", cfg, workers(plan))
+    restart = pauses(records(pathlib.Path(args.work) / "restart.metrics.jsonl"), switch_steps)
+
+    print(f"{'switch':<28} {'live pause s':>12} {'restart pause s':>16} {'speedup':>8}  live breakdown")
+    for i, s in enumerate(switch_steps):
+        e = events[i]
+        print(f"{str(PLANS[i][1]) + '->' + str(PLANS[i + 1][1]):<28} {live[i]:>12.3f} "
+              f"{restart[i]:>16.3f} {restart[i] / live[i]:>8.1f}  total {e['total_pause_s']:.3f} "
+              f"(plan {e['planning_s']:.3f}, connect {e['connect_s']:.3f}, rebuild "
+              f"{e['rebuild_s']:.3f}, transfer {e['transfer_s']:.3f}; "
+              f"{e['bytes_moved'] / 1e6:.0f} MB moved)")
+    pl, pr = sum(live) / len(live), sum(restart) / len(restart)
+    print(json.dumps({"pause_live_s": round(pl, 4), "pause_restart_s": round(pr, 4),
+                      "speedup": round(pr / pl, 2), "live_pauses_s": [round(x, 4) for x in live],
+                      "restart_pauses_s": [round(x, 4) for x in restart],
+                      "switches": [f"{PLANS[i][1]}->{PLANS[i + 1][1]}" for i in range(len(switch_steps))]}))
+
+
+if __name__ == "__main__":
+    main()

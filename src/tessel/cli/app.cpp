@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <random>
 
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/plan_command.h"
@@ -14,6 +15,7 @@
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
 #include "tessel/data/tokenizer.h"
+#include "tessel/elastic/coordinator.h"
 #include "tessel/model/model_config.h"
 #include "tessel/runtime/launcher.h"
 #include "tessel/runtime/parallel_trainer.h"
@@ -37,12 +39,18 @@ struct Args {
   double stop_timeout_s = 10;
   std::vector<std::string> worker_command;
   std::string train_log_dir;
+  std::string job_id;
 };
 
 runtime::TrainConfig load_train_config(const Args& args) {
   auto cfg = runtime::TrainConfig::load(args.config);
   if (args.steps > 0) cfg.training.steps = args.steps;
   return cfg;
+}
+
+std::string random_job_id() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:04x}", rd(), rd() & 0xffff);
 }
 
 // Validates the config and plan here, before any worker starts, then runs `nproc` copies of this
@@ -63,35 +71,23 @@ int launch_training(const Args& args) {
   // After one worker fails, the others get up to the comm timeout (plus a little) to end with
   // their own PeerLostError / TimeoutError, so their logs say what they saw, before SIGTERM.
   opt.peer_grace = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000) + 2000);
-  if (!cfg.timeline.empty()) {
-    // Live re-partitioning: start with the first plan's workers; when rank 0 reaches a switch
-    // that needs more, it leaves a marker in the job's store and the new ranks are started to
-    // join the transition (workers without a rank in the next plan leave by themselves).
-    // A resumed run starts in the plan in force at its checkpoint's step.
-    int first = 0;
-    if (!cfg.checkpoint.dir.empty() && cfg.checkpoint.resume) {
-      if (auto path = runtime::latest_sharded_checkpoint(cfg.checkpoint.dir))
-        first = cfg.generation_at(store::CheckpointReader(*path).meta().at("step").get<int64_t>());
-    }
-    opt.nproc = cfg.plan_of_generation(first).world();
-    opt.tick = std::chrono::milliseconds(50);
-    opt.world_size = cfg.max_workers();
-    auto next = std::make_shared<int>(first + 1);  // the next generation whose marker is awaited
-    opt.on_tick = [cfg, next](const runtime::LaunchOptions::Spawn& spawn,
-                              const runtime::LaunchResult& job) {
-      while (*next < cfg.generations()) {
-        const int from = cfg.plan_of_generation(*next - 1).world();
-        const int to = cfg.plan_of_generation(*next).world();
-        if (to > from) {
-          const auto marker = fmt::format("{}/{}.switch-{}", job.store_dir, job.job_id, *next);
-          if (!std::filesystem::exists(marker)) return;
-          for (int r = from; r < to; ++r)
-            spawn(r, {{"TESSEL_JOIN_GENERATION", std::to_string(*next)}});
-        }
-        ++*next;
-      }
-    };
+  // The embedded coordinator (elastic/coordinator.h): starts the workers a timeline or a scale
+  // request adds, and takes `tessel ctl` commands. Only the first plan's workers start now; a
+  // resumed run starts in the plan in force at its checkpoint's step.
+  int64_t resume_step = 0;
+  if (!cfg.checkpoint.dir.empty() && cfg.checkpoint.resume) {
+    if (auto path = runtime::latest_sharded_checkpoint(cfg.checkpoint.dir))
+      resume_step = store::CheckpointReader(*path).meta().at("step").get<int64_t>();
   }
+  opt.nproc = cfg.plan_at(resume_step).world();
+  opt.world_size = cfg.max_workers();
+  opt.job_id = random_job_id();
+  opt.tick = std::chrono::milliseconds(50);
+  opt.extra_env["TESSEL_ELASTIC"] = "1";
+  auto coordinator = std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc);
+  opt.on_tick = [coordinator](const runtime::LaunchOptions::Spawn& spawn,
+                              const runtime::LaunchResult& job) { coordinator->tick(spawn, job); };
+  spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = runtime::launch(opt);
   if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);
@@ -178,6 +174,22 @@ void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   });
 }
 
+// `tessel ctl scale N | status [--job ID]`: talks to a running job's coordinator.
+void add_ctl(CLI::App& app, Args& args, std::function<int()>& action) {
+  auto* cmd = app.add_subcommand("ctl", "control a running training job (scale N, status)");
+  cmd->add_option("--job", args.job_id, "job id (default: the only running job)");
+  cmd->add_option("command", args.worker_command, "scale N | status")->required();
+  cmd->callback([&] {
+    action = [&] {
+      std::string line;
+      for (const auto& w : args.worker_command) line += (line.empty() ? "" : " ") + w;
+      const std::string reply = elastic::send_control_command(args.job_id, line);
+      std::printf("%s\n", reply.c_str());
+      return reply.rfind("ok:", 0) == 0 ? 0 : 1;
+    };
+  });
+}
+
 void add_presets(CLI::App& app, std::function<int()>& action) {
   auto* cmd = app.add_subcommand("presets", "list the named model presets");
   cmd->callback([&action] {
@@ -207,6 +219,7 @@ int run(int argc, char** argv) {
   add_data(app, args, action);
   add_launch(app, args, action);
   add_presets(app, action);
+  add_ctl(app, args, action);
   add_plan_command(app, action);
   add_store_command(app, action);
   add_convert_command(app, action);

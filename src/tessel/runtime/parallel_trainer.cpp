@@ -9,11 +9,13 @@
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <span>
 #include <thread>
 
 #include "tessel/comm/process_groups.h"
+#include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/data/batch_loader.h"
@@ -63,6 +65,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  TESSEL_CHECK(in.good(), IoError, "cannot read {}", path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "{} is not valid JSON: {}", path, e.what());
+  }
+}
+
 // Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
 // renamed into place), bounded by `timeout`.
 void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout) {
@@ -92,8 +104,12 @@ WorkerEnv WorkerEnv::from_environment() {
   e.store_dir = env_string("TESSEL_STORE_DIR", true);
   e.job_id = env_string("TESSEL_JOB_ID", true);
   e.generation = env_int("TESSEL_GENERATION", false);
-  TESSEL_CHECK(e.world_size >= 1 && e.rank < e.world_size, ConfigError,
-               "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
+  // A worker started for a switch (TESSEL_JOIN_GENERATION) may take a rank beyond the world the
+  // job started with: its place comes from the switch.
+  TESSEL_CHECK(e.world_size >= 1 &&
+                   (e.rank < e.world_size || env_int("TESSEL_JOIN_GENERATION", false) > 0),
+               ConfigError, "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank,
+               e.world_size);
   return e;
 }
 
@@ -566,38 +582,65 @@ struct World {
 
 }  // namespace
 
+// A switch of plans at a step boundary.
+struct Switch {
+  layout::Plan from, to;
+  std::string cause;    // "timeline", "scale request"
+  int64_t request = 0;  // the scale request it applies (0 for the timeline)
+};
+
 struct ParallelTrainer::Impl {
   TrainConfig cfg;
-  WorkerEnv env;       // env.rank: this process's id, stable over generations (= its rank in each)
-  int generation = 0;  // index into the config's plans (0: parallel, i: timeline[i-1])
-  std::unique_ptr<World> world;  // null while this process has no rank in the current plan
-  MetricsWriter events;          // output.events, on process 0
+  WorkerEnv env;  // env.rank: this process's id, stable over generations (= its rank in each)
+  // Switches so far: the current world lives under store generation env.generation + generation.
+  int generation = 0;
+  layout::Plan plan;              // in force now (also known while this process has no rank)
+  size_t next_static = 0;         // the next timeline entry
+  int64_t applied_request = 0;    // the newest scale request applied
+  std::unique_ptr<World> world;   // null while this process has no rank in the current plan
+  std::optional<Switch> joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
+  MetricsWriter events;           // output.events, on process 0
 
   Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
     if (env.rank == 0) events = MetricsWriter(cfg.events_path);
-    // A timeline's workers are started as its plans need them (tessel train), so the world size
-    // in the environment is only checked against runs without one.
-    cfg.validate_for_workers(cfg.timeline.empty() ? env.world_size : cfg.max_workers());
+    // Workers of a timeline or of scale requests are started as the plans need them, so the
+    // world size in the environment is only checked against a fixed run.
+    cfg.validate_for_workers(cfg.timeline.empty() && !elastic() ? env.world_size
+                                                                : cfg.max_workers());
+    plan = cfg.plan;
     const int64_t join = env_int("TESSEL_JOIN_GENERATION", false);
-    if (join == 0 && resume()) return;
     if (join > 0) {
-      // Started for the switch to generation `join`: take part in it as a receiver only.
-      TESSEL_CHECK(join < cfg.generations() && env.rank < cfg.plan_of_generation(int(join)).world(),
-                   ConfigError,
-                   "TESSEL_JOIN_GENERATION={} with TESSEL_RANK={} does not match the config's "
-                   "timeline ({} plans)",
-                   join, env.rank, cfg.generations());
+      // Started for the switch to generation `join`: take part in it as a receiver only. Rank 0
+      // described it in a marker file before the launcher started this process.
+      const auto m = read_json_file(switch_marker(int(join)));
+      Switch sw{layout::plan_from_json(m.at("from")), layout::plan_from_json(m.at("to")),
+                m.at("cause").get<std::string>(), m.at("request").get<int64_t>()};
+      TESSEL_CHECK(env.rank < sw.to.world(), ConfigError,
+                   "TESSEL_JOIN_GENERATION={}: rank {} has no place in {}", join, env.rank,
+                   sw.to.describe());
       generation = int(join) - 1;
-    } else if (env.rank < cfg.plan.world()) {
-      world = std::make_unique<World>(cfg, env, cfg.plan, env.rank, env.generation, true);
+      plan = sw.from;
+      applied_request = m.at("applied_request").get<int64_t>();
+      const int64_t step = m.at("step").get<int64_t>();
+      while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)
+        ++next_static;
+      joining = std::move(sw);
+      return;
     }
-    // Otherwise a process started before its plan needs it: it waits in the switch that gives it
-    // a rank (bounded by parallel.timeout_s).
+    if (resume()) return;
+    TESSEL_CHECK(env.rank < plan.world(), ConfigError,
+                 "worker rank {} has no place in {}: `tessel train` starts workers as the plans "
+                 "need them",
+                 env.rank, plan.describe());
+    world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation, true);
   }
 
+  // Whether the launcher takes scale requests for this job (`tessel ctl scale`).
+  bool elastic() const { return env_int("TESSEL_ELASTIC", false) == 1; }
+
   // Continues from the newest checkpoint in checkpoint.dir, saved under any plan: this process
-  // joins the plan in force at the saved step and reads its share. Returns false when there is
-  // none (or resume is off).
+  // joins the plan the config has in force at the saved step and reads its share. Returns false
+  // when there is none (or resume is off).
   bool resume() {
     if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
     auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
@@ -622,10 +665,13 @@ struct ParallelTrainer::Impl {
                  *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
                  meta.at("global_batch").get<int64_t>());
     const int64_t step = meta.at("step").get<int64_t>();
-    generation = cfg.generation_at(step);
-    const auto& plan = cfg.plan_of_generation(generation);
-    if (env.rank >= plan.world()) return true;  // no rank at that step: waits for a switch
-    world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation + generation, false);
+    plan = cfg.plan_at(step);
+    while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)
+      ++next_static;
+    TESSEL_CHECK(env.rank < plan.world(), ConfigError,
+                 "worker rank {} has no place in {}, the plan at step {}", env.rank,
+                 plan.describe(), step);
+    world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation, false);
     load_rank_state(reader, layout::StateLayout::build(cfg.model, world->plan), env.rank,
                     world->state_buffers());
     world->step = step;
@@ -636,39 +682,69 @@ struct ParallelTrainer::Impl {
     return true;
   }
 
-  // Where the launcher learns that the workers reached the switch to generation g (and starts the
-  // processes that join there): a file in the job's rendezvous directory.
+  // Files in the job's rendezvous directory through which workers and the launcher talk:
+  // switch-<g>.json, written by rank 0 when the workers start the switch to generation g (the
+  // launcher starts the ranks it adds; they read the switch from it), and request-<r>.json,
+  // written by the launcher for a scale request (`tessel ctl scale N`).
   std::string switch_marker(int g) const {
-    return fmt::format("{}/{}.switch-{}", env.store_dir, env.job_id, g);
+    return fmt::format("{}/{}.switch-{}.json", env.store_dir, env.job_id, g);
+  }
+  std::string request_file(int64_t r) const {
+    return fmt::format("{}/{}.request-{}.json", env.store_dir, env.job_id, r);
   }
 
-  // The steps of the current generation end before this step.
-  int64_t generation_end() const {
-    return std::min(generation + 1 < cfg.generations() ? cfg.timeline[size_t(generation)].at_step
-                                                       : cfg.training.steps,
-                    cfg.training.end_step());
+  // The switch to make after the step just finished, if any (collective over the world when the
+  // job takes scale requests: every rank must decide alike).
+  std::optional<Switch> next_switch() {
+    const int64_t step = world->step;
+    if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
+      const auto& e = cfg.timeline[next_static++];
+      return Switch{plan, e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)", 0};
+    }
+    if (!elastic()) return std::nullopt;
+    // The newest request any rank has seen; the request files only ever appear, so every rank
+    // can read the agreed one after the all-reduce.
+    int64_t seen = applied_request;
+    while (std::filesystem::exists(request_file(seen + 1))) ++seen;
+    std::vector<int64_t> all(size_t(world->groups.world->size()));
+    world->groups.world->all_gather(&seen, 1, all.data());
+    seen = *std::max_element(all.begin(), all.end());
+    if (seen <= applied_request) return std::nullopt;
+    const auto req = read_json_file(request_file(seen));
+    auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
+    applied_request = seen;
+    if (to == plan) return std::nullopt;
+    return Switch{plan, std::move(to), "scale request", seen};
   }
 
-  // Live switch to the next generation's plan at a step boundary (the timeline): every process
-  // of the old or the new world joins one transition world, the training state moves by the
-  // TransferPlan (each piece from the nearest holder; nothing a process keeps moves), the new
-  // world's members build their chunks in the new generation and continue with the old world's
-  // step, data cursor and learning-rate position. Processes without a rank in the new plan drop
-  // their state; the others' old chunks are released once the move is done.
-  void transition() {
+  // Live switch of plans at a step boundary: every process of the old or the new world joins one
+  // transition world, the training state moves by the TransferPlan (each piece from the nearest
+  // holder; nothing a process keeps moves), the new world's members build their chunks in the
+  // new generation and continue with the old world's step, data cursor and learning-rate
+  // position. Processes without a rank in the new plan drop their state; the others' old chunks
+  // are released once the move is done.
+  void transition(const Switch& sw) {
     const int next = generation + 1;
-    const layout::Plan& from = cfg.plan_of_generation(generation);
-    const layout::Plan& to = cfg.plan_of_generation(next);
+    const layout::Plan from = sw.from, to = sw.to;
     generation = next;
+    plan = to;
     const int process = env.rank;
     const bool in_new = process < to.world();
     if (world == nullptr && !in_new) return;  // not involved
     const auto t0 = std::chrono::steady_clock::now();
-    if (process == 0 && world != nullptr && to.world() > from.world()) {
-      std::FILE* f = std::fopen(switch_marker(next).c_str(), "w");
-      TESSEL_CHECK(f != nullptr, IoError, "cannot create {} to ask for {} more workers",
-                   switch_marker(next), to.world() - from.world());
-      std::fclose(f);
+    if (process == 0 && world != nullptr) {
+      // Tells the launcher (which starts the ranks this switch adds) and those ranks what it is.
+      const nlohmann::json m = {{"generation", next},
+                                {"step", world->step},
+                                {"from", layout::to_json(from)},
+                                {"to", layout::to_json(to)},
+                                {"cause", sw.cause},
+                                {"request", sw.request},
+                                {"applied_request", applied_request}};
+      AtomicFileWriter out(switch_marker(next));
+      const std::string text = m.dump();
+      out.write(text.data(), text.size());
+      out.commit();
     }
     const auto old_layout = layout::StateLayout::build(cfg.model, from);
     const auto new_layout = layout::StateLayout::build(cfg.model, to);
@@ -721,8 +797,7 @@ struct ParallelTrainer::Impl {
           double(st.local_copy_bytes) / 1e6, st.messages);
       // One line per reconfiguration (output.events).
       events.write({{"event", "reconfigure"},
-                    {"cause", cfg.timeline[size_t(next - 1)].workers > 0 ? "timeline (workers)"
-                                                                         : "timeline (plan)"},
+                    {"cause", sw.cause},
                     {"generation", next},
                     {"step", shared.step},
                     {"old_plan", from.describe()},
@@ -768,30 +843,32 @@ TrainSummary ParallelTrainer::run() {
   }
   RunTracker tracker(s.world ? s.world->step : 0, cfg.training.steps, cfg.training.log_every,
                      tokens_per_step, lead);
-  for (;;) {
-    while (s.world && s.world->step < s.generation_end()) {
-      World& w = *s.world;
-      tracker.begin_step();
-      double lr = w.lr_schedule.at(w.step);
-      double grad_norm = 0;
-      double loss = w.train_step(&grad_norm);
-      nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
-      if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
-      if (s.generation > 0) record["generation"] = s.generation;
-      if (lead) w.metrics.write(record);
-      const auto& ck = cfg.checkpoint;
-      if (!ck.dir.empty() &&
-          ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
-        w.save_checkpoint();
+  if (s.joining) {
+    s.transition(*s.joining);
+    s.joining.reset();
+  }
+  while (s.world && s.world->step < cfg.training.end_step()) {
+    World& w = *s.world;
+    tracker.begin_step();
+    double lr = w.lr_schedule.at(w.step);
+    double grad_norm = 0;
+    double loss = w.train_step(&grad_norm);
+    nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
+    if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
+    if (s.generation > 0) record["generation"] = s.generation;
+    record["workers"] = w.plan.world();
+    if (lead) w.metrics.write(record);
+    const auto& ck = cfg.checkpoint;
+    if (!ck.dir.empty() &&
+        ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
+      w.save_checkpoint();
+    if (w.step >= cfg.training.end_step()) break;
+    if (auto sw = s.next_switch()) {
+      s.transition(*sw);
+      // A worker the new plan does not need leaves; `tessel train` starts a fresh process when a
+      // later plan needs the rank again.
+      if (s.world == nullptr) break;
     }
-    if (s.generation + 1 >= cfg.generations() ||
-        (s.world && s.world->step >= cfg.training.end_step()))
-      break;
-    const bool had_rank = s.world != nullptr;
-    s.transition();
-    // A worker the new plan does not need leaves; `tessel train` starts a fresh process when a
-    // later plan needs the rank again.
-    if (had_rank && s.world == nullptr) break;
   }
   const double elapsed = tracker.elapsed_seconds();
   const TrainSummary& summary = tracker.finish();

@@ -1,0 +1,193 @@
+#include "tessel/elastic/coordinator.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "tessel/core/atomic_file.h"
+#include "tessel/core/check.h"
+#include "tessel/core/log.h"
+#include "tessel/runtime/auto_plan.h"
+
+namespace tessel::elastic {
+
+namespace fs = std::filesystem;
+
+std::string control_dir() {
+  const char* d = std::getenv("TESSEL_CTL_DIR");
+  return d != nullptr && *d != '\0' ? d : "/tmp/tessel-ctl";
+}
+
+namespace {
+
+sockaddr_un address_of(const std::string& path) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  TESSEL_CHECK(path.size() < sizeof(a.sun_path), IoError,
+               "control socket path '{}' is too long; set TESSEL_CTL_DIR to a shorter directory",
+               path);
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  return a;
+}
+
+// Reads one line (up to '\n' or EOF) within timeout_ms.
+std::string read_line(int fd, int timeout_ms) {
+  std::string line;
+  char c = 0;
+  while (line.size() < 4096) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) break;
+    const ssize_t n = ::read(fd, &c, 1);
+    if (n <= 0 || c == '\n') break;
+    line += c;
+  }
+  return line;
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;  // the client went away: nothing to tell it
+    off += size_t(n);
+  }
+}
+
+}  // namespace
+
+Coordinator::Coordinator(runtime::TrainConfig cfg, std::string job_id, int initial_workers)
+    : cfg_(std::move(cfg)), job_id_(std::move(job_id)), workers_(initial_workers) {
+  const std::string dir = control_dir();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  socket_path_ = (fs::path(dir) / (job_id_ + ".sock")).string();
+  const auto addr = address_of(socket_path_);
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  TESSEL_CHECK(listen_fd_ >= 0, IoError, "cannot create a control socket: {}",
+               std::strerror(errno));
+  ::unlink(socket_path_.c_str());
+  if (::bind(listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listen_fd_, 8) != 0) {
+    const int err = errno;
+    ::close(listen_fd_);
+    TESSEL_THROW(IoError, "cannot listen on control socket {}: {}", socket_path_,
+                 std::strerror(err));
+  }
+}
+
+Coordinator::~Coordinator() {
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  ::unlink(socket_path_.c_str());
+}
+
+std::string Coordinator::handle(const std::string& line, const std::string& store_dir) {
+  std::istringstream in(line);
+  std::string cmd;
+  in >> cmd;
+  if (cmd == "status") {
+    return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches", job_id_, workers_,
+                       requests_, next_generation_ - 1);
+  }
+  if (cmd != "scale")
+    return fmt::format("refused: unknown command '{}'; try: scale N, status", cmd);
+  int n = 0;
+  if (!(in >> n) || n < 1) return "refused: scale needs a worker count >= 1 (scale N)";
+  layout::Plan plan;
+  try {
+    plan = runtime::plan_for_workers(cfg_, n);
+  } catch (const Error& e) {
+    return fmt::format("refused: {}", e.what());
+  }
+  const int64_t r = ++requests_;
+  const nlohmann::json req = {{"request", r}, {"workers", n}, {"plan", layout::to_json(plan)}};
+  AtomicFileWriter out(fmt::format("{}/{}.request-{}.json", store_dir, job_id_, r));
+  const std::string text = req.dump();
+  out.write(text.data(), text.size());
+  out.commit();
+  spdlog::info("scale request {}: {} workers ({}) at the next step boundary", r, n,
+               plan.describe());
+  return fmt::format("ok: request {}: {} workers ({}) at the next step boundary", r, n,
+                     plan.describe());
+}
+
+void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
+                                const std::string& store_dir) {
+  for (;;) {
+    const auto marker = fmt::format("{}/{}.switch-{}.json", store_dir, job_id_, next_generation_);
+    if (!fs::exists(marker)) return;
+    std::ifstream in(marker);
+    const auto m = nlohmann::json::parse(in);
+    const int from = layout::plan_from_json(m.at("from")).world();
+    const int to = layout::plan_from_json(m.at("to")).world();
+    for (int r = from; r < to; ++r)
+      spawn(r, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
+    workers_ = to;
+    ++next_generation_;
+  }
+}
+
+void Coordinator::tick(const runtime::LaunchOptions::Spawn& spawn,
+                       const runtime::LaunchResult& job) {
+  for (;;) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) break;  // EAGAIN: nobody waiting
+    const std::string line = read_line(fd, 1000);
+    write_all(fd, handle(line, job.store_dir) + "\n");
+    ::close(fd);
+  }
+  start_joiners(spawn, job.store_dir);
+}
+
+std::string send_control_command(const std::string& job_id, const std::string& command,
+                                 int timeout_ms) {
+  const std::string dir = control_dir();
+  std::string path;
+  if (!job_id.empty()) {
+    path = (fs::path(dir) / (job_id + ".sock")).string();
+  } else {
+    std::vector<std::string> found;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().extension() == ".sock") found.push_back(e.path().string());
+    TESSEL_CHECK(!found.empty(), IoError,
+                 "no running tessel job has a control socket in {} (is `tessel train` running "
+                 "with more than one worker? TESSEL_CTL_DIR must match)",
+                 dir);
+    std::string list;
+    for (const auto& f : found) list += " " + fs::path(f).stem().string();
+    TESSEL_CHECK(found.size() == 1, IoError,
+                 "several jobs have control sockets in {}:{}; pick one "
+                 "with --job",
+                 dir, list);
+    path = found.front();
+  }
+  const auto addr = address_of(path);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TESSEL_CHECK(fd >= 0, IoError, "cannot create a socket: {}", std::strerror(errno));
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    const int err = errno;
+    ::close(fd);
+    TESSEL_THROW(IoError, "cannot reach the job at {}: {} (the job is not running?)", path,
+                 std::strerror(err));
+  }
+  write_all(fd, command + "\n");
+  std::string reply = read_line(fd, timeout_ms);
+  ::close(fd);
+  TESSEL_CHECK(!reply.empty(), TimeoutError, "the job at {} did not answer within {} ms", path,
+               timeout_ms);
+  return reply;
+}
+
+}  // namespace tessel::elastic

@@ -1,0 +1,112 @@
+// The coordinator: control commands, and live scaling of a running job by `tessel ctl scale N`
+// with the losses of one uninterrupted single-process run.
+#include "tessel/elastic/coordinator.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "tessel/core/error.h"
+#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/trainer.h"
+#include "tessel/testing/testing.h"
+
+namespace tessel::elastic {
+namespace {
+
+using tessel::testing::TempDir;
+
+const std::string kTraining =
+    "training: {steps: 150, global_batch: 12, micro_batch: 2, threads: 1}\n"
+    "optimizer: {lr: 0.003, warmup_steps: 1}\n"
+    "output: {metrics: metrics.jsonl, events: events.jsonl}\n";
+
+TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndWrittenForTheWorkers) {
+  TempDir dir;
+  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
+  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
+  Coordinator c(cfg, "job1", 2);
+  EXPECT_TRUE(std::filesystem::exists(c.socket_path()));
+  const std::string store = dir.path().string();
+  auto ok = c.handle("scale 3", store);
+  EXPECT_EQ(ok.rfind("ok: request 1: 3 workers", 0), 0u) << ok;
+  auto req = nlohmann::json::parse(std::ifstream(dir / "job1.request-1.json"));
+  EXPECT_EQ(req.at("workers").get<int>(), 3);
+  EXPECT_EQ(layout::plan_from_json(req.at("plan")).world(), 3);
+  // A count no layout fits: refused with the planner's reason, nothing written.
+  auto refused = c.handle("scale 13", store);
+  EXPECT_EQ(refused.rfind("refused:", 0), 0u) << refused;
+  EXPECT_NE(refused.find("13 workers"), std::string::npos) << refused;
+  EXPECT_FALSE(std::filesystem::exists(dir / "job1.request-2.json"));
+  EXPECT_EQ(c.handle("scale 0", store).rfind("refused:", 0), 0u);
+  EXPECT_EQ(c.handle("grow", store).rfind("refused: unknown command", 0), 0u);
+  EXPECT_EQ(c.handle("status", store).rfind("ok: job job1", 0), 0u);
+  // No job: a clear error, not a hang.
+  EXPECT_THROW(send_control_command("nope", "status", 500), IoError);
+  unsetenv("TESSEL_CTL_DIR");
+}
+
+// A running job scaled 2 -> 3 -> 1 workers by `tessel ctl`: every step's loss equals the single
+// process's, and each scale is one event line.
+TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {
+  TempDir dir;
+  auto corpus = runtime::testing::make_corpus(dir);
+  auto single_cfg = runtime::TrainConfig::load(
+      runtime::testing::write_config(dir, corpus, kTraining, "single.yaml"));
+  single_cfg.metrics_path.clear();
+  single_cfg.events_path.clear();
+  const auto expected = runtime::Trainer(single_cfg).run().losses;
+
+  auto cfg = runtime::testing::write_config(dir, corpus, kTraining + "parallel: {dp: 2}\n");
+  const auto bin = tessel::testing::tessel_binary().string();
+  // Bounded by `timeout`: a hang fails the test instead of blocking it.
+  std::ofstream(dir / "scale.sh") << fmt::format(
+      "set -e\ncd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
+      "{bin} train {cfg} > train.out 2>&1 &\n"
+      "L=$!\n"
+      "lines() {{ [ -f metrics.jsonl ] && wc -l < metrics.jsonl || echo 0; }}\n"
+      "for i in $(seq 600); do [ $(lines) -ge 5 ] && break; sleep 0.02; done\n"
+      "{bin} ctl scale 3\n"
+      "for i in $(seq 600); do grep -q '\"workers\":3' metrics.jsonl && break; sleep 0.02; done\n"
+      "{bin} ctl scale 13 || echo refused-as-expected\n"
+      "{bin} ctl scale 1\n"
+      "wait $L\n",
+      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg));
+  std::string out;
+  int rc = tessel::testing::run_command(
+      fmt::format("timeout 120 bash {}", (dir / "scale.sh").string()), &out);
+  std::ifstream train_out(dir / "train.out");
+  std::string log((std::istreambuf_iterator<char>(train_out)), {});
+  ASSERT_EQ(rc, 0) << out << log;
+  EXPECT_NE(out.find("refused-as-expected"), std::string::npos) << out;
+
+  std::vector<nlohmann::json> records;
+  std::ifstream m(dir / "metrics.jsonl");
+  for (std::string line; std::getline(m, line);)
+    if (!line.empty()) records.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(records.size(), expected.size()) << log;
+  std::set<int> worker_counts;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_NEAR(records[i].at("loss").get<double>(), expected[i], 1e-5 * expected[i])
+        << "step " << i;
+    worker_counts.insert(records[i].at("workers").get<int>());
+  }
+  EXPECT_EQ(worker_counts, (std::set<int>{1, 2, 3})) << log;
+  std::vector<nlohmann::json> events;
+  std::ifstream ev(dir / "events.jsonl");
+  for (std::string line; std::getline(ev, line);)
+    if (!line.empty()) events.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(events.size(), 2u) << log;
+  EXPECT_EQ(events[0].at("cause"), "scale request");
+  EXPECT_EQ(events[0].at("new_workers").get<int>(), 3);
+  EXPECT_EQ(events[1].at("new_workers").get<int>(), 1);
+}
+
+}  // namespace
+}  // namespace tessel::elastic

@@ -432,6 +432,15 @@ void Transformer::head_backward() {
   }
 }
 
+void Transformer::rebind_tp_group(TpGroup* tp) {
+  const int size = tp != nullptr ? tp->size() : 1, rank = tp != nullptr ? tp->rank() : 0;
+  TESSEL_CHECK(size == tp_size() && rank == tp_rank(), InvalidArgumentError,
+               "rebind_tp_group: the model is rank {} of {} tensor-parallel ranks, the new group "
+               "makes it rank {} of {}",
+               tp_rank(), tp_size(), rank, size);
+  tp_ = size > 1 ? tp : nullptr;
+}
+
 void Transformer::backward_stage(int slot, const GradsReady& grads_ready) {
   select_slot(slot);
   TESSEL_CHECK(slots_[size_t(cur_)].forward_ready, InvalidArgumentError,

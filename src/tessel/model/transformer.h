@@ -111,6 +111,10 @@ class Transformer {
   int activation_slots() const { return int(slots_.size()); }
   // The tensor-parallel group (null without tensor parallelism), this rank in it and its size.
   TpGroup* tp_group() const { return tp_; }
+  // Moves the model to another tensor-parallel group with this rank's place in a group of the
+  // same size (a new generation's communicators, after a live switch of plans that kept this
+  // shard). Throws InvalidArgumentError when the size or rank differ.
+  void rebind_tp_group(TpGroup* tp);
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 

@@ -16,6 +16,21 @@ std::unique_ptr<comm::Communicator> connect_transition_world(
 
 namespace {
 
+// Transfers at least this large (16 KiB) and contiguous on both sides are sent without staging
+// (the tiny test models have tensors on both sides of it, so tests run both paths).
+constexpr int64_t kDirectMinFloats = 4096;
+
+// Whether the region's elements are one run of consecutive floats.
+bool contiguous(const layout::StridedRegion& r) {
+  int64_t expect = 1;
+  for (size_t d = r.extents.size(); d-- > 0;) {
+    if (r.extents[d] == 1) continue;
+    if (r.strides[d] != expect) return false;
+    expect *= r.extents[d];
+  }
+  return true;
+}
+
 // The region must lie inside a buffer of `size` floats.
 void check_region(const StridedRegion& r, size_t size, const char* side, int rank, int buffer) {
   TESSEL_CHECK(r.end() <= int64_t(size), InvalidArgumentError,
@@ -115,28 +130,72 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
                  buffers.new_buffers.size());
   }
 
+  // Transfers that are one contiguous run on both sides (whole tensors of flat buffers, row
+  // blocks) go straight from the old buffer to the new one, without staging copies: large ones
+  // dominate a move (a joining rank receiving whole replicas). The rest of each message is packed
+  // into one staging buffer per peer. Both sides walk the same message in the same order: first
+  // the packed part (when it is not empty), then each direct transfer; messages of one peer pair
+  // match in posting order.
+  auto direct = [&](const Transfer& tr) {
+    return tr.numel() >= kDirectMinFloats && contiguous(tr.src) && contiguous(tr.dst);
+  };
+  auto packed_numel = [&](const Message& m) {
+    int64_t n = 0;
+    for (int t : m.transfers)
+      if (!direct(plan.transfers()[size_t(t)])) n += plan.transfers()[size_t(t)].numel();
+    return n;
+  };
+
   // 1. Receives first, so every send finds its receive posted.
   std::vector<const Message*> incoming;
   // Message buffers are left uninitialised: every float is written by pack or the network.
   std::vector<std::unique_ptr<float[]>> inbox;
-  std::vector<comm::Request> recvs, sends;
+  std::vector<comm::Request> recvs, direct_recvs, sends;
   for (const Message& m : plan.messages()) {
     if (m.dst_process != process) continue;
+    const int peer = plan.union_rank(m.src_process);
     incoming.push_back(&m);
-    inbox.emplace_back(new float[size_t(m.numel)]);
-  }
-  for (size_t i = 0; i < incoming.size(); ++i) {
-    recvs.push_back(world.recv(inbox[i].get(), size_t(incoming[i]->bytes()),
-                               plan.union_rank(incoming[i]->src_process), kReshardTag));
+    const int64_t n = packed_numel(m);
+    inbox.emplace_back(n > 0 ? new float[size_t(n)] : nullptr);
+    if (n > 0)
+      recvs.push_back(world.recv(inbox.back().get(), size_t(n) * sizeof(float), peer, kReshardTag));
+    for (int t : m.transfers) {
+      const Transfer& tr = plan.transfers()[size_t(t)];
+      if (!direct(tr)) continue;
+      const auto& buf = buffers.new_buffers.at(size_t(tr.dst_buffer));
+      check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
+      direct_recvs.push_back(world.recv(buf.data() + tr.dst.offset,
+                                        size_t(tr.numel()) * sizeof(float), peer, kReshardTag));
+    }
   }
   // 2. Pack and send.
   std::vector<std::unique_ptr<float[]>> outbox;
   for (const Message& m : plan.messages()) {
     if (m.src_process != process) continue;
-    outbox.emplace_back(new float[size_t(m.numel)]);
-    pack_message(plan, m, buffers.old_buffers, outbox.back().get());
-    sends.push_back(world.send(outbox.back().get(), size_t(m.bytes()),
-                               plan.union_rank(m.dst_process), kReshardTag));
+    const int peer = plan.union_rank(m.dst_process);
+    const int64_t n = packed_numel(m);
+    if (n > 0) {
+      outbox.emplace_back(new float[size_t(n)]);
+      float* out = outbox.back().get();
+      for (int t : m.transfers) {
+        const Transfer& tr = plan.transfers()[size_t(t)];
+        if (direct(tr)) continue;
+        const auto& buf = buffers.old_buffers.at(size_t(tr.src_buffer));
+        check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
+        layout::gather(buf.data(), tr.src, out);
+        out += tr.numel();
+      }
+      sends.push_back(
+          world.send(outbox.back().get(), size_t(n) * sizeof(float), peer, kReshardTag));
+    }
+    for (int t : m.transfers) {
+      const Transfer& tr = plan.transfers()[size_t(t)];
+      if (!direct(tr)) continue;
+      const auto& buf = buffers.old_buffers.at(size_t(tr.src_buffer));
+      check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
+      sends.push_back(world.send(buf.data() + tr.src.offset, size_t(tr.numel()) * sizeof(float),
+                                 peer, kReshardTag));
+    }
   }
   // 3. Local work while the network runs.
   if (new_rank >= 0) {
@@ -144,10 +203,20 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
     copy_kept(plan, new_rank, buffers.old_buffers, buffers.new_buffers);
   }
   // 4. Receive, then make sure our sends are out.
-  for (size_t i = 0; i < recvs.size(); ++i) {
-    recvs[i].wait();
-    unpack_message(plan, *incoming[i], inbox[i].get(), buffers.new_buffers);
+  for (size_t i = 0, r = 0; i < incoming.size(); ++i) {
+    if (!inbox[i]) continue;
+    recvs[r++].wait();
+    const float* in = inbox[i].get();
+    for (int t : incoming[i]->transfers) {
+      const Transfer& tr = plan.transfers()[size_t(t)];
+      if (direct(tr)) continue;
+      const auto& buf = buffers.new_buffers.at(size_t(tr.dst_buffer));
+      check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
+      layout::scatter(in, tr.dst, buf.data());
+      in += tr.numel();
+    }
   }
+  for (auto& r : direct_recvs) r.wait();
   for (auto& s : sends) s.wait();
   // 5. Nobody leaves while a peer may still read from its connection.
   world.barrier();

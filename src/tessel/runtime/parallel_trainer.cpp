@@ -106,10 +106,9 @@ WorkerEnv WorkerEnv::from_environment() {
   e.generation = env_int("TESSEL_GENERATION", false);
   // A worker started for a switch (TESSEL_JOIN_GENERATION) may take a rank beyond the world the
   // job started with: its place comes from the switch.
-  TESSEL_CHECK(e.world_size >= 1 &&
-                   (e.rank < e.world_size || env_int("TESSEL_JOIN_GENERATION", false) > 0),
-               ConfigError, "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank,
-               e.world_size);
+  TESSEL_CHECK(
+      e.world_size >= 1 && (e.rank < e.world_size || env_int("TESSEL_JOIN_GENERATION", false) > 0),
+      ConfigError, "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
   return e;
 }
 
@@ -143,7 +142,8 @@ struct World {
   int rank = 0;  // in this generation's world
   comm::ProcessGroups groups;
   std::unique_ptr<CommTpGroup> tp_group;
-  std::unique_ptr<kernels::Backend> backend;
+  // Shared with the next generation's World, which may take over models that refer to it.
+  std::shared_ptr<kernels::Backend> backend;
   std::shared_ptr<const data::TokenSource> source;
   std::unique_ptr<data::BatchLoader> loader;
   std::vector<Chunk> chunks;
@@ -165,8 +165,12 @@ struct World {
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
+  // `donor` (a live switch): the old world of this process; chunks whose state the transfer plan
+  // keeps in place (same shard, same layout) are taken over from it instead of being rebuilt
+  // when their micro-batch size and activation slots match.
   World(const TrainConfig& c, const WorkerEnv& e, const layout::Plan& p, int rank_in_plan,
-        int64_t generation, bool init_params)
+        int64_t generation, bool init_params, World* donor = nullptr,
+        const reshard::TransferPlan* transfer = nullptr)
       : cfg(c), env(e), plan(p.with_defaults(c.model)), rank(rank_in_plan) {
     if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
 
@@ -185,7 +189,9 @@ struct World {
     groups = comm::connect_process_groups(store, grid, rank, plan.world(), timeout);
     if (plan.tp > 1) tp_group = std::make_unique<CommTpGroup>(*groups.tp);
 
-    backend = kernels::make_backend(cfg.training.backend);
+    backend = donor != nullptr
+                  ? donor->backend
+                  : std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend));
     source = data::open_token_source(cfg.data.path);
     TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,
                  "{}: the data {} has token ids up to {} but model '{}' has vocab_size {}",
@@ -231,8 +237,21 @@ struct World {
       Chunk ch;
       ch.vs = plan.stage_of(groups.coord.pp, c);
       ch.range = ranges[size_t(ch.vs)];
-      ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T), ch.range,
-                                                      tp_group.get(), peak[size_t(c)]);
+      // Buffers in StateLayout order: per chunk its parameters, Adam m, Adam v.
+      auto kept = [&](int kind) {
+        return donor != nullptr && transfer != nullptr ? transfer->kept_from(rank, 3 * c + kind)
+                                                       : -1;
+      };
+      if (const int b = kept(0); b >= 0) {
+        auto& old = donor->chunks[size_t(b / 3)].model;
+        if (old && old->activation_slots() == peak[size_t(c)] && donor->B == B) {
+          old->rebind_tp_group(tp_group.get());
+          ch.model = std::move(old);
+        }
+      }
+      if (!ch.model)
+        ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T),
+                                                        ch.range, tp_group.get(), peak[size_t(c)]);
       ch.slot_of.assign(size_t(M), -1);
       for (int i = peak[size_t(c)] - 1; i >= 0; --i) ch.free_slots.push_back(i);
       if (init_params) ch.model->init(cfg.training.seed);
@@ -246,8 +265,15 @@ struct World {
         ch.own_lo = r * (n / dp) + std::min(r, n % dp);
         ch.own_n = int64_t(ch.dp_counts[size_t(r)]);
       }
-      ch.adam_m = Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
-      ch.adam_v = Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
+      auto adam = [&](int kind, Tensor Chunk::*member) {
+        if (const int b = kept(kind); b >= 0) {
+          Tensor& t = donor->chunks[size_t(b / 3)].*member;
+          if (t.defined() && t.numel() == std::max<int64_t>(ch.own_n, 1)) return std::move(t);
+        }
+        return Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
+      };
+      ch.adam_m = adam(1, &Chunk::adam_m);
+      ch.adam_v = adam(2, &Chunk::adam_v);
       if (cfg.model.tie_embeddings && plan.pp > 1 &&
           (ch.range.has_embedding || ch.range.has_head)) {
         const auto& views = ch.model->param_views();
@@ -764,13 +790,16 @@ struct ParallelTrainer::Impl {
     auto union_world = reshard::connect_transition_world(store, plan, process, timeout);
     const double connect_s = seconds_since(t1);
     t1 = std::chrono::steady_clock::now();
-    std::unique_ptr<World> successor;
-    if (in_new) successor = std::make_unique<World>(cfg, env, to, process, store.generation, false);
-    const double rebuild_s = seconds_since(t1);
-    t1 = std::chrono::steady_clock::now();
+    // The old buffers first: the successor may take over chunks (and their memory) it keeps.
     reshard::ProcessBuffers buffers;
     if (world)
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
+    std::unique_ptr<World> successor;
+    if (in_new)
+      successor = std::make_unique<World>(cfg, env, to, process, store.generation, false,
+                                          world.get(), &plan);
+    const double rebuild_s = seconds_since(t1);
+    t1 = std::chrono::steady_clock::now();
     if (successor) buffers.new_buffers = successor->state_buffers();
     reshard::execute(plan, process, *union_world, buffers);
     layout::ScalarState mine;

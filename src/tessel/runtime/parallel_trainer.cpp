@@ -347,15 +347,7 @@ struct World {
   void finish_checkpoint() { saver.wait(); }
 
   nlohmann::json checkpoint_meta() const {
-    return {{"model", to_json(cfg.model)},
-            {"plan", layout::to_json(plan)},
-            {"step", step},
-            {"lr_step", step},
-            {"cursor", cursor},
-            {"init_seed", cfg.training.seed},
-            {"data_seed", cfg.data.seed},
-            {"seq_len", cfg.data.seq_len},
-            {"global_batch", cfg.training.global_batch}};
+    return runtime::checkpoint_meta(cfg, plan, step, cursor);
   }
 
   // This rank's training state in StateLayout order (layout/state_layout.h): per chunk, its
@@ -673,23 +665,7 @@ struct ParallelTrainer::Impl {
     if (!path) return false;
     store::CheckpointReader reader(*path);
     const auto& meta = reader.meta();
-    auto saved = meta.at("model");
-    auto wanted = to_json(cfg.model);
-    saved.erase("name");
-    wanted.erase("name");
-    TESSEL_CHECK(saved == wanted, ConfigError,
-                 "checkpoint '{}' holds a different model ({}) than the config asks for ({}): "
-                 "point checkpoint.dir elsewhere or set checkpoint.resume: false",
-                 *path, saved.dump(), wanted.dump());
-    TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
-                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len &&
-                     meta.at("global_batch").get<int64_t>() == cfg.training.global_batch,
-                 ConfigError,
-                 "checkpoint '{}' was trained with data.seed {}, data.seq_len {} and "
-                 "training.global_batch {}; resuming with other values would repeat or skip "
-                 "samples",
-                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
-                 meta.at("global_batch").get<int64_t>());
+    check_resumable(cfg, meta, *path);
     const int64_t step = meta.at("step").get<int64_t>();
     plan = cfg.plan_at(step);
     while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)

@@ -9,6 +9,7 @@
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/model/tp_shard.h"
+#include "tessel/runtime/model_json.h"
 
 namespace tessel::runtime {
 
@@ -104,6 +105,39 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
     std::error_code ec;
     fs::remove_all(fs::path(dir) / steps[i], ec);
   }
+}
+
+nlohmann::json checkpoint_meta(const TrainConfig& cfg, const layout::Plan& plan, int64_t step,
+                               int64_t cursor) {
+  return {{"model", to_json(cfg.model)},
+          {"plan", layout::to_json(plan)},
+          {"step", step},
+          {"lr_step", step},
+          {"cursor", cursor},
+          {"init_seed", cfg.training.seed},
+          {"data_seed", cfg.data.seed},
+          {"seq_len", cfg.data.seq_len},
+          {"global_batch", cfg.training.global_batch}};
+}
+
+void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const std::string& path) {
+  auto saved = meta.at("model");
+  auto wanted = to_json(cfg.model);
+  saved.erase("name");
+  wanted.erase("name");
+  TESSEL_CHECK(saved == wanted, ConfigError,
+               "checkpoint '{}' holds a different model ({}) than the config asks for ({}): "
+               "point checkpoint.dir elsewhere or set checkpoint.resume: false",
+               path, saved.dump(), wanted.dump());
+  TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
+                   meta.at("seq_len").get<int64_t>() == cfg.data.seq_len &&
+                   meta.at("global_batch").get<int64_t>() == cfg.training.global_batch,
+               ConfigError,
+               "checkpoint '{}' was trained with data.seed {}, data.seq_len {} and "
+               "training.global_batch {}; resuming with other values would repeat or skip "
+               "samples",
+               path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
+               meta.at("global_batch").get<int64_t>());
 }
 
 void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,

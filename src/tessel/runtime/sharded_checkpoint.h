@@ -24,6 +24,7 @@
 
 #include "tessel/layout/state_layout.h"
 #include "tessel/layout/training_state.h"
+#include "tessel/runtime/train_config.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
@@ -45,6 +46,15 @@ void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& 
 // `writer` into dir/step-N), points `latest` at it and removes all but the newest `keep`.
 void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nlohmann::json& meta,
                         const std::string& dir, int keep);
+
+// The manifest's "meta" of a checkpoint of `cfg`'s model trained under `plan` at `step` (data
+// cursor `cursor`).
+nlohmann::json checkpoint_meta(const TrainConfig& cfg, const layout::Plan& plan, int64_t step,
+                               int64_t cursor);
+// Throws ConfigError (naming the checkpoint at `path`) unless a run of `cfg` may continue from a
+// checkpoint with `meta`: the same model, and the same data seed, sequence length and global
+// batch (else samples would repeat or be skipped).
+void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const std::string& path);
 
 // Fills rank `rank`'s buffers (layout order) from a checkpoint saved under any plan of the same
 // model. Throws CorruptDataError naming the tensor (and file) when a piece is missing, damaged or

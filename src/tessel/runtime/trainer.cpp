@@ -66,15 +66,7 @@ struct Trainer::Impl {
   }
 
   nlohmann::json checkpoint_meta() const {
-    return {{"model", to_json(cfg.model)},
-            {"plan", layout::to_json(layout::Plan{}.with_defaults(cfg.model))},
-            {"step", step},
-            {"lr_step", step},
-            {"cursor", cursor},
-            {"init_seed", cfg.training.seed},
-            {"data_seed", cfg.data.seed},
-            {"seq_len", cfg.data.seq_len},
-            {"global_batch", cfg.training.global_batch}};
+    return runtime::checkpoint_meta(cfg, layout::Plan{}.with_defaults(cfg.model), step, cursor);
   }
 
   // Continues from the newest checkpoint in checkpoint.dir, which may have been saved by any
@@ -85,23 +77,7 @@ struct Trainer::Impl {
     if (!path) return false;
     store::CheckpointReader reader(*path);
     const nlohmann::json& meta = reader.meta();
-    auto saved = meta.at("model");
-    auto wanted = to_json(cfg.model);
-    saved.erase("name");
-    wanted.erase("name");
-    TESSEL_CHECK(saved == wanted, ConfigError,
-                 "checkpoint '{}' holds a different model ({}) than the config asks for ({}): "
-                 "point checkpoint.dir elsewhere or set checkpoint.resume: false",
-                 *path, saved.dump(), wanted.dump());
-    TESSEL_CHECK(meta.at("data_seed").get<uint64_t>() == cfg.data.seed &&
-                     meta.at("seq_len").get<int64_t>() == cfg.data.seq_len &&
-                     meta.at("global_batch").get<int64_t>() == cfg.training.global_batch,
-                 ConfigError,
-                 "checkpoint '{}' was trained with data.seed {}, data.seq_len {} and "
-                 "training.global_batch {}; resuming with other values would repeat or skip "
-                 "samples",
-                 *path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
-                 meta.at("global_batch").get<int64_t>());
+    check_resumable(cfg, meta, *path);
     load_rank_state(reader, state_layout(), 0, state_buffers());
     step = meta.at("step").get<int64_t>();
     cursor = meta.at("cursor").get<int64_t>();

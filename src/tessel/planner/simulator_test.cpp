@@ -145,6 +145,7 @@ TEST(Simulator, PeakBytesFollowPerVirtualStageSizes) {
   for (int stage = 0; stage < 2; ++stage) {
     std::vector<std::pair<double, double>> deltas;  // (time, change); releases sort first
     for (const TimelineEntry& e : r.timeline[size_t(stage)]) {
+      if (e.op != Op::forward && e.op != Op::backward) continue;  // chunk -1 for the step
       double bytes = 1 << (e.chunk * 2 + stage);
       if (e.op == Op::forward) deltas.push_back({e.start, bytes});
       if (e.op == Op::backward) deltas.push_back({e.end, -bytes});

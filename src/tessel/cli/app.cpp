@@ -11,6 +11,8 @@
 
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/plan_command.h"
+#include "tessel/cli/profile_command.h"
+#include "tessel/cli/simulate_command.h"
 #include "tessel/cli/store_command.h"
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
@@ -223,6 +225,8 @@ int run(int argc, char** argv) {
   add_plan_command(app, action);
   add_store_command(app, action);
   add_convert_command(app, action);
+  add_profile_command(app, action);
+  add_simulate_command(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

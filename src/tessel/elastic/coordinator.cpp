@@ -138,8 +138,31 @@ void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
   }
 }
 
+void Coordinator::watch_hosts_file(const std::string& store_dir) {
+  if (cfg_.hosts_file.empty()) return;
+  std::error_code ec;
+  const auto t = fs::last_write_time(cfg_.hosts_file, ec);
+  if (ec) return;  // absent for now (being rewritten): keep the current count
+  const int64_t mtime = t.time_since_epoch().count();
+  if (mtime == hosts_mtime_) return;
+  hosts_mtime_ = mtime;
+  std::ifstream in(cfg_.hosts_file);
+  int slots = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto first = line.find_first_not_of(" \t\r");
+    if (first != std::string::npos && line[first] != '#') ++slots;
+  }
+  // A new count (the file's first reading included) that differs from the job's asks for it.
+  const bool changed = slots != hosts_slots_;
+  hosts_slots_ = slots;
+  if (!changed || slots == workers_) return;
+  const std::string reply = handle(fmt::format("scale {}", slots), store_dir);
+  spdlog::info("{} lists {} worker slots: {}", cfg_.hosts_file, slots, reply);
+}
+
 void Coordinator::tick(const runtime::LaunchOptions::Spawn& spawn,
                        const runtime::LaunchResult& job) {
+  watch_hosts_file(job.store_dir);
   for (;;) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) break;  // EAGAIN: nobody waiting

@@ -16,6 +16,9 @@
 //                newest wins, none is lost).
 //      status    the job, its workers and the requests so far.
 //    Each reply is one line starting with "ok:" or "refused:".
+//  * A watched hosts file (elastic.hosts_file, like Varuna's machine list): one line per worker
+//    slot; when the number of slots changes, the coordinator makes the same request as
+//    `scale N` (and logs a refusal the same way).
 // Not thread-safe: the launcher calls tick() from its loop.
 #pragma once
 
@@ -51,7 +54,12 @@ class Coordinator {
  private:
   void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
 
+  // elastic.hosts_file: scales the job when the number of worker slots listed changes.
+  void watch_hosts_file(const std::string& store_dir);
+
   runtime::TrainConfig cfg_;
+  int64_t hosts_mtime_ = -1;  // of the hosts file when last read
+  int hosts_slots_ = -1;      // worker slots it listed then
   std::string job_id_;
   std::string socket_path_;
   int listen_fd_ = -1;

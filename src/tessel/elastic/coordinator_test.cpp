@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "tessel/core/error.h"
 #include "tessel/runtime/runtime_test_util.h"
@@ -49,6 +51,47 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndWrittenForTheWorkers) {
   EXPECT_EQ(c.handle("status", store).rfind("ok: job job1", 0), 0u);
   // No job: a clear error, not a hang.
   EXPECT_THROW(send_control_command("nope", "status", 500), IoError);
+  unsetenv("TESSEL_CTL_DIR");
+}
+
+// The watched hosts file: a changed count of worker slots becomes a scale request; the same
+// count, blank lines and comments do not; a count the planner refuses writes nothing.
+TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
+  TempDir dir;
+  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
+  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+      dir, (dir / "none.tok").string(),
+      kTraining + "parallel: {dp: 2}\nelastic: {hosts_file: hosts.txt}\n"));
+  EXPECT_EQ(cfg.hosts_file, (dir / "hosts.txt").string());
+  Coordinator c(cfg, "job2", 2);
+  runtime::LaunchResult job;
+  job.store_dir = dir.path().string();
+  job.job_id = "job2";
+  auto spawn = [](int, const std::map<std::string, std::string>&) {};
+  auto write_hosts = [&](const std::string& text) {
+    std::ofstream(dir / "hosts.txt") << text;
+    // A new modification time for each version (some filesystems count in coarse ticks).
+    static int bump = 0;
+    std::filesystem::last_write_time(
+        dir / "hosts.txt",
+        std::filesystem::file_time_type::clock::now() + std::chrono::seconds(++bump));
+  };
+  c.tick(spawn, job);                     // no file yet: nothing
+  write_hosts("localhost\nlocalhost\n");  // 2 slots: what the job has
+  c.tick(spawn, job);
+  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-1.json"));
+  write_hosts("# three slots\nlocalhost\n\nlocalhost\nlocalhost\n");
+  c.tick(spawn, job);
+  ASSERT_TRUE(std::filesystem::exists(dir / "job2.request-1.json"));
+  auto req = nlohmann::json::parse(std::ifstream(dir / "job2.request-1.json"));
+  EXPECT_EQ(req.at("workers").get<int>(), 3);
+  c.tick(spawn, job);  // unchanged file: no second request
+  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-2.json"));
+  std::string thirteen;
+  for (int i = 0; i < 13; ++i) thirteen += "localhost\n";
+  write_hosts(thirteen);  // no layout for 13 workers: refused, nothing written
+  c.tick(spawn, job);
+  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-2.json"));
   unsetenv("TESSEL_CTL_DIR");
 }
 

@@ -194,6 +194,10 @@ TrainConfig TrainConfig::load(const std::string& path) {
 
   read_parallel(top.section("parallel"), c);
   read_timeline(top, c);
+  auto el = top.section("elastic");
+  el.read("hosts_file", c.hosts_file);
+  el.reject_unknown_keys();
+  c.hosts_file = resolve(c.hosts_file, base);
 
   top.reject_unknown_keys();
   // Worker counts become the planner's plans (deterministic: every worker gets the same).

@@ -10,6 +10,7 @@
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
+//   elastic:    {hosts_file}   (a watched worker list; see TrainConfig::hosts_file)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -112,6 +113,10 @@ struct TrainConfig {
   // while backward still runs (ZeRO stage 0).
   double bucket_mb = 25;
   std::vector<PlanSwitch> timeline;  // in increasing at_step order
+  // elastic.hosts_file: a worker list the coordinator watches (like Varuna's machine list): one
+  // line per worker slot (blank lines and '#' comments ignored); when its count changes, the job
+  // scales to it as with `tessel ctl scale N`. Empty: none.
+  std::string hosts_file;
 
   // The plan in force during step `step` (0-based) and its generation: 0 for `plan`, i for
   // timeline[i - 1].

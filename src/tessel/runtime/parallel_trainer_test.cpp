@@ -141,3 +141,46 @@ TEST(ParallelTrainer, WrongWorkerCountFailsBeforeStarting) {
 
 }  // namespace
 }  // namespace tessel::runtime
+
+namespace tessel::runtime {
+namespace {
+
+// `tessel plan --out plan.json` then `parallel: {plan_file: plan.json}`: the runtime trains the
+// planner's layout, with the single process's losses.
+TEST(ParallelTrainer, TrainsThePlannersJsonPlan) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  auto bin = tessel::testing::tessel_binary().string();
+  std::string out;
+  ASSERT_EQ(tessel::testing::run_command(
+                fmt::format("{} plan --model gpt2-tiny --cluster dgx-a100 --gpus 4 "
+                            "--global-batch 12 --seq 16 --out {}",
+                            bin, (dir / "plan.json").string()),
+                &out),
+            0)
+      << out;
+  const auto plan = layout::plan_from_json(nlohmann::json::parse(std::ifstream(dir / "plan.json")));
+  auto single =
+      Trainer(TrainConfig::load(write_config(dir, corpus, kTraining, "single.yaml"))).run().losses;
+  auto cfg = write_config(dir, corpus,
+                          kTraining +
+                              "parallel: {plan_file: plan.json}\n"
+                              "output: {metrics: metrics.jsonl}\n");
+  EXPECT_EQ(TrainConfig::load(cfg).plan.world(), plan.world());
+  int rc = tessel::testing::run_command(
+      tessel_command(fmt::format("train {} --nproc {}", cfg, plan.world())), &out);
+  ASSERT_EQ(rc, 0) << out;
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<double> losses;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  ASSERT_EQ(losses.size(), single.size()) << out;
+  for (size_t i = 0; i < single.size(); ++i)
+    EXPECT_NEAR(losses[i], single[i], 1e-5 * single[i]) << plan.describe() << " step " << i;
+  // A layout key beside plan_file is ambiguous.
+  EXPECT_NE(config_error("parallel: {plan_file: plan.json, dp: 2}\n").find("plan_file"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessel::runtime

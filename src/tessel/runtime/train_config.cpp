@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "tessel/core/log.h"
 #include "tessel/runtime/auto_plan.h"
 #include "tessel/runtime/yaml_reader.h"
 
@@ -87,8 +90,40 @@ void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) 
 }
 
 // Reads the optional `parallel:` section into c.plan (after `training`, whose batch sizes it uses).
-void read_parallel(YamlSection s, TrainConfig& c) {
-  read_plan(s, c.training, c.plan);
+void read_parallel(YamlSection s, TrainConfig& c, const std::filesystem::path& base) {
+  if (s.has("plan_file")) {
+    // A plan from `tessel plan --out plan.json` (or its whole --json document): the layout keys
+    // come from it, so they may not be given here as well.
+    std::string file;
+    s.read("plan_file", file);
+    file = resolve(file, base);
+    for (const char* key : {"dp", "tp", "pp", "virtual_stages", "micro_batch", "schedule",
+                            "zero_stage", "layers_per_stage", "rank_order"})
+      TESSEL_CHECK(!s.has(key), ConfigError,
+                   "{}: 'plan_file' gives the whole layout; remove '{}' or the plan file",
+                   s.where(key), key);
+    std::ifstream in(file);
+    TESSEL_CHECK(in.good(), IoError, "{}: cannot read plan file '{}'", s.where("plan_file"), file);
+    nlohmann::json doc;
+    try {
+      doc = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      TESSEL_THROW(ConfigError, "{}: plan file '{}' is not JSON: {}", s.where("plan_file"), file,
+                   e.what());
+    }
+    try {
+      c.plan = layout::plan_from_json(doc.is_object() && doc.contains("plan") ? doc["plan"] : doc);
+    } catch (const Error& e) {
+      TESSEL_THROW(ConfigError, "{}: plan file '{}': {}", s.where("plan_file"), file, e.what());
+    }
+    if (c.plan.recompute)
+      spdlog::warn(
+          "{}: the plan asks for activation recompute, which the runtime does not do yet: "
+          "activations are kept (same results, more memory)",
+          file);
+  } else {
+    read_plan(s, c.training, c.plan);
+  }
   s.read("timeout_s", c.comm_timeout_s);
   TESSEL_CHECK(c.comm_timeout_s > 0, ConfigError, "{}: must be > 0 seconds, got {}",
                s.where("timeout_s"), c.comm_timeout_s);
@@ -192,7 +227,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   c.metrics_path = resolve(c.metrics_path, base);
   c.events_path = resolve(c.events_path, base);
 
-  read_parallel(top.section("parallel"), c);
+  read_parallel(top.section("parallel"), c, base);
   read_timeline(top, c);
   auto el = top.section("elastic");
   el.read("hosts_file", c.hosts_file);

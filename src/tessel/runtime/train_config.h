@@ -9,6 +9,8 @@
 //   output:     {metrics, events}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
+//               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
+//               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
 //   elastic:    {hosts_file}   (a watched worker list; see TrainConfig::hosts_file)
 //

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tessel/cli/cli_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/layout/plan.h"
 #include "tessel/model/model_config.h"
@@ -19,23 +20,7 @@ namespace {
 
 // Parses `args` as the `tessel` command line and runs the plan action, returning its stdout.
 std::string run_plan(const std::string& args, int* status = nullptr) {
-  CLI::App app{"test"};
-  std::function<int()> action;
-  add_plan_command(app, action);
-  app.parse(args, false);
-  EXPECT_TRUE(action) << args;
-  std::ostringstream captured;
-  auto* old = std::cout.rdbuf(captured.rdbuf());
-  int rc = -1;
-  try {
-    rc = action();
-  } catch (...) {
-    std::cout.rdbuf(old);
-    throw;
-  }
-  std::cout.rdbuf(old);
-  if (status) *status = rc;
-  return captured.str();
+  return test_util::run_cli(args, {add_plan_command}, status);
 }
 
 TEST(PlanCommand, PrintsARankedTable) {

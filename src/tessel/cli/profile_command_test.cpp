@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tessel/cli/cli_test_util.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/simulate_command.h"
 #include "tessel/core/error.h"
@@ -21,25 +22,11 @@ namespace tessel::cli {
 namespace {
 
 std::string run(const std::string& args) {
-  CLI::App app{"test"};
-  std::function<int()> action;
-  add_profile_command(app, action);
-  add_plan_command(app, action);
-  add_simulate_command(app, action);
-  app.parse(args, false);
-  EXPECT_TRUE(action) << args;
-  std::ostringstream captured;
-  auto* old = std::cout.rdbuf(captured.rdbuf());
   int rc = -1;
-  try {
-    rc = action();
-  } catch (...) {
-    std::cout.rdbuf(old);
-    throw;
-  }
-  std::cout.rdbuf(old);
+  auto out =
+      test_util::run_cli(args, {add_profile_command, add_plan_command, add_simulate_command}, &rc);
   EXPECT_EQ(rc, 0) << args;
-  return captured.str();
+  return out;
 }
 
 TEST(ProfileCommand, WritesAProfileThatPlanAndSimulateRead) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tessel/cli/cli_test_util.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/core/error.h"
 #include "tessel/layout/plan.h"
@@ -25,24 +26,10 @@ namespace {
 
 // Parses `args` as the `tessel` command line and runs the chosen action, returning its stdout.
 std::string run(const std::string& args) {
-  CLI::App app{"test"};
-  std::function<int()> action;
-  add_simulate_command(app, action);
-  add_plan_command(app, action);
-  app.parse(args, false);
-  EXPECT_TRUE(action) << args;
-  std::ostringstream captured;
-  auto* old = std::cout.rdbuf(captured.rdbuf());
   int rc = -1;
-  try {
-    rc = action();
-  } catch (...) {
-    std::cout.rdbuf(old);
-    throw;
-  }
-  std::cout.rdbuf(old);
+  auto out = test_util::run_cli(args, {add_simulate_command, add_plan_command}, &rc);
   EXPECT_EQ(rc, 0) << args;
-  return captured.str();
+  return out;
 }
 
 nlohmann::json run_json(const std::string& args) {

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "tessel/core/error.h"
+#include "tessel/testing/testing.h"
 
 namespace tessel::layout {
 namespace {
@@ -17,16 +18,7 @@ using model::StageRange;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an error";
-  return "";
-}
+using tessel::testing::error_of;
 
 template <typename F>
 std::string config_error(F&& f) {

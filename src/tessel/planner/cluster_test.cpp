@@ -13,16 +13,7 @@ namespace {
 
 constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
 
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return {};
-}
+using tessel::testing::error_of;
 
 TEST(Cluster, PresetsDescribeDgxHosts) {
   const auto a = ClusterSpec::preset("dgx-a100");

@@ -30,19 +30,7 @@ using model::ModelConfig;
 using tessel::testing::TempDir;
 using ::testing::HasSubstr;
 
-template <typename E>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "wrong exception type: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no exception";
-  return "";
-}
+using tessel::testing::error_of;
 
 // A freshly initialised model saved as a tessel checkpoint of the parameter convention, each
 // tensor split by rows over two rank files (export must reassemble pieces), with Adam state.

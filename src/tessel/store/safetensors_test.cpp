@@ -28,16 +28,7 @@ std::string handmade(const std::string& header, const std::string& data) {
   return le64(header.size()) + header + data;
 }
 
-template <typename E>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no exception";
-  return "";
-}
+using tessel::testing::error_of;
 
 TEST(Safetensors, RoundTripsEveryDtypeWithMetadata) {
   TempDir dir;

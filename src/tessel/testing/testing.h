@@ -1,7 +1,10 @@
 // Helpers shared by tessel's tests: temporary directories, paths to sources, numeric comparison.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -35,6 +38,21 @@ double max_abs_error(std::span<const float> a, std::span<const float> b);
 // Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
 // against the typical magnitude of the result, which is what their rounding error scales with.
 double max_rel_error_rms(std::span<const float> a, std::span<const float> b);
+
+// The message of the E that f() throws. Another exception, or none, is a test failure (and "").
+template <typename E, typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected another exception; got: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected an exception; none was thrown";
+  return "";
+}
 
 // Runs a shell command, returns its exit status and captures stdout+stderr into *output.
 int run_command(const std::string& command, std::string* output);

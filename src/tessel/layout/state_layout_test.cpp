@@ -12,6 +12,7 @@
 
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
+#include "tessel/layout/layout_test_util.h"
 #include "tessel/model/init.h"
 #include "tessel/model/tp_group.h"
 #include "tessel/model/tp_shard.h"
@@ -23,29 +24,9 @@ namespace {
 using model::ModelConfig;
 using ::testing::HasSubstr;
 
-Plan make_plan(int dp, int tp, int pp, int v = 1, int zero = 0, std::vector<int> lps = {},
-               RankOrder order = RankOrder::tp_dp_pp) {
-  Plan p;
-  p.dp = dp;
-  p.tp = tp;
-  p.pp = pp;
-  p.virtual_stages = v;
-  p.zero_stage = zero;
-  p.layers_per_stage = std::move(lps);
-  p.order = order;
-  if (v > 1) p.schedule = ScheduleKind::interleaved_one_f_one_b;
-  return p;
-}
+using test_util::make_plan;
 
-// LLaMA with one kv head shared by all query heads (multi-query attention): every tp > 1
-// replicates the kv head.
-ModelConfig llama_mqa() {
-  ModelConfig c = ModelConfig::preset("llama-tiny");
-  c.name = "llama-mqa";
-  c.n_kv_head = 1;
-  c.n_layer = 3;
-  return c;
-}
+using test_util::llama_mqa;
 
 // Row-major flat indices of a region's elements, in packed order.
 std::vector<int64_t> flat_indices(const StridedRegion& r) {

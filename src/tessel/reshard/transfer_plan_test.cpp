@@ -23,6 +23,7 @@
 #include <set>
 
 #include "tessel/core/error.h"
+#include "tessel/layout/layout_test_util.h"
 #include "tessel/model/tp_shard.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/reshard/reshard_test_util.h"
@@ -41,28 +42,9 @@ using testing::StateUniverse;
 
 constexpr uint64_t kSeed = 42;
 
-Plan make_plan(int dp, int tp, int pp, int v = 1, int zero = 0, std::vector<int> lps = {},
-               RankOrder order = RankOrder::tp_dp_pp) {
-  Plan p;
-  p.dp = dp;
-  p.tp = tp;
-  p.pp = pp;
-  p.virtual_stages = v;
-  p.zero_stage = zero;
-  p.layers_per_stage = std::move(lps);
-  p.order = order;
-  p.micro_batches = pp;
-  if (v > 1) p.schedule = ScheduleKind::interleaved_one_f_one_b;
-  return p;
-}
+using layout::test_util::make_plan;
 
-ModelConfig llama_mqa() {
-  ModelConfig c = ModelConfig::preset("llama-tiny");
-  c.name = "llama-mqa";
-  c.n_kv_head = 1;
-  c.n_layer = 3;
-  return c;
-}
+using layout::test_util::llama_mqa;
 
 // Every valid plan of `config` on `world` workers (stage cuts: the default and one random one).
 std::vector<Plan> valid_plans(const ModelConfig& config, int world, std::mt19937_64& rng) {

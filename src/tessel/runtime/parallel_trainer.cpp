@@ -653,8 +653,10 @@ struct ParallelTrainer::Impl {
     world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation, true);
   }
 
-  // Whether the launcher takes scale requests for this job (`tessel ctl scale`).
-  bool elastic() const { return env_int("TESSEL_ELASTIC", false) == 1; }
+  // Whether the launcher takes scale requests for this job (`tessel ctl scale`); read once, not
+  // at every step boundary.
+  bool elastic() const { return elastic_; }
+  const bool elastic_ = env_int("TESSEL_ELASTIC", false) == 1;
 
   // Continues from the newest checkpoint in checkpoint.dir, saved under any plan: this process
   // joins the plan the config has in force at the saved step and reads its share. Returns false

@@ -120,8 +120,9 @@ struct TrainConfig {
   // scales to it as with `tessel ctl scale N`. Empty: none.
   std::string hosts_file;
 
-  // The plan in force during step `step` (0-based) and its generation: 0 for `plan`, i for
-  // timeline[i - 1].
+  // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
+  // during step `step` (0-based). (The running job's generation counter differs: it also counts
+  // switches made by scale requests.)
   const layout::Plan& plan_at(int64_t step) const;
   int generation_at(int64_t step) const;
   const layout::Plan& plan_of_generation(int generation) const;

@@ -177,6 +177,17 @@ TEST(ParallelTrainer, TrainsThePlannersJsonPlan) {
   ASSERT_EQ(losses.size(), single.size()) << out;
   for (size_t i = 0; i < single.size(); ++i)
     EXPECT_NEAR(losses[i], single[i], 1e-5 * single[i]) << plan.describe() << " step " << i;
+  // A missing or malformed plan file is named.
+  auto missing =
+      write_config(dir, corpus, kTraining + "parallel: {plan_file: none.json}\n", "missing.yaml");
+  EXPECT_NE(
+      tessel::testing::error_of<IoError>([&] { TrainConfig::load(missing); }).find("none.json"),
+      std::string::npos);
+  std::ofstream(dir / "bad.json") << "{dp: 2";
+  auto bad = write_config(dir, corpus, kTraining + "parallel: {plan_file: bad.json}\n", "bad.yaml");
+  EXPECT_NE(
+      tessel::testing::error_of<ConfigError>([&] { TrainConfig::load(bad); }).find("not JSON"),
+      std::string::npos);
   // A layout key beside plan_file is ambiguous.
   EXPECT_NE(config_error("parallel: {plan_file: plan.json, dp: 2}\n").find("plan_file"),
             std::string::npos);

@@ -39,6 +39,7 @@ struct Args {
   int nproc = 1;
   std::string log_dir = "logs";
   double stop_timeout_s = 10;
+  double peer_grace_s = 0;
   std::vector<std::string> worker_command;
   std::string train_log_dir;
   std::string job_id;
@@ -89,6 +90,8 @@ int launch_training(const Args& args) {
   auto coordinator = std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc);
   opt.on_tick = [coordinator](const runtime::LaunchOptions::Spawn& spawn,
                               const runtime::LaunchResult& job) { coordinator->tick(spawn, job); };
+  // A worker killed by a signal is recovered from; the others keep running.
+  opt.on_exit = [coordinator](const runtime::WorkerExit& e) { return coordinator->on_exit(e); };
   spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = runtime::launch(opt);
@@ -160,10 +163,14 @@ void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   cmd->add_option("--log-dir", args.log_dir, "directory for one log file per rank");
   cmd->add_option("--stop-timeout", args.stop_timeout_s,
                   "seconds the other workers get to stop after one fails, before SIGKILL");
+  cmd->add_option("--peer-grace", args.peer_grace_s,
+                  "seconds the other workers get to end by themselves after one fails (e.g. "
+                  "with a peer-lost error in their logs) before they are stopped");
   cmd->add_option("command", args.worker_command, "worker command (after --)")->required();
   cmd->callback([&] {
     action = [&] {
       runtime::LaunchOptions opt;
+      opt.peer_grace = std::chrono::milliseconds(int64_t(args.peer_grace_s * 1000));
       opt.nproc = args.nproc;
       opt.command = args.worker_command;
       opt.log_dir = args.log_dir;

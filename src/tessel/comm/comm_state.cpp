@@ -120,8 +120,18 @@ void CommState::watchdog_loop() {
 
 int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int* peers,
                     size_t npeers, Clock::time_point deadline) {
+  auto describe = [&] {
+    std::string who;
+    for (size_t i = 0; i < npeers; ++i) who += (i ? "/" : "") + std::to_string(peers[i]);
+    return fmt::format("{} with peer rank {}", is_recv ? "receive" : "send", who);
+  };
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Checked under the lock abort() takes: either abort() sees this wait and aborts it, or this
+    // wait sees the flag; it cannot slip in between and block.
+    if (aborted_) {
+      throw gloo::IoException(describe() + " not started: the communicator was aborted");
+    }
     wait_.buf = &buf;
     wait_.is_recv = is_recv;
     wait_.peers.assign(peers, peers + npeers);
@@ -142,11 +152,13 @@ int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int
   int peer = -1;
   const bool done = is_recv ? buf.waitRecv(&peer, left) : buf.waitSend(&peer, left);
   if (!done) {
-    std::string who;
-    for (size_t i = 0; i < npeers; ++i) who += (i ? "/" : "") + std::to_string(peers[i]);
-    throw gloo::IoException(
-        fmt::format("{} with peer rank {} aborted: the peer's connection failed",
-                    is_recv ? "receive" : "send", who));
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted = aborted_;
+    }
+    throw gloo::IoException(describe() + (aborted ? " aborted: the communicator was aborted"
+                                                  : " aborted: the peer's connection failed"));
   }
   return peer;
 }
@@ -166,9 +178,45 @@ int CommState::wait_send(gloo::transport::UnboundBuffer& buf, const std::vector<
   return wait(buf, false, peers.data(), peers.size(), deadline);
 }
 
-std::string CommState::peer_failure() {
+std::string CommState::verdict(bool* from_abort) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (from_abort != nullptr) *from_abort = aborted_ && (verdict_is_abort_ || peer_failure_.empty());
+  // Empty only when abort() could not allocate its message; the flag alone still breaks it.
+  if (peer_failure_.empty() && aborted_) return "aborted by this process";
   return peer_failure_;
+}
+
+std::string CommState::peer_failure() {
+  return verdict(nullptr);
+}
+
+void CommState::abort(const std::string& reason) noexcept {
+  std::string message;
+  try {
+    message = "aborted by this process: " + reason;
+  } catch (...) {
+    // Out of memory: the flag set below breaks the communicator all the same (see verdict()).
+  }
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    if (peer_failure_.empty() && !message.empty()) {
+      peer_failure_.swap(message);
+      verdict_is_abort_ = true;
+    }
+    // The user thread's wait, if any: buf stays valid while registered (unregistering takes this
+    // lock). An abort that lands before the thread entered Gloo's wait is kept by the buffer and
+    // ends that wait at once.
+    if (wait_.buf != nullptr) {
+      wait_.is_recv ? wait_.buf->abortWaitRecv() : wait_.buf->abortWaitSend();
+    }
+  } catch (...) {
+    // Only a broken mutex could throw here; nothing sensible is left to do.
+  }
+  // Outside the lock: closing unregisters the sockets from Gloo's I/O thread and waits for it.
+  // Gloo closes each pair under the pair's own lock, so this is safe against the user thread's
+  // sends and receives and against a concurrent close from fail().
+  close_connections();
 }
 
 std::string CommState::where(const char* op, int peer) const {
@@ -190,7 +238,7 @@ void CommState::throw_kind(FailureKind kind, const std::string& message) const {
 
 void CommState::ensure_healthy(const char* op) {
   if (failure_kind == FailureKind::kNone) {
-    if (!context || peer_failure().empty()) return;
+    if (peer_failure().empty()) return;
     fail(op, -1, FailureKind::kPeerLost, timeout, "");
   }
   throw_kind(failure_kind, where(op, -1) + ": communicator is unusable after an earlier failure (" +
@@ -209,11 +257,13 @@ void CommState::close_connections() noexcept {
 void CommState::fail(const char* op, int peer, FailureKind kind, std::chrono::milliseconds t,
                      const std::string& gloo_message) {
   std::string detail = gloo_message;
+  bool aborted = false;
   if (kind != FailureKind::kTimeout) {
-    const std::string verdict = context ? peer_failure() : std::string();
-    if (!verdict.empty()) {
+    const std::string v = verdict(&aborted);
+    if (!v.empty()) {
       kind = FailureKind::kPeerLost;
-      detail = detail.empty() ? verdict : verdict + " (then: " + detail + ")";
+      // After abort() the symptom (an aborted wait, a closed pair) only repeats the verdict.
+      detail = detail.empty() || aborted ? v : v + " (then: " + detail + ")";
     }
   }
   std::string what;
@@ -222,9 +272,9 @@ void CommState::fail(const char* op, int peer, FailureKind kind, std::chrono::mi
       what = fmt::format("timed out after {} ms", t.count());
       break;
     case FailureKind::kPeerLost:
-      what =
-          "lost a peer (a connection closed or reset: the peer died, or gave up after its own "
-          "failure)";
+      what = aborted ? "failed"
+                     : "lost a peer (a connection closed or reset: the peer died, or gave up after "
+                       "its own failure)";
       break;
     default:
       what = "failed inside Gloo";

@@ -19,6 +19,12 @@
 // A peer loss never fails an operation that does not depend on that peer; it fails the next
 // operation at its start, and the failing rank closes its connections so the peers that were
 // waiting on it fail in turn.
+//
+// abort() (Communicator::abort) is the one entry point used from a thread other than the user
+// thread. It only touches what mu_ guards (the verdict, the aborted flag, the current wait) and
+// then closes the connections, which Gloo serializes per pair; the user thread's own fields
+// (failure_kind, failure, next_tag, scratch) stay single-threaded. A wait registered after the
+// abort throws at once, a wait registered before it is aborted, so no wait blocks after abort.
 #pragma once
 
 #include <gloo/common/error.h>
@@ -81,7 +87,7 @@ struct CommState {
   std::string where(const char* op, int peer) const;
 
   // Throws if this communicator is broken: the kind of its earlier failure, or PeerLostError
-  // when the watchdog saw a peer's connection fail since (which also breaks it).
+  // when the watchdog saw a peer's connection fail since, or abort() ran (which also breaks it).
   void ensure_healthy(const char* op);
 
   // Records the failure, closes every connection so peers blocked on this rank fail fast, and
@@ -96,7 +102,8 @@ struct CommState {
 
   // Blocks until one receive (send) posted on `buf` completed, at most until `deadline`.
   // `peers` are the ranks that receive (send) can be with. Returns the peer it completed with.
-  // Throws gloo::IoException on timeout, on a failed pair, or when the watchdog aborted the wait.
+  // Throws gloo::IoException on timeout, on a failed pair, when the watchdog or abort() aborted
+  // the wait, and at once (without waiting) once abort() ran.
   int wait_recv(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
                 Clock::time_point deadline);
   int wait_send(gloo::transport::UnboundBuffer& buf, std::initializer_list<int> peers,
@@ -104,9 +111,14 @@ struct CommState {
   int wait_send(gloo::transport::UnboundBuffer& buf, const std::vector<int>& peers,
                 Clock::time_point deadline);
 
-  // The watchdog's first verdict ("connection to peer rank p failed: ..."), empty while every
-  // pair is healthy.
+  // The first verdict: the watchdog's ("connection to peer rank p failed: ...") or abort()'s
+  // ("aborted by this process: <reason>"); empty while every pair is healthy and nobody aborted.
   std::string peer_failure();
+
+  // Breaks the communicator on purpose, from any thread (see Communicator::abort): records the
+  // verdict unless there is one, aborts the user thread's current wait, makes every later wait
+  // throw at once, and closes every connection. Idempotent.
+  void abort(const std::string& reason) noexcept;
 
  private:
   struct Wait {
@@ -120,6 +132,7 @@ struct CommState {
   void watchdog_loop();
   [[noreturn]] void throw_kind(FailureKind kind, const std::string& message) const;
   void close_connections() noexcept;
+  std::string verdict(bool* from_abort);
 
   std::vector<unsigned char> sentinel_bytes_;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sentinels_;  // by peer rank
@@ -130,7 +143,9 @@ struct CommState {
   bool stopping_ = false;
   std::vector<bool> failed_;  // by peer rank: its pair failed
   std::string peer_failure_;
-  Wait wait_;  // the user thread's current wait (buf null when none)
+  bool verdict_is_abort_ = false;  // peer_failure_ came from abort()
+  bool aborted_ = false;           // abort() ran: no wait may block any more
+  Wait wait_;                      // the user thread's current wait (buf null when none)
   uint64_t next_seq_ = 1;
   uint64_t stuck_seq_ = 0;  // the wait first seen depending on a failed peer, and when
   Clock::time_point stuck_since_;

@@ -339,8 +339,12 @@ std::chrono::milliseconds Communicator::timeout() const {
 }
 
 std::string Communicator::failure() const {
-  if (!state_->failure.empty() || !state_->context) return state_->failure;
+  if (!state_->failure.empty()) return state_->failure;
   return state_->peer_failure();
+}
+
+void Communicator::abort(const std::string& reason) noexcept {
+  state_->abort(reason);
 }
 
 void Communicator::set_timeout(std::chrono::milliseconds timeout) {

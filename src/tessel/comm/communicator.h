@@ -4,7 +4,8 @@
 // its own rank; after that the members call the same collectives in the same order with matching
 // sizes (nothing can check this cheaply: mismatched sizes across ranks corrupt data, time out, or
 // trip an assertion in Gloo's I/O thread that aborts the process). A Communicator is not
-// thread-safe: one thread at a time, Requests included.
+// thread-safe: one thread at a time, Requests included; the one exception is abort(), which any
+// thread may call at any time.
 //
 // Gloo provides the transport (full mesh of TCP pairs, unbound buffers, rendezvous); the
 // collectives are scheduled here on top of it (ring reduce-scatter/all-gather/all-reduce,
@@ -130,6 +131,23 @@ class Communicator {
   void set_timeout(std::chrono::milliseconds timeout);  // > 0
   // The error that broke this communicator, empty while it is healthy.
   std::string failure() const;
+
+  // Breaks this communicator on purpose, e.g. because another communicator of this process lost
+  // a peer and the whole process must drop out of the step at once. Safe to call from any thread,
+  // also while another thread is inside a call or a Request wait on this communicator:
+  //   - a wait running on another thread returns at once and its call throws PeerLostError;
+  //   - every later call, and every later Request::wait() or Request destruction, throws (or, for
+  //     the destructor, records) PeerLostError at once, without waiting; the message names the
+  //     group and operation as usual and "aborted by this process: <reason>";
+  //   - every connection is closed, so peers with pending or later operations with this rank fail
+  //     fast with PeerLostError instead of waiting out their timeout (they see a reset connection;
+  //     `reason` stays local).
+  // Precedence: when the communicator had already failed (a timeout, a lost peer), later calls
+  // keep reporting that first failure. Size-1 groups have no connections, but are broken all the
+  // same: their later calls throw PeerLostError too, so every group of an aborted process behaves
+  // alike. Idempotent (the first reason is kept); never throws. The Communicator must outlive the
+  // call (do not race it with the destructor).
+  void abort(const std::string& reason) noexcept;
 
   // In place: every rank ends with the element-wise sum over ranks of data[0, n). Ring
   // reduce-scatter then ring all-gather on `data` (the algorithm of Gloo's ring all-reduce): each

@@ -5,8 +5,8 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
-#include <string>
 #include <numeric>
+#include <string>
 #include <thread>
 
 #include "tessel/comm/multiprocess_test_util.h"
@@ -591,6 +591,199 @@ INSTANTIATE_TEST_SUITE_P(Ops, SigkillTest,
                                return std::string("SendRecv");
                            }
                          });
+
+// What a call threw and its message, for checks on the message.
+struct Caught {
+  Thrown kind = Thrown::kNothing;
+  std::string what;
+};
+
+template <typename F>
+Caught catch_error(int rank, F&& f) {
+  Caught c;
+  try {
+    f();
+  } catch (const TimeoutError& e) {
+    c = {Thrown::kTimeout, e.what()};
+  } catch (const PeerLostError& e) {
+    c = {Thrown::kPeerLost, e.what()};
+  } catch (const std::exception& e) {
+    c = {Thrown::kOther, e.what()};
+  }
+  if (c.kind != Thrown::kNothing) {
+    std::fprintf(stderr, "[rank %d] %s: %s\n", rank, thrown_name(c.kind), c.what.c_str());
+  }
+  return c;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Rank 0 waits for a message rank 1 never sends while another of its threads aborts the
+// communicator: the wait must end with PeerLostError naming the reason. Rank 1 (in an all-reduce
+// that needs rank 0) and rank 2 (in a receive from rank 0) must fail with PeerLostError too.
+// Every timeout is 30 s and the parent's deadline 20 s, and rank 0 stays alive (communicator
+// included) until the others have failed, so only the abort (its closed connections) can end
+// their waits: a missing abort shows as a hung rank or a TimeoutError, not as a slow pass.
+class AbortTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(AbortTest, AbortFromAnotherThreadEndsTheWaitAndFailsPeersFast) {
+  const int size = GetParam();
+  const std::string reason = "step 17 lost a peer on group 'tp.0'";
+  tessel::testing::TempDir dir;
+  const auto store = store_in(dir);
+  auto outcomes = run_ranks(size, 20s, [&](int rank) {
+    auto c = Communicator::connect(store, "world", rank, size, 30s);
+    if (rank != 0) {
+      std::vector<float> v(1000, 1.f);
+      int64_t x = 0;
+      Caught got = catch_error(rank, [&] {
+        if (rank == 1) {
+          c->all_reduce_sum(v.data(), v.size());
+        } else {
+          auto q = c->recv(&x, sizeof(x), 0, 3);
+          q.wait();
+        }
+      });
+      touch(dir, "failed." + std::to_string(rank));
+      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+      return kChildOk;
+    }
+
+    int64_t x = 0, y = 7, z = 0;
+    // Transfers still pending at the abort, never waited for: their destructors (at the end of
+    // this scope) and waits must not block.
+    auto pending_recv = c->recv(&z, sizeof(z), 1, 4);
+    auto pending_send = c->send(&y, sizeof(y), 1, 5);
+    auto q = c->recv(&x, sizeof(x), 1, 3);  // rank 1 never sends this
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(50ms);
+      c->abort(reason);
+    });
+    Caught got = catch_error(rank, [&] { q.wait(); });
+    aborter.join();
+    CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+    CHILD_CHECK(contains(got.what, reason), rank, got.what);
+    CHILD_CHECK(contains(got.what, "group 'world' (rank 0 of " + std::to_string(size)), rank,
+                got.what);
+
+    // Broken for good: later calls and waits throw at once, naming the reason; abort is
+    // idempotent and keeps the first reason.
+    c->abort("a second reason");
+    std::vector<float> v(1000, 1.f);
+    got = catch_error(rank, [&] { c->all_reduce_sum(v.data(), v.size()); });
+    CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+    CHILD_CHECK(contains(got.what, reason) && !contains(got.what, "a second reason"), rank,
+                got.what);
+    CHILD_CHECK(contains(got.what, "all_reduce_sum on group 'world'"), rank, got.what);
+    got = catch_error(rank, [&] { pending_send.wait(); });
+    CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+    got = catch_error(rank, [&] { c->recv(&z, sizeof(z), 1, 6); });
+    CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+    CHILD_CHECK(contains(c->failure(), reason), rank, c->failure());
+
+    for (int p = 1; p < size; ++p) wait_for_file(dir, "failed." + std::to_string(p));
+    return kChildOk;  // pending_recv is destroyed here, unwaited
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
+}
+
+// The background-thread pattern of the runtime: rank 0's second thread all-reduces in a loop (as
+// the gradient all-reduce does) while its main thread aborts, so the abort lands at an arbitrary
+// point of an operation (posting, waiting, between calls). Every rank's loop must end with
+// PeerLostError; rank 0's names the reason. (This is also the test that can catch an abort
+// landing between a call's health check and its wait: the wait must not block then either.)
+TEST_P(AbortTest, AbortBreaksABusyCommunicatorUsedByAnotherThread) {
+  const int size = GetParam();
+  tessel::testing::TempDir dir;
+  const auto store = store_in(dir);
+  auto outcomes = run_ranks(size, 20s, [&](int rank) {
+    auto c = Communicator::connect(store, "world", rank, size, 30s);
+    auto loop = [&] {
+      return catch_error(rank, [&] {
+        std::vector<float> v(size_t(1) << 16, 1.f);
+        for (int step = 0; step < 1000000; ++step) c->all_reduce_sum(v.data(), v.size());
+      });
+    };
+    if (rank != 0) {
+      Caught got = loop();
+      touch(dir, "failed." + std::to_string(rank));
+      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+      return kChildOk;
+    }
+    Caught got;
+    std::thread worker([&] { got = loop(); });
+    std::this_thread::sleep_for(100ms);
+    c->abort("shutting down");
+    worker.join();
+    CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+    CHILD_CHECK(contains(got.what, "shutting down"), rank, got.what);
+    for (int p = 1; p < size; ++p) wait_for_file(dir, "failed." + std::to_string(p));
+    return kChildOk;
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
+}
+
+// Rank 0 aborts while no call runs on its communicator and then leaves it alone until the peers
+// have failed: only abort's own closing of the connections can tell them (a failing call would
+// close them too, and so would rank 0's exit).
+TEST_P(AbortTest, AbortWhileIdleFailsPeersFast) {
+  const int size = GetParam();
+  tessel::testing::TempDir dir;
+  const auto store = store_in(dir);
+  auto outcomes = run_ranks(size, 20s, [&](int rank) {
+    auto c = Communicator::connect(store, "world", rank, size, 30s);
+    if (rank != 0) {
+      std::vector<float> v(1000, 1.f);
+      int64_t x = 0;
+      Caught got = catch_error(rank, [&] {
+        if (rank == 1) {
+          c->all_reduce_sum(v.data(), v.size());
+        } else {
+          auto q = c->recv(&x, sizeof(x), 0, 3);
+          q.wait();
+        }
+      });
+      touch(dir, "failed." + std::to_string(rank));
+      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+      return kChildOk;
+    }
+    std::this_thread::sleep_for(50ms);
+    c->abort("idle abort");
+    for (int p = 1; p < size; ++p) wait_for_file(dir, "failed." + std::to_string(p));
+    Caught got = catch_error(rank, [&] { c->barrier(); });
+    CHILD_CHECK(got.kind == Thrown::kPeerLost && contains(got.what, "idle abort"), rank, got.what);
+    return kChildOk;
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, AbortTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// A size-1 group has no peers to notify, but is broken all the same, so every group of an aborted
+// process behaves alike.
+TEST(CommunicatorTest, AbortBreaksSizeOneGroupsToo) {
+  tessel::testing::TempDir dir;
+  auto c = Communicator::connect(store_in(dir), "solo", 0, 1);
+  std::vector<double> v(4, 1.0);
+  c->all_reduce_sum(v.data(), v.size());
+  EXPECT_TRUE(c->failure().empty());
+  c->abort("the job is being resized");
+  for (int i = 0; i < 2; ++i) {  // the first call records the failure, the second repeats it
+    try {
+      c->all_reduce_sum(v.data(), v.size());
+      ADD_FAILURE() << "all_reduce_sum after abort did not throw";
+    } catch (const PeerLostError& e) {
+      EXPECT_TRUE(contains(e.what(), "the job is being resized")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "group 'solo'")) << e.what();
+    }
+  }
+  EXPECT_THROW(c->barrier(), PeerLostError);
+  EXPECT_THROW(c->broadcast(v.data(), v.size(), 0), PeerLostError);
+  EXPECT_TRUE(contains(c->failure(), "the job is being resized")) << c->failure();
+}
 
 }  // namespace
 }  // namespace tessel::comm

@@ -142,6 +142,13 @@ GroupSpec world_group(const GridLayout& layout, int rank) {
   return g;
 }
 
+void ProcessGroups::abort(const std::string& reason) noexcept {
+  // dp_grad first: its background thread may be blocked in a wait right now.
+  for (auto* c : {&dp_grad, &world, &tp, &dp, &pp, &embed}) {
+    if (*c) (*c)->abort(reason);
+  }
+}
+
 ProcessGroups connect_process_groups(const StoreOptions& store, const GridLayout& layout,
                                      int world_rank, int world_size,
                                      std::chrono::milliseconds timeout,

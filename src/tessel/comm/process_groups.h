@@ -96,6 +96,12 @@ struct ProcessGroups {
   // all-reduce that a background thread overlaps with backward while the main thread keeps
   // using `dp`. Null when dp == 1.
   std::unique_ptr<Communicator> dp_grad;
+
+  // Communicator::abort on every communicator held (null ones skipped): after one group failed,
+  // breaks all the others too, so that peers blocked on this process in any group fail fast and
+  // no pending Request of any group blocks. Safe to call from any thread while other threads use
+  // the communicators (e.g. dp_grad's background all-reduce); never throws.
+  void abort(const std::string& reason) noexcept;
 };
 
 // Connects all groups of `world_rank` (world, tp, dp, pp, embed, dp_grad, in that order on every

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "tessel/comm/multiprocess_test_util.h"
 #include "tessel/testing/testing.h"
@@ -193,6 +196,77 @@ TEST(ProcessGroupsTest, ConnectsDataAndTensorGroupsOfFourRanks) {
 
 TEST(ProcessGroupsTest, ConnectsPipelineAndEmbeddingGroupsOfFourRanks) {
   connect_and_reduce(GridLayout{1, 2, 2});
+}
+
+// dp=2 x tp=1 x pp=1: world, dp and dp_grad have both ranks; tp, pp and embed are size-1 groups.
+// Rank 0 runs the runtime's pattern (a background thread all-reducing on dp_grad while the main
+// thread works) and aborts all its groups from the main thread. Rank 1 is blocked on rank 0 in
+// two groups at once (a receive on world, the dp_grad all-reduce loop on a second thread) and
+// afterwards uses dp, which had nothing pending: all three must fail with PeerLostError. Every
+// timeout is 30 s and the parent's deadline 20 s, and rank 0 makes no call on world or dp (and
+// stays alive) until rank 1 is done, so only the abort's closing of the connections of every
+// group can end rank 1's waits.
+TEST(ProcessGroupsTest, AbortBreaksEveryGroup) {
+  const GridLayout layout{2, 1, 1};
+  const std::string reason = "peer lost on group 'tp.0' during step 3";
+  tessel::testing::TempDir dir;
+  StoreOptions store{(dir.path() / "store").string(), "abort-job", 0, 20s};
+  const auto done_file = dir.path() / "rank1.done";
+  auto outcomes = testing::run_ranks(2, 20s, [&](int rank) {
+    ProcessGroups g = connect_process_groups(store, layout, rank, 2, 30s);
+    CHILD_CHECK(g.world && g.tp && g.dp && g.pp && g.embed && g.dp_grad, rank, "groups missing");
+    auto failure_of = [&](auto&& f) -> std::string {
+      try {
+        f();
+      } catch (const PeerLostError& e) {
+        return e.what();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "[rank %d] not a PeerLostError: %s\n", rank, e.what());
+        return "";
+      }
+      return "";
+    };
+    std::string background;
+    std::thread grad([&] {
+      background = failure_of([&] {
+        std::vector<float> v(size_t(1) << 16, 1.f);
+        for (int step = 0; step < 1000000; ++step) g.dp_grad->all_reduce_sum(v.data(), v.size());
+      });
+    });
+
+    int64_t x = 0;
+    if (rank == 1) {
+      auto q = g.world->recv(&x, sizeof(x), 0, 1);  // rank 0 never sends it
+      const std::string world = failure_of([&] { q.wait(); });
+      grad.join();
+      const std::string dp = failure_of([&] { g.dp->barrier(); });
+      std::ofstream(done_file).put('x');
+      CHILD_CHECK(!world.empty(), rank, "world recv did not fail with PeerLostError");
+      CHILD_CHECK(!background.empty(), rank, "dp_grad loop did not fail with PeerLostError");
+      CHILD_CHECK(!dp.empty(), rank, "dp barrier did not fail with PeerLostError");
+      return testing::kChildOk;
+    }
+
+    auto pending = g.world->recv(&x, sizeof(x), 1, 2);  // never completed nor waited for
+    std::this_thread::sleep_for(100ms);
+    g.abort(reason);
+    grad.join();
+    CHILD_CHECK(background.find(reason) != std::string::npos, rank,
+                "dp_grad loop: '" + background + "'");
+    CHILD_CHECK(background.find("group 'dpgrad.0'") != std::string::npos, rank, background);
+    while (!std::filesystem::exists(done_file)) std::this_thread::sleep_for(1ms);
+    const std::pair<const char*, Communicator*> groups[] = {
+        {"world", g.world.get()}, {"tp", g.tp.get()},       {"dp", g.dp.get()},
+        {"pp", g.pp.get()},       {"embed", g.embed.get()}, {"dp_grad", g.dp_grad.get()}};
+    for (const auto& [name, c] : groups) {
+      const std::string what = failure_of([&] { c->barrier(); });
+      CHILD_CHECK(what.find(reason) != std::string::npos, rank,
+                  std::string(name) + " barrier after abort: '" + what + "'");
+    }
+    g.abort("again");          // idempotent
+    return testing::kChildOk;  // `pending` is destroyed here, after the abort: must not block
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
 }
 
 }  // namespace

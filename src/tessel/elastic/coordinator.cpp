@@ -19,7 +19,10 @@
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
+#include "tessel/elastic/recovery.h"
 #include "tessel/runtime/auto_plan.h"
+#include "tessel/runtime/sharded_checkpoint.h"
+#include "tessel/runtime/switch_marker.h"
 
 namespace tessel::elastic {
 
@@ -68,7 +71,11 @@ void write_all(int fd, const std::string& s) {
 }  // namespace
 
 Coordinator::Coordinator(runtime::TrainConfig cfg, std::string job_id, int initial_workers)
-    : cfg_(std::move(cfg)), job_id_(std::move(job_id)), workers_(initial_workers) {
+    : cfg_(std::move(cfg)),
+      job_id_(std::move(job_id)),
+      workers_(initial_workers),
+      next_process_id_(initial_workers) {
+  for (int p = 0; p < initial_workers; ++p) running_.insert(p);
   const std::string dir = control_dir();
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -97,8 +104,8 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
   std::string cmd;
   in >> cmd;
   if (cmd == "status") {
-    return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches", job_id_, workers_,
-                       requests_, next_generation_ - 1);
+    return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches, {} failures",
+                       job_id_, workers_, requests_, next_generation_ - 1, failures_);
   }
   if (cmd != "scale")
     return fmt::format("refused: unknown command '{}'; try: scale N, status", cmd);
@@ -124,18 +131,107 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
 
 void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
                                 const std::string& store_dir) {
+  if (pending_) return;  // a failure is being recovered from: its decision says who starts
   for (;;) {
-    const auto marker = fmt::format("{}/{}.switch-{}.json", store_dir, job_id_, next_generation_);
-    if (!fs::exists(marker)) return;
-    std::ifstream in(marker);
-    const auto m = nlohmann::json::parse(in);
-    const int from = layout::plan_from_json(m.at("from")).world();
-    const int to = layout::plan_from_json(m.at("to")).world();
-    for (int r = from; r < to; ++r)
-      spawn(r, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
-    workers_ = to;
+    const auto path = runtime::switch_marker_path(store_dir, job_id_, next_generation_);
+    if (!fs::exists(path)) return;
+    const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+    for (int p : m.spawn) {
+      spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
+      running_.insert(p);
+    }
+    next_process_id_ = std::max(next_process_id_, m.next_process_id);
+    workers_ = m.to.world();
     ++next_generation_;
   }
+}
+
+bool Coordinator::on_exit(const runtime::WorkerExit& e) {
+  const int process = e.rank;
+  running_.erase(process);
+  if (e.ok()) {
+    if (pending_) {
+      pending_->expected.erase(process);
+      pending_->someone_finished = true;
+    }
+    return true;
+  }
+  // Only a death by a signal is a lost worker; an error exit ends the job with its message.
+  if (!e.signaled) return false;
+  const auto now = std::chrono::steady_clock::now();
+  const std::string cause = fmt::format("worker {} {}", process, e.describe());
+  if (!pending_) {
+    ++failures_;
+    pending_.emplace();
+    pending_->cause = cause;
+    pending_->detected = now;
+    // Survivors notice within the communication timeout, and may first finish a checkpoint.
+    pending_->deadline =
+        now + std::chrono::milliseconds(int64_t(cfg_.comm_timeout_s * 2000) + 30000);
+    spdlog::warn("{}: recovering (failure {})", cause, failures_);
+  } else {
+    pending_->cause += "; " + cause;
+  }
+  pending_->dead.insert(process);
+  pending_->expected = running_;
+  return true;
+}
+
+void Coordinator::recover(const std::string& store_dir) {
+  auto& p = *pending_;
+  std::vector<runtime::FailureReport> reports;
+  std::vector<int> missing;
+  for (int process : p.expected) {
+    const auto path = runtime::failure_report_path(store_dir, job_id_, failures_, process);
+    if (!fs::exists(path)) {
+      missing.push_back(process);
+      continue;
+    }
+    reports.push_back(runtime::FailureReport::from_json(runtime::read_json_file(path), path));
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (int m : missing) list += fmt::format("{}{}", list.empty() ? "" : ", ", m);
+    TESSEL_CHECK(std::chrono::steady_clock::now() < p.deadline, TimeoutError,
+                 "{}: workers {} did not report within {} s of it; stopping the job", p.cause, list,
+                 int64_t(cfg_.comm_timeout_s * 2) + 30);
+    return;
+  }
+  if (reports.empty() && p.someone_finished) {
+    // Everyone else finished the run: nothing to recover.
+    pending_.reset();
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  RecoveryInput in;
+  in.reports = std::move(reports);
+  in.dead.assign(p.dead.begin(), p.dead.end());
+  in.cause = p.cause;
+  in.failures = failures_;
+  // Above every generation used so far, including switch markers not yet read.
+  int g = next_generation_;
+  while (fs::exists(runtime::switch_marker_path(store_dir, job_id_, g))) ++g;
+  for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
+  in.generation = g;
+  in.next_process_id = next_process_id_;
+  in.replace_failed = cfg_.replace_failed;
+  if (!cfg_.checkpoint.dir.empty())
+    in.checkpoint = runtime::latest_sharded_checkpoint(cfg_.checkpoint.dir);
+  auto m = decide_recovery(cfg_, in);
+  const auto now = std::chrono::steady_clock::now();
+  m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
+  m.record["planning_s_coordinator"] = std::chrono::duration<double>(now - t0).count();
+  runtime::write_json_file(runtime::switch_marker_path(store_dir, job_id_, g), m.to_json());
+  runtime::write_json_file(runtime::recovery_path(store_dir, job_id_, failures_), m.to_json());
+  spdlog::warn(
+      "failure {}: continuing at step {} with {} workers ({}) {}{}", failures_, m.step,
+      m.to.world(), m.to.describe(),
+      m.checkpoint.empty() ? "from the survivors' state" : "from checkpoint " + m.checkpoint,
+      m.record.contains("lost") ? " (lost: " + m.record["lost"].get<std::string>() + ")"
+                                : std::string());
+  pending_.reset();
+  // Markers before g were written before the failure and are void now: their switches failed.
+  next_generation_ = g;
 }
 
 void Coordinator::watch_hosts_file(const std::string& store_dir) {
@@ -170,6 +266,7 @@ void Coordinator::tick(const runtime::LaunchOptions::Spawn& spawn,
     write_all(fd, handle(line, job.store_dir) + "\n");
     ::close(fd);
   }
+  if (pending_) recover(job.store_dir);
   start_joiners(spawn, job.store_dir);
 }
 

@@ -16,15 +16,27 @@
 //                newest wins, none is lost).
 //      status    the job, its workers and the requests so far.
 //    Each reply is one line starting with "ok:" or "refused:".
+//  * Failures. A worker killed by a signal (SIGKILL, the OOM killer, a preempted machine's
+//    SIGTERM) does not end the job: the launcher hands its exit to on_exit(). Its peers notice
+//    (PeerLostError / TimeoutError), break their communicators so everyone notices, and write a
+//    failure report (runtime/switch_marker.h). Once every surviving process has reported, the
+//    coordinator decides (recovery.h: live from survivors when every piece has a surviving copy,
+//    else from the newest checkpoint), writes <store>/<job>.recovery-<e>.json and the switch
+//    marker, and starts the processes it adds. A worker that exits with an error code is a bug
+//    or a bad input, not a lost machine: that still ends the job, with its message.
 //  * A watched hosts file (elastic.hosts_file, like Varuna's machine list): one line per worker
 //    slot; when the number of slots changes, the coordinator makes the same request as
 //    `scale N` (and logs a refusal the same way).
 // Not thread-safe: the launcher calls tick() from its loop.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "tessel/runtime/launcher.h"
 #include "tessel/runtime/train_config.h"
@@ -48,11 +60,16 @@ class Coordinator {
   // `job` holds the store directory and job id the workers see.
   void tick(const runtime::LaunchOptions::Spawn& spawn, const runtime::LaunchResult& job);
 
+  // A worker ended (the launcher's on_exit). Returns true when the job goes on without it.
+  bool on_exit(const runtime::WorkerExit& e);
+
   // The reply to one command line (exposed for tests).
   std::string handle(const std::string& line, const std::string& store_dir);
 
  private:
   void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
+  // Decides a pending recovery once every survivor has reported; throws when it cannot.
+  void recover(const std::string& store_dir);
 
   // elastic.hosts_file: scales the job when the number of worker slots listed changes.
   void watch_hosts_file(const std::string& store_dir);
@@ -66,6 +83,17 @@ class Coordinator {
   int workers_ = 0;          // of the newest announced plan
   int next_generation_ = 1;  // the switch marker awaited next
   int64_t requests_ = 0;     // scale requests written so far
+  std::set<int> running_;    // worker processes started and not ended
+  int next_process_id_ = 0;  // the id the next new process gets
+  int64_t failures_ = 0;     // failures so far
+  // A failure being recovered from: the survivors still to report, the dead, when it was seen.
+  struct Pending {
+    std::set<int> expected, dead;
+    std::string cause;
+    bool someone_finished = false;  // a worker exited 0 meanwhile (the job may be over)
+    std::chrono::steady_clock::time_point detected, deadline;
+  };
+  std::optional<Pending> pending_;
 };
 
 // Sends one command to the job's control socket and returns the reply line. `job_id` empty: the

@@ -224,10 +224,19 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
 
 layout::ScalarState share_scalar_state(const TransferPlan& plan, int process,
                                        comm::Communicator& world, const layout::ScalarState* mine) {
-  const int root = plan.union_rank(plan.process_of_old_rank(0));
+  // The lowest old rank whose state survived holds it (every old rank holds the same).
+  int old_root = 0;
+  while (old_root < plan.old_world() && plan.process_of_old_rank(old_root) == TransferPlan::kLost)
+    ++old_root;
+  TESSEL_CHECK(old_root < plan.old_world(), InvalidArgumentError,
+               "every old rank's state was lost, so no process holds the scalar state (step, "
+               "data cursor) to share; take it from a checkpoint instead");
+  const int root = plan.union_rank(plan.process_of_old_rank(old_root));
   const bool is_root = world.rank() == root;
   TESSEL_CHECK(!is_root || mine != nullptr, InvalidArgumentError,
-               "process {} holds old rank 0 and must provide the scalar state", process);
+               "process {} holds old rank {} (the lowest one not lost) and must provide the "
+               "scalar state",
+               process, old_root);
   std::vector<uint8_t> blob;
   if (is_root) blob = layout::encode(*mine);
   int64_t size = int64_t(blob.size());
@@ -245,8 +254,10 @@ void execute_in_memory(const TransferPlan& plan,
       InvalidArgumentError,
       "the plan moves {} old ranks to {} new ranks but buffers for {} and {} were given",
       plan.old_world(), plan.new_world(), old_by_rank.size(), new_by_rank.size());
-  for (int i = 0; i < plan.old_world(); ++i)
-    check_buffers(old_by_rank[size_t(i)], plan.old_buffer_sizes(i), "old", i);
+  for (int i = 0; i < plan.old_world(); ++i) {
+    if (plan.process_of_old_rank(i) != TransferPlan::kLost)
+      check_buffers(old_by_rank[size_t(i)], plan.old_buffer_sizes(i), "old", i);
+  }
   for (int j = 0; j < plan.new_world(); ++j)
     check_buffers(new_by_rank[size_t(j)], plan.new_buffer_sizes(j), "new", j);
   for (const Message& m : plan.messages()) {

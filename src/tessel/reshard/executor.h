@@ -44,7 +44,8 @@ std::unique_ptr<comm::Communicator> connect_transition_world(
     std::chrono::milliseconds timeout = comm::kDefaultTimeout,
     const comm::TransportOptions& transport = {});
 
-// Buffers of one process: its old rank's buffers (empty for a joining process) and its new
+// Buffers of one process: its old rank's buffers (empty for a joining process, and for one whose
+// old rank is lost: it has none in the plan) and its new
 // rank's (empty for a leaving one), as many and as large as the plan's buffer sizes (a buffer may
 // be longer). New buffers must not overlap old ones, except that a new buffer the plan keeps
 // (kept_from) may BE its old buffer (same data pointer and size): it is then left alone.
@@ -59,14 +60,17 @@ struct ProcessBuffers {
 void execute(const TransferPlan& plan, int process, comm::Communicator& world,
              const ProcessBuffers& buffers);
 
-// The replicated scalar state for every member of the union world: the process of old rank 0
-// broadcasts its `mine` (which must then be non-null); the others' `mine` is ignored. Collective
-// over `world`.
+// The replicated scalar state for every member of the union world: the process of the lowest
+// old rank that is not lost (TransferPlan::kLost) broadcasts its `mine` (which must then be
+// non-null); the others' `mine` is ignored. Collective over `world`. Throws InvalidArgumentError
+// (on every member, before communicating) when every old rank is lost: nobody holds the scalar
+// state then, and the caller must provide it (e.g. from a checkpoint).
 layout::ScalarState share_scalar_state(const TransferPlan& plan, int process,
                                        comm::Communicator& world, const layout::ScalarState* mine);
 
 // The same movement without a network, for tests and single-process tools: buffers indexed by
-// old / new rank. Packs and unpacks every message exactly as execute() does.
+// old / new rank (a lost old rank's entry is not looked at: it may be empty). Packs and unpacks
+// every message exactly as execute() does.
 void execute_in_memory(const TransferPlan& plan,
                        const std::vector<std::vector<std::span<const float>>>& old_by_rank,
                        const std::vector<std::vector<std::span<float>>>& new_by_rank);

@@ -79,9 +79,14 @@ int run_process(const Case& c, const tessel::testing::TempDir& dir, int process)
     CHILD_CHECK(new_state == testing::filled_state(B, j, u, true), process,
                 c.name + ": new rank " + std::to_string(j) + " differs from a fresh B");
   }
-  const ScalarState mine{5, 5, 640, {1, 2, 3}};
+  // Each old rank offers a different step, so the result shows whose was shared: the lowest
+  // old rank whose state is not lost.
+  auto scalars = [](int old_rank) { return ScalarState{5 + old_rank, 5, 640, {1, 2, 3}}; };
+  int root = 0;
+  while (c.old_ids[size_t(root)] == TransferPlan::kLost) ++root;
+  const ScalarState mine = scalars(i);
   const ScalarState got = share_scalar_state(plan, process, *world, i >= 0 ? &mine : nullptr);
-  CHILD_CHECK(got == mine, process, c.name + ": scalar state");
+  CHILD_CHECK(got == scalars(root), process, c.name + ": scalar state");
   return kChildOk;
 }
 
@@ -129,6 +134,17 @@ TEST(ReshardExecutor, FourProcessesWithGqaAndZero) {
             make_plan(3, 1, 1, 1),
             {0, 1, 2},
             {3, 2, 1}});
+}
+
+// Old rank 0's state is lost (its process 0 is back, empty): dp 3 -> tp 2 from the surviving
+// replicas on processes 2 and 1; old rank 1 (process 2) shares the scalar state.
+TEST(ReshardExecutor, OldRankZeroLost) {
+  run_case({"lost0",
+            ModelConfig::preset("gpt2-tiny"),
+            make_plan(3, 1, 1),
+            make_plan(1, 2, 1),
+            {TransferPlan::kLost, 2, 1},
+            {0, 1}});
 }
 
 // A peer that never executes: the waiting receive ends with TimeoutError, not a hang.
@@ -182,6 +198,21 @@ TEST(ReshardExecutor, SingleProcessAndArgumentChecks) {
   // The union world of this plan has two processes.
   const auto two = TransferPlan::build(full, full, {0}, {0}, {0}, {1});
   EXPECT_THROW(execute(two, 0, *world, {old_state.const_spans(), {}}), InvalidArgumentError);
+}
+
+// With every old rank lost nobody holds the scalar state: share_scalar_state says so at once.
+TEST(ReshardExecutor, ScalarStateNeedsAnOldRankThatIsNotLost) {
+  tessel::testing::TempDir dir;
+  const auto config = ModelConfig::preset("gpt2-tiny");
+  const auto full = StateLayout::build(config, make_plan(1, 1, 1));
+  const auto nothing = StateLayout::build(config, make_plan(1, 1, 1), {});  // needs no state
+  const auto plan = TransferPlan::build(full, nothing, {0}, {0}, {TransferPlan::kLost}, {0});
+  EXPECT_EQ(plan.processes(), std::vector<int>{0});
+  auto world = comm::Communicator::connect(store_in(dir, "all-lost"), kTransitionGroup, 0, 1, 5s);
+  const ScalarState mine{1, 1, 1, {}};
+  EXPECT_THROW(share_scalar_state(plan, 0, *world, &mine), InvalidArgumentError);
+  // Nothing to move, and the lost rank's buffers need not be given.
+  execute_in_memory(plan, {{}}, {{}});
 }
 
 // ZeRO-1 dp 2 -> dp 1 on process 0: its parameter buffer is kept, and may be passed as its own

@@ -5,6 +5,8 @@
 #include <numeric>
 #include <tuple>
 
+#include <fmt/ranges.h>
+
 #include "tessel/core/check.h"
 
 namespace tessel::reshard {
@@ -45,11 +47,16 @@ void check_same_model(const StateLayout& from, const StateLayout& to) {
                from.config().name, a.size(), to.config().name, b.size());
 }
 
-void check_ids(const std::vector<int>& ids, const char* what) {
-  std::vector<int> sorted = ids;
+// Ids must be >= 0 and distinct; with `lost_ok`, kLost entries are allowed (and not compared).
+void check_ids(const std::vector<int>& ids, const char* what, bool lost_ok) {
+  std::vector<int> sorted;
+  for (int id : ids)
+    if (!(lost_ok && id == TransferPlan::kLost)) sorted.push_back(id);
   std::sort(sorted.begin(), sorted.end());
   TESSEL_CHECK(sorted.empty() || sorted.front() >= 0, ConfigError,
-               "{} process ids must be >= 0 (got {})", what, sorted.front());
+               "{} process ids must be >= 0{} (got {})", what,
+               lost_ok ? " or TransferPlan::kLost (-1) for a rank whose state is lost" : "",
+               sorted.empty() ? 0 : sorted.front());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   TESSEL_CHECK(dup == sorted.end(), ConfigError,
                "process id {} is given to two {} ranks; a process holds at most one rank of a "
@@ -112,23 +119,28 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
                ConfigError,
                "the new layout has {} ranks but {} process ids and {} hosts were given", to.world(),
                new_ids.size(), host_of_new_rank.size());
-  check_ids(old_ids, "old");
-  check_ids(new_ids, "new");
-  for (const auto* hosts : {&host_of_old_rank, &host_of_new_rank}) {
-    for (int h : *hosts) TESSEL_CHECK(h >= 0, ConfigError, "host ids must be >= 0 (got {})", h);
+  check_ids(old_ids, "old", true);
+  check_ids(new_ids, "new", false);
+  auto lost = [&](int old_rank) { return old_ids[size_t(old_rank)] == kLost; };
+  for (int i = 0; i < from.world(); ++i) {
+    TESSEL_CHECK(lost(i) || host_of_old_rank[size_t(i)] >= 0, ConfigError,
+                 "host ids must be >= 0 (got {})", host_of_old_rank[size_t(i)]);
   }
+  for (int h : host_of_new_rank)
+    TESSEL_CHECK(h >= 0, ConfigError, "host ids must be >= 0 (got {})", h);
 
   TransferPlan P;
   P.old_ids_ = old_ids;
   P.new_ids_ = new_ids;
-  P.processes_ = old_ids;
+  for (int id : old_ids)
+    if (id != kLost) P.processes_.push_back(id);
   P.processes_.insert(P.processes_.end(), new_ids.begin(), new_ids.end());
   std::sort(P.processes_.begin(), P.processes_.end());
   P.processes_.erase(std::unique(P.processes_.begin(), P.processes_.end()), P.processes_.end());
   const size_t U = P.processes_.size();
   std::vector<int> host(U, -1);
   for (int i = 0; i < from.world(); ++i)
-    host[size_t(P.union_rank(old_ids[size_t(i)]))] = host_of_old_rank[size_t(i)];
+    if (!lost(i)) host[size_t(P.union_rank(old_ids[size_t(i)]))] = host_of_old_rank[size_t(i)];
   for (int j = 0; j < to.world(); ++j) {
     int& h = host[size_t(P.union_rank(new_ids[size_t(j)]))];
     TESSEL_CHECK(h < 0 || h == host_of_new_rank[size_t(j)], ConfigError,
@@ -189,7 +201,9 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
   for (const StatePiece* d : dests) {
     const int q = new_ids[size_t(d->rank)];
     const int hq = host[size_t(P.union_rank(q))];
-    const auto cands = from.replicas(d->tensor, d->kind, d->global);
+    // Copies on lost ranks do not exist any more.
+    auto cands = from.replicas(d->tensor, d->kind, d->global);
+    std::erase_if(cands, [&](const StatePiece* c) { return lost(c->rank); });
     remaining.assign(1, d->global);
     // Moves what `c` holds of the remaining boxes into transfers; returns the elements taken.
     auto take = [&](const StatePiece& c) {
@@ -241,12 +255,26 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
           best_key = key;
         }
       }
-      TESSEL_CHECK(best != nullptr, ConfigError,
-                   "the old layout ({}) holds no copy of {} of '{}' ({}) that the new layout ({}) "
-                   "needs",
-                   from.plan().describe(), remaining.front().str(),
-                   from.spec()[size_t(d->tensor)].name, layout::state_kind_name(d->kind),
-                   to.plan().describe());
+      if (best == nullptr) {
+        // Every copy of this box was on a lost rank (or, for inconsistent layouts, nowhere).
+        const Box& missing = remaining.front();
+        std::vector<int> holders;
+        for (const StatePiece* c : from.replicas(d->tensor, d->kind, missing))
+          if (lost(c->rank)) holders.push_back(c->rank);
+        TESSEL_CHECK(holders.empty(), ConfigError,
+                     "the state {} of '{}' ({}) that the new layout ({}) needs was lost: only "
+                     "old rank(s) {} of the old layout ({}) held it and their state is not "
+                     "available; restore it from a checkpoint (lost_state() lists all that was "
+                     "lost)",
+                     missing.str(), from.spec()[size_t(d->tensor)].name,
+                     layout::state_kind_name(d->kind), to.plan().describe(),
+                     fmt::join(holders, ", "), from.plan().describe());
+        TESSEL_THROW(ConfigError,
+                     "the old layout ({}) holds no copy of {} of '{}' ({}) that the new layout "
+                     "({}) needs",
+                     from.plan().describe(), missing.str(), from.spec()[size_t(d->tensor)].name,
+                     layout::state_kind_name(d->kind), to.plan().describe());
+      }
       const int u = P.union_rank(old_ids[size_t(best->rank)]);
       load[size_t(u)] += take(*best) * int64_t(sizeof(float));
     }
@@ -291,6 +319,7 @@ int TransferPlan::union_rank(int process) const {
 }
 
 int TransferPlan::old_rank_of(int process) const {
+  if (process == kLost) return -1;  // not a process: the marker of lost ranks
   auto it = std::find(old_ids_.begin(), old_ids_.end(), process);
   return it == old_ids_.end() ? -1 : int(it - old_ids_.begin());
 }
@@ -326,6 +355,64 @@ int TransferPlan::kept_from(int new_rank, int buffer) const {
                    size_t(buffer) < kept_[size_t(new_rank)].size(),
                InvalidArgumentError, "no buffer {} on new rank {}", buffer, new_rank);
   return kept_[size_t(new_rank)][size_t(buffer)];
+}
+
+std::vector<LostPiece> lost_state(const StateLayout& from, const std::vector<bool>& available) {
+  TESSEL_CHECK(int(available.size()) == from.world(), InvalidArgumentError,
+               "the layout has {} ranks but availability was given for {}", from.world(),
+               available.size());
+  // Per (tensor, kind): what lost ranks hold that no available rank does. Each lost piece is
+  // cut by the available copies and by what earlier lost ranks already reported (two lost
+  // replicas of a box report it once).
+  std::map<std::pair<int, StateKind>, std::vector<Box>> found;
+  std::vector<Box> rest, next;
+  for (int r = 0; r < from.world(); ++r) {
+    if (available[size_t(r)]) continue;
+    for (const StatePiece& p : from.pieces(r)) {
+      if (p.global.empty()) continue;
+      auto& reported = found[{p.tensor, p.kind}];
+      rest.assign(1, p.global);
+      auto cut = [&](const Box& c) {
+        next.clear();
+        for (const Box& b : rest) {
+          const Box part = b.intersect(c);
+          if (part.empty()) {
+            next.push_back(b);
+          } else {
+            subtract(b, part, next);
+          }
+        }
+        rest.swap(next);
+      };
+      for (const StatePiece* c : from.replicas(p.tensor, p.kind, p.global)) {
+        if (available[size_t(c->rank)]) cut(c->global);
+        if (rest.empty()) break;
+      }
+      for (size_t i = 0, n = reported.size(); i < n && !rest.empty(); ++i) cut(reported[i]);
+      reported.insert(reported.end(), rest.begin(), rest.end());
+    }
+  }
+  std::vector<LostPiece> out;
+  for (auto& [key, boxes] : found) {
+    for (Box& b : boxes) out.push_back({key.first, key.second, std::move(b)});
+  }
+  return out;
+}
+
+std::string describe(const std::vector<LostPiece>& lost, const StateLayout& layout,
+                     size_t max_items) {
+  if (lost.empty()) return "nothing";
+  int64_t bytes = 0;
+  for (const LostPiece& p : lost) bytes += p.box.volume() * int64_t(sizeof(float));
+  std::string s = fmt::format("{} piece{}, {:.1f} MB:", lost.size(), lost.size() == 1 ? "" : "s",
+                              double(bytes) / 1e6);
+  for (size_t i = 0; i < lost.size() && i < max_items; ++i) {
+    const LostPiece& p = lost[i];
+    s += fmt::format("{} {} ({}) {}", i == 0 ? "" : ",", layout.spec()[size_t(p.tensor)].name,
+                     layout::state_kind_name(p.kind), p.box.str());
+  }
+  if (lost.size() > max_items) s += fmt::format(", ... and {} more", lost.size() - max_items);
+  return s;
 }
 
 }  // namespace tessel::reshard

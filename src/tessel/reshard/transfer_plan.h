@@ -6,6 +6,15 @@
 // only sends), one only in new_ids joins (it only receives). Each process runs on a host; hosts
 // are integers too, and a surviving process must keep its host.
 //
+// Lost state. After a failure some old ranks' buffers are gone (the process died, or its state
+// is not valid): old_ids[i] == TransferPlan::kLost says so. A lost old rank is no process of the
+// transition and never a source; its host entry is ignored. The plan then takes every element
+// from the surviving copies (dp replicas, tp-replicated tensors, tied copies); when some element
+// has none, build() throws ConfigError saying the state was lost, and lost_state() below lists
+// all of it (e.g. to decide between resharding and restoring a checkpoint before building).
+// A process may be alive yet have lost its old rank's state: give kLost for that rank and the
+// process's id only among the new ones -- it then joins (receives all it needs).
+//
 // What the plan guarantees (the property tests check all of it element by element):
 //   - every element of every new buffer is written exactly once, from an old copy of the same
 //     (tensor, kind, element) -- so A -> B reproduces exactly the state B would hold;
@@ -25,6 +34,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tessel/layout/state_layout.h"
@@ -70,9 +80,14 @@ struct TransferStats {
 
 class TransferPlan {
  public:
+  // old_ids[i] == kLost: old rank i's state is not available (see "Lost state" above).
+  static constexpr int kLost = -1;
+
   // Throws ConfigError when the layouts describe different models, `to` holds a kind `from`
-  // lacks, a list has the wrong length, process or host ids are negative, process ids repeat
-  // within a list, or a surviving process changes host.
+  // lacks, a list has the wrong length, process or host ids are negative (old ids may be kLost;
+  // a lost rank's host is not looked at), process ids repeat within a list, a surviving process
+  // changes host, or an element `to` needs has no copy on an old rank that is not lost (the
+  // message names the tensor, kind, box and the lost old ranks that held it).
   static TransferPlan build(const layout::StateLayout& from, const layout::StateLayout& to,
                             const std::vector<int>& host_of_old_rank,
                             const std::vector<int>& host_of_new_rank,
@@ -83,19 +98,21 @@ class TransferPlan {
                             const std::vector<int>& host_of_new_rank);
 
   // Every process of the transition, ascending: the members of the union world (executor.h);
-  // process processes()[u] is rank u of that world.
+  // process processes()[u] is rank u of that world. Lost old ranks contribute none.
   const std::vector<int>& processes() const { return processes_; }
   // Rank of `process` in the union world; throws InvalidArgumentError for a stranger.
   int union_rank(int process) const;
-  // The process's old / new rank, -1 when it has none (joining / leaving).
+  // The process's old / new rank, -1 when it has none (joining / leaving; a process whose old
+  // rank was lost has none).
   int old_rank_of(int process) const;
   int new_rank_of(int process) const;
+  // kLost for a lost old rank.
   int process_of_old_rank(int rank) const { return old_ids_.at(size_t(rank)); }
   int process_of_new_rank(int rank) const { return new_ids_.at(size_t(rank)); }
   int old_world() const { return int(old_ids_.size()); }
   int new_world() const { return int(new_ids_.size()); }
 
-  // Buffer sizes (floats) per old / new rank, as the layouts say.
+  // Buffer sizes (floats) per old / new rank, as the layouts say (lost old ranks included).
   const std::vector<int64_t>& old_buffer_sizes(int old_rank) const;
   const std::vector<int64_t>& new_buffer_sizes(int new_rank) const;
 
@@ -118,5 +135,28 @@ class TransferPlan {
   std::vector<Message> messages_;
   TransferStats stats_;
 };
+
+// A part of the state of an old layout that no available old rank holds.
+struct LostPiece {
+  int tensor = 0;  // index into the layout's spec
+  StateKind kind = StateKind::param;
+  Box box;
+  bool operator==(const LostPiece&) const = default;
+};
+
+// The parts of the state of `from` held only by old ranks that are not available (available[r]
+// false), as disjoint boxes per (tensor, kind), ordered by tensor then kind (all kinds of
+// `from`). Empty when every element has a surviving copy: a TransferPlan from `from` with those
+// ranks lost then builds for any `to` (same model, kinds `from` has); otherwise it throws for
+// every `to` holding a kind listed here (a layout holds every element of its kinds). Throws
+// InvalidArgumentError when `available` does not have one entry per rank of `from`.
+std::vector<LostPiece> lost_state(const layout::StateLayout& from,
+                                  const std::vector<bool>& available);
+
+// A one-line summary for logs and errors: "3 pieces, 1.2 MB: <tensor> (adam_m) [0:64, 0:192],
+// ... and 1 more" -- at most `max_items` pieces named; "nothing" for an empty list. `layout`
+// names the tensors (any layout of the same model).
+std::string describe(const std::vector<LostPiece>& lost, const layout::StateLayout& layout,
+                     size_t max_items = 4);
 
 }  // namespace tessel::reshard

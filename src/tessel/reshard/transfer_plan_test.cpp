@@ -12,8 +12,12 @@
 //   - the plan writes every new element exactly once, from an old copy of the same element;
 //     sends no element twice to one process and none that the process already holds, so it
 //     moves exactly the lower bound; and its statistics add up.
+// With some old ranks lost (TransferPlan::kLost), for random (A, B, lost ranks): lost_state()
+// lists exactly the elements only lost ranks held (checked element by element), and whenever it
+// is empty the plan rebuilds B bit for bit from the survivors' buffers alone, else build throws.
 #include "tessel/reshard/transfer_plan.h"
 
+#include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -27,6 +31,7 @@
 #include "tessel/model/tp_shard.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/reshard/reshard_test_util.h"
+#include "tessel/testing/testing.h"
 
 namespace tessel::reshard {
 namespace {
@@ -349,6 +354,245 @@ Transition same_processes(int wa, int wb, std::vector<int> hosts = {}) {
   return t;
 }
 
+// Some old ranks lost -------------------------------------------------------------------------
+
+// Marks old ranks `lost` as TransferPlan::kLost; their host entries become junk (ignored).
+Transition with_lost(Transition t, const std::vector<int>& lost) {
+  for (int r : lost) {
+    t.old_ids[size_t(r)] = TransferPlan::kLost;
+    t.old_hosts[size_t(r)] = 9;
+  }
+  return t;
+}
+
+std::vector<bool> availability(const Transition& t) {
+  std::vector<bool> out;
+  for (int id : t.old_ids) out.push_back(id != TransferPlan::kLost);
+  return out;
+}
+
+// lost_state(from, available), checked element by element against its definition: its boxes are
+// disjoint, ordered by (tensor, kind), and cover exactly the elements some unavailable rank holds
+// and no available rank does.
+std::vector<LostPiece> checked_lost_state(const layout::StateLayout& from,
+                                          const std::vector<bool>& available,
+                                          const StateUniverse& u) {
+  std::vector<uint8_t> on_lost(size_t(u.total()), 0), on_available(size_t(u.total()), 0);
+  for (int r = 0; r < from.world(); ++r) {
+    const auto held = holdings(from, r, u);
+    auto& into = available[size_t(r)] ? on_available : on_lost;
+    for (size_t e = 0; e < held.size(); ++e) into[e] |= held[e];
+  }
+  const auto lost = lost_state(from, available);
+  std::vector<int> covered(size_t(u.total()), 0);
+  for (size_t i = 0; i < lost.size(); ++i) {
+    const LostPiece& p = lost[i];
+    EXPECT_TRUE(from.has_kind(p.kind));
+    EXPECT_FALSE(p.box.empty());
+    if (i > 0) {
+      EXPECT_LE(std::make_pair(lost[i - 1].tensor, lost[i - 1].kind),
+                std::make_pair(p.tensor, p.kind));
+    }
+    testing::for_each_in_box(u.spec()[size_t(p.tensor)].shape, p.box, [&](int64_t flat, int64_t) {
+      ++covered[size_t(u.id(p.tensor, p.kind, flat))];
+    });
+  }
+  int64_t wrong = 0, twice = 0;
+  for (size_t e = 0; e < covered.size(); ++e) {
+    wrong += (covered[e] > 0) != (on_lost[e] && !on_available[e]);
+    twice += covered[e] > 1;
+  }
+  EXPECT_EQ(wrong, 0) << "lost_state differs from the elements only lost ranks held";
+  EXPECT_EQ(twice, 0) << "lost_state reports elements twice";
+  return lost;
+}
+
+// The old state with the lost ranks' buffers gone (no buffers at all).
+std::vector<RankState> survivors_of(std::vector<RankState> state, const Transition& t) {
+  for (size_t i = 0; i < state.size(); ++i) {
+    if (t.old_ids[i] == TransferPlan::kLost) state[i] = RankState{};
+  }
+  return state;
+}
+
+// A -> B with the lost ranks of `t` gone: the plan never reads them, and the survivors' buffers
+// alone rebuild a fresh B bit for bit; all of check_plan holds.
+void check_from_survivors(const StateUniverse& u, const layout::StateLayout& A,
+                          const layout::StateLayout& B, const Transition& t) {
+  const auto plan = TransferPlan::build(A, B, t.old_hosts, t.new_hosts, t.old_ids, t.new_ids);
+  for (int i = 0; i < A.world(); ++i) {
+    if (t.old_ids[size_t(i)] != TransferPlan::kLost) continue;
+    EXPECT_EQ(plan.process_of_old_rank(i), TransferPlan::kLost);
+    for (const Transfer& tr : plan.transfers()) ASSERT_NE(tr.src_rank, i) << "reads lost rank";
+  }
+  for (int p : plan.processes()) {
+    EXPECT_GE(p, 0);
+    const int i = plan.old_rank_of(p);
+    if (i >= 0) {
+      EXPECT_NE(t.old_ids[size_t(i)], TransferPlan::kLost);
+    } else {
+      EXPECT_GE(plan.new_rank_of(p), 0) << "process " << p << " takes no part";
+    }
+  }
+  for (bool ids : {false, true}) {
+    const auto a_state = fill_all(A, u, ids);
+    const auto b_fresh = fill_all(B, u, ids);
+    const auto b_state = run(plan, B, survivors_of(a_state, t));
+    for (int j = 0; j < B.world(); ++j) {
+      ASSERT_TRUE(b_state[size_t(j)] == b_fresh[size_t(j)]) << "differs on new rank " << j;
+    }
+    if (ids) check_plan(plan, A, B, t, u, a_state);
+  }
+}
+
+// Losing one dp replica loses nothing: every survivor's pp stage still has a copy.
+TEST(ReshardLost, OneReplicaLostLosesNothing) {
+  for (const ModelConfig& config : {ModelConfig::preset("gpt2-tiny"), llama_mqa()}) {
+    const StateUniverse u(config, kSeed);
+    for (const Plan& a : {make_plan(2, 1, 1), make_plan(2, 1, 2)}) {
+      const auto A = layout::StateLayout::build(config, a);
+      for (const Plan& b : {a, make_plan(1, 2, 1), make_plan(2, 1, 1, 1, 1), make_plan(1, 1, 2),
+                            make_plan(3, 1, 1)}) {
+        const auto B = layout::StateLayout::build(config, b);
+        for (int lost = 0; lost < A.world(); ++lost) {
+          SCOPED_TRACE(config.name + " A: " + a.describe() + " -> B: " + b.describe() +
+                       ", old rank " + std::to_string(lost) + " lost");
+          // The lost rank's process (same id) is alive but has no valid state: it rejoins.
+          const Transition t = with_lost(same_processes(A.world(), B.world()), {lost});
+          EXPECT_TRUE(checked_lost_state(A, availability(t), u).empty());
+          check_from_survivors(u, A, B, t);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// ZeRO-1 dp 2: each dp rank alone holds its half of Adam's moments; losing one loses exactly
+// that half (and no parameters).
+TEST(ReshardLost, ZeroOneRankLostLosesItsOptimizerShard) {
+  const auto config = ModelConfig::preset("gpt2-tiny");
+  const StateUniverse u(config, kSeed);
+  const auto A = layout::StateLayout::build(config, make_plan(2, 1, 1, 1, 1));
+  const auto lost = checked_lost_state(A, {true, false}, u);
+  ASSERT_FALSE(lost.empty());
+  std::map<StateKind, int64_t> volume;
+  for (const LostPiece& p : lost) volume[p.kind] += p.box.volume();
+  EXPECT_EQ(volume.count(StateKind::param), 0u);
+  int64_t optimizer_floats = 0;
+  for (StateKind k : {StateKind::adam_m, StateKind::adam_v}) {
+    const int64_t n = A.buffers(1)[size_t(A.buffer_id(1, 0, k))].numel;
+    EXPECT_GT(n, 0);
+    EXPECT_EQ(volume[k], n) << layout::state_kind_name(k);
+    optimizer_floats += n;
+  }
+
+  // The summary names the count, the size and the first pieces.
+  const std::string text = describe(lost, A, 2);
+  EXPECT_THAT(text, ::testing::StartsWith(fmt::format("{} pieces, {:.1f} MB: ", lost.size(),
+                                                      double(optimizer_floats * 4) / 1e6)));
+  EXPECT_THAT(text, ::testing::HasSubstr(
+                        fmt::format("{} ({}) {}", A.spec()[size_t(lost[0].tensor)].name,
+                                    layout::state_kind_name(lost[0].kind), lost[0].box.str())));
+  EXPECT_THAT(text, ::testing::EndsWith(fmt::format(", ... and {} more", lost.size() - 2)));
+  EXPECT_EQ(describe({}, A), "nothing");
+  EXPECT_THAT(describe({lost[0]}, A), ::testing::StartsWith("1 piece, "));
+
+  // A plan that needs the moments fails, naming what was lost; one that needs only the
+  // parameters builds from the survivor.
+  const auto B = layout::StateLayout::build(config, make_plan(1, 1, 1));
+  const std::string error = tessel::testing::error_of<ConfigError>([&] {
+    TransferPlan::build(A, B, {0, 0}, {0}, {0, TransferPlan::kLost}, {0});
+  });
+  EXPECT_THAT(error, ::testing::HasSubstr("was lost"));
+  EXPECT_THAT(error, ::testing::HasSubstr("old rank(s) 1 "));
+  EXPECT_THAT(error, ::testing::HasSubstr("(adam_"));
+  const auto params = layout::StateLayout::build(config, make_plan(1, 1, 1), {StateKind::param});
+  const auto p = TransferPlan::build(A, params, {0, 0}, {0}, {0, TransferPlan::kLost}, {0});
+  EXPECT_EQ(p.stats().kept_bytes, p.stats().total_bytes);
+}
+
+// tp 2, dp 1: each tp rank alone holds its shards, so losing one loses parameters (the
+// tp-replicated tensors survive: checked_lost_state checks every element).
+TEST(ReshardLost, TensorParallelRankLostLosesParameters) {
+  for (const ModelConfig& config : {ModelConfig::preset("gpt2-tiny"), llama_mqa()}) {
+    SCOPED_TRACE(config.name);
+    const StateUniverse u(config, kSeed);
+    const auto A = layout::StateLayout::build(config, make_plan(1, 2, 1));
+    for (int gone = 0; gone < 2; ++gone) {
+      std::vector<bool> available(2, true);
+      available[size_t(gone)] = false;
+      const auto lost = checked_lost_state(A, available, u);
+      EXPECT_TRUE(std::any_of(lost.begin(), lost.end(),
+                              [](const LostPiece& p) { return p.kind == StateKind::param; }));
+      std::vector<int> ids = {0, 1};
+      ids[size_t(gone)] = TransferPlan::kLost;
+      const std::string error = tessel::testing::error_of<ConfigError>([&] {
+        TransferPlan::build(A, A, {0, 0}, {0, 0}, ids, {0, 1});
+      });
+      EXPECT_THAT(error, ::testing::HasSubstr(fmt::format("old rank(s) {} ", gone)));
+    }
+    // Both lost: everything is gone, once.
+    const auto all = checked_lost_state(A, {false, false}, u);
+    int64_t floats = 0;
+    for (const LostPiece& p : all) floats += p.box.volume();
+    int64_t expect = 0;
+    for (const auto& t : A.spec()) expect += t.numel() * int64_t(A.kinds().size());
+    EXPECT_EQ(floats, expect);
+  }
+}
+
+// Random (A, B, lost old ranks) over 1..4 workers: the plan builds exactly when lost_state is
+// empty, and then rebuilds B from the survivors alone.
+TEST(ReshardLost, RandomLossesBuildExactlyWhenNothingIsLost) {
+  for (const ModelConfig& config : {ModelConfig::preset("gpt2-tiny"), llama_mqa()}) {
+    SCOPED_TRACE(config.name);
+    const StateUniverse u(config, kSeed);
+    std::mt19937_64 rng(std::hash<std::string>{}(config.name) ^ 0x1057);
+    std::vector<std::vector<Plan>> plans(5);
+    for (int w = 1; w <= 4; ++w) plans[size_t(w)] = valid_plans(config, w, rng);
+    // Half the old layouts replicate all state over dp (what survives losing a rank).
+    std::vector<std::vector<Plan>> replicated(5);
+    for (int w = 2; w <= 4; ++w) {
+      for (const Plan& p : plans[size_t(w)])
+        if (p.dp > 1 && p.zero_stage == 0) replicated[size_t(w)].push_back(p);
+    }
+    int survived = 0, failed = 0;
+    for (int trial = 0; trial < 24; ++trial) {
+      const bool pick_replicated = trial % 2 == 0;
+      const int wa = pick_replicated ? 2 + int(rng() % 3) : 1 + int(rng() % 4);
+      const int wb = 1 + int(rng() % 4);
+      const auto& pa = (pick_replicated ? replicated : plans)[size_t(wa)];
+      const Plan& a = pa[rng() % pa.size()];
+      const Plan& b = plans[size_t(wb)][rng() % plans[size_t(wb)].size()];
+      // Mostly one rank lost (what a single failure does), sometimes several.
+      std::vector<int> ranks(static_cast<size_t>(wa), 0);
+      std::iota(ranks.begin(), ranks.end(), 0);
+      std::shuffle(ranks.begin(), ranks.end(), rng);
+      ranks.resize(rng() % 3 != 0 ? size_t(1) : 1 + size_t(rng() % uint64_t(wa)));
+      const Transition t = with_lost(random_transition(wa, wb, rng), ranks);
+      SCOPED_TRACE("A: " + a.describe() + " -> B: " + b.describe() + ", lost old ranks " +
+                   fmt::format("{}", fmt::join(ranks, ",")));
+      const auto A = layout::StateLayout::build(config, a);
+      const auto B = layout::StateLayout::build(config, b);
+      const auto lost = checked_lost_state(A, availability(t), u);
+      if (lost.empty()) {
+        ++survived;
+        check_from_survivors(u, A, B, t);
+      } else {
+        ++failed;
+        const std::string error = tessel::testing::error_of<ConfigError>(
+            [&] { TransferPlan::build(A, B, t.old_hosts, t.new_hosts, t.old_ids, t.new_ids); });
+        EXPECT_THAT(error, ::testing::HasSubstr("was lost"));
+      }
+      if (HasFatalFailure()) return;
+    }
+    // Both outcomes occur (the generator is not degenerate).
+    EXPECT_GT(survived, 0);
+    EXPECT_GT(failed, 0);
+  }
+}
+
 // The switches the live test of issue 4 makes, and other named cases.
 TEST(Reshard, NamedTransitionsAreExact) {
   const auto gpt = ModelConfig::preset("gpt2-tiny");
@@ -431,7 +675,9 @@ TEST(Reshard, RejectsMismatchedArguments) {
   EXPECT_NO_THROW(TransferPlan::build(B, P, {0}, {0}));            // dropping it is fine
   EXPECT_THROW(TransferPlan::build(A, B, {0}, {0}), ConfigError);
   EXPECT_THROW(TransferPlan::build(A, B, {0, 0}, {0}, {3, 3}, {3}), ConfigError);
-  EXPECT_THROW(TransferPlan::build(A, B, {0, 0}, {0}, {-1, 2}, {2}), ConfigError);
+  EXPECT_THROW(TransferPlan::build(A, B, {0, 0}, {0}, {-2, 2}, {2}), ConfigError);
+  EXPECT_THROW(TransferPlan::build(A, B, {0, 0}, {0}, {0, 1}, {TransferPlan::kLost}),
+               ConfigError);  // only old ranks can be lost
   EXPECT_THROW(TransferPlan::build(A, B, {0, 1}, {0}, {0, 1}, {1}), ConfigError);  // host moves
   EXPECT_THROW(TransferPlan::build(A, B, {0, -1}, {0}), ConfigError);
   const auto ok = TransferPlan::build(A, B, {0, 0}, {0});

@@ -166,6 +166,13 @@ LaunchResult launch(const LaunchOptions& o) {
       e.rank = rank;
       result.workers[static_cast<size_t>(e.id)] = e;
       --left;
+      const bool handled =
+          o.on_exit && result.failure.empty() && !sup.interrupted() && o.on_exit(e) && !e.ok();
+      if (handled) {
+        sup.notice(fmt::format("rank {} (pid {}) {}; the job goes on without it", rank, e.pid,
+                               e.describe(o.command[0])));
+        continue;
+      }
       if (e.ok() || !result.failure.empty()) continue;
       result.failed_rank = rank;
       result.failure = fmt::format("rank {} (pid {}) {}", rank, e.pid, e.describe(o.command[0]));
@@ -192,7 +199,7 @@ LaunchResult launch(const LaunchOptions& o) {
       try {
         o.on_tick(spawn, result);
       } catch (const std::exception& e) {
-        result.failure = fmt::format("starting more workers failed: {}", e.what());
+        result.failure = fmt::format("the job's coordinator stopped it: {}", e.what());
         result.exit_code = 1;
         sup.notice(result.failure + "; stopping the workers");
         sup.terminate_all();

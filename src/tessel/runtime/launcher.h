@@ -81,6 +81,11 @@ struct LaunchOptions {
   // `job` holds the job id and store dir the workers see.
   std::function<void(const Spawn& spawn, const struct LaunchResult& job)> on_tick;
   std::chrono::milliseconds tick{1000};
+  // Called for every worker exit (e.rank set) before the failure policy looks at it. Returning
+  // true for a failed worker says the job goes on without it (the elastic coordinator recovers
+  // from it): it is then not THE failure and the others keep running. The launch ends when no
+  // worker runs after a round of exits and on_tick (which may start replacements).
+  std::function<bool(const WorkerExit& e)> on_exit;
 };
 
 struct LaunchResult {

@@ -1,6 +1,8 @@
 #include "tessel/runtime/parallel_trainer.h"
 
+#include <fcntl.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +33,7 @@
 #include "tessel/runtime/metrics.h"
 #include "tessel/runtime/model_json.h"
 #include "tessel/runtime/sharded_checkpoint.h"
+#include "tessel/runtime/switch_marker.h"
 #include "tessel/runtime/tp_comm_group.h"
 #include "tessel/schedule/generators.h"
 #include "tessel/store/async_saver.h"
@@ -63,16 +66,6 @@ enum class Kind : uint32_t { activation = 0, grad = 1 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  TESSEL_CHECK(in.good(), IoError, "cannot read {}", path);
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "{} is not valid JSON: {}", path, e.what());
-  }
 }
 
 // Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
@@ -162,6 +155,20 @@ struct World {
   double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
   std::optional<layout::StateLayout> state_layout;  // built at the first checkpoint
   store::AsyncSaver saver;                          // checkpoint.async
+  int generation = 0;                               // the job's generation this world belongs to
+  // True while a ZeRO-1 update is half applied (owned range stepped, parameters not yet
+  // gathered): a failure then leaves this rank's state inconsistent.
+  bool updating = false;
+  // The step's pipeline transfers. Members, not locals: when a step fails they must outlive the
+  // unwinding until abort() has broken the communicators, or destroying them would wait for
+  // peers that are themselves stuck.
+  std::deque<std::vector<float>> send_buffers;
+  std::vector<comm::Request> sends;
+  std::vector<std::optional<comm::Request>> recvs;
+  // Chunk state taken over from the donor world of a switch: (chunk, donor chunk, buffer kind
+  // 0 params / 1 adam_m / 2 adam_v), so a failed switch can give it back (give_back).
+  std::vector<std::tuple<int, int, int>> taken;
+  int data_log_fd = -1;  // output.data_order, on the first tp and pp rank of each replica
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
@@ -246,7 +253,10 @@ struct World {
         auto& old = donor->chunks[size_t(b / 3)].model;
         if (old && old->activation_slots() == peak[size_t(c)] && donor->B == B) {
           old->rebind_tp_group(tp_group.get());
+          // A step that failed half-way (a recovery) left partial sums in the gradients.
+          old->zero_grad();
           ch.model = std::move(old);
+          taken.emplace_back(c, b / 3, 0);
         }
       }
       if (!ch.model)
@@ -268,7 +278,10 @@ struct World {
       auto adam = [&](int kind, Tensor Chunk::*member) {
         if (const int b = kept(kind); b >= 0) {
           Tensor& t = donor->chunks[size_t(b / 3)].*member;
-          if (t.defined() && t.numel() == std::max<int64_t>(ch.own_n, 1)) return std::move(t);
+          if (t.defined() && t.numel() == std::max<int64_t>(ch.own_n, 1)) {
+            taken.emplace_back(c, b / 3, kind);
+            return std::move(t);
+          }
         }
         return Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
       };
@@ -298,6 +311,61 @@ struct World {
     lr_schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                              cfg.training.steps};
     if (rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+    if (!cfg.data_order_path.empty() && groups.coord.tp == 0 && groups.coord.pp == 0) {
+      data_log_fd =
+          ::open(cfg.data_order_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      TESSEL_CHECK(data_log_fd >= 0, IoError, "cannot open output.data_order file {}",
+                   cfg.data_order_path);
+    }
+  }
+
+  ~World() {
+    if (data_log_fd >= 0) ::close(data_log_fd);
+  }
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+  // Breaks every communicator of this world (comm::ProcessGroups::abort), so that peers waiting
+  // on this process fail at once, then drops the step's pending transfers.
+  void abort(const std::string& why) noexcept {
+    groups.abort(why);
+    recvs.clear();
+    sends.clear();
+    send_buffers.clear();
+  }
+
+  // Gives the chunk state this world took over from `donor` back to it (a switch failed).
+  void give_back(World& donor) {
+    for (const auto& [c, b, kind] : taken) {
+      auto& mine = chunks[size_t(c)];
+      auto& theirs = donor.chunks[size_t(b)];
+      if (kind == 0) {
+        theirs.model = std::move(mine.model);
+        theirs.model->rebind_tp_group(donor.tp_group.get());
+      } else {
+        (kind == 1 ? theirs.adam_m : theirs.adam_v) =
+            std::move(kind == 1 ? mine.adam_m : mine.adam_v);
+      }
+    }
+    taken.clear();
+  }
+
+  // One line of output.data_order for the samples this replica has just loaded for step + 1
+  // (O_APPEND: lines of different processes do not mix). Written before any collective of the
+  // step, so a step that commits anywhere has every replica's line in its generation; a step
+  // that is redone after a failure appears again in a later generation, which then counts.
+  void log_data_order(int64_t first, int64_t count) const {
+    if (data_log_fd < 0) return;
+    const std::string line = nlohmann::json({{"step", step + 1},
+                                             {"generation", generation},
+                                             {"process", env.rank},
+                                             {"dp_rank", groups.coord.dp},
+                                             {"first", first},
+                                             {"count", count}})
+                                 .dump() +
+                             "\n";
+    TESSEL_CHECK(::write(data_log_fd, line.data(), line.size()) == ssize_t(line.size()), IoError,
+                 "writing {} failed", cfg.data_order_path);
   }
 
   // Saves the whole state as checkpoint.dir/step-N (sharded_checkpoint.h): every rank writes its
@@ -438,13 +506,14 @@ struct World {
   double train_step(double* grad_norm_out) {
     const int64_t per_replica = B * M;
     loader->load(cursor, groups.coord.dp * per_replica, per_replica, inputs.data(), targets.data());
+    log_data_order(cursor + groups.coord.dp * per_replica, per_replica);
     int64_t valid = 0;
     for (int32_t t : targets) valid += t != model::Transformer::kIgnoreIndex;
     groups.dp->all_reduce_sum(&valid, 1);
     const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
 
-    std::deque<std::vector<float>> send_buffers;
-    std::vector<comm::Request> sends;
+    send_buffers.clear();
+    sends.clear();
     double loss_sum = 0;
     for (auto& ch : chunks) ch.backwards_done = 0;
     // The pipeline's idle time: waiting for a receive or for the last sends (the bubble, plus
@@ -456,7 +525,8 @@ struct World {
     // buffer) and only waited for at its instruction: Gloo's transport moves a message once the
     // receiver has posted it, so posting late would put a handshake and the whole transfer on the
     // critical path of every micro-batch instead of overlapping them with compute.
-    std::vector<std::optional<comm::Request>> recvs(program.size());
+    recvs.clear();
+    recvs.resize(program.size());
     for (size_t i = 0; i < program.size(); ++i) {
       const auto& ins = program[i];
       const int mb = ins.micro_batch, c = ins.chunk;
@@ -568,6 +638,7 @@ struct World {
 
     kernels::AdamWConfig opt = cfg.optimizer.adamw_step(
         lr_schedule.at(step), step, kernels::clip_factor(norm, float(cfg.training.grad_clip)));
+    updating = true;
     for (auto& ch : chunks) {
       float* params = ch.model->params().data<float>();
       float* grads = ch.model->grads().data<float>();
@@ -586,41 +657,57 @@ struct World {
       }
     }
 
+    updating = false;
+    // The step is committed here: this rank's state is consistent at step + 1 whatever happens
+    // to the loss's reduction below (a failure then loses no work of this rank).
+    ++step;
+    cursor += plan.global_batch();
+    send_buffers.clear();
+
     // The head stages hold the loss; one tp rank of each dp replica contributes it. The idle
     // and pipeline times ride along to give the world's idle share.
     double sums[3] = {groups.tp->rank() == 0 ? loss_sum : 0.0, idle_s, pipeline_s};
     groups.world->all_reduce_sum(sums, 3);
     const double loss = sums[0];
     pipeline_idle = sums[2] > 0 ? sums[1] / sums[2] : 0.0;
-    ++step;
-    cursor += plan.global_batch();
     return valid > 0 ? loss / double(valid) : 0.0;
   }
 };
 
 }  // namespace
 
-// A switch of plans at a step boundary.
-struct Switch {
-  layout::Plan from, to;
-  std::string cause;    // "timeline", "scale request"
-  int64_t request = 0;  // the scale request it applies (0 for the timeline)
-};
+namespace {
+
+int index_of(const std::vector<int>& v, int x) {
+  auto it = std::find(v.begin(), v.end(), x);
+  return it == v.end() ? -1 : int(it - v.begin());
+}
+
+std::vector<int> iota_members(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
+  return v;
+}
+
+}  // namespace
 
 struct ParallelTrainer::Impl {
   TrainConfig cfg;
-  WorkerEnv env;  // env.rank: this process's id, stable over generations (= its rank in each)
+  WorkerEnv env;  // env.rank: this process's id (switch_marker.h), fixed for its lifetime
   // Switches so far: the current world lives under store generation env.generation + generation.
   int generation = 0;
-  layout::Plan plan;              // in force now (also known while this process has no rank)
-  size_t next_static = 0;         // the next timeline entry
-  int64_t applied_request = 0;    // the newest scale request applied
-  std::unique_ptr<World> world;   // null while this process has no rank in the current plan
-  std::optional<Switch> joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
-  MetricsWriter events;           // output.events, on process 0
+  layout::Plan plan;             // in force now (also known while this process has no rank)
+  std::vector<int> members;      // the process of each rank of `plan`
+  int next_process_id = 0;       // the id the next process a switch adds gets
+  int64_t failures = 0;          // failures of the job recovered from (or being recovered from)
+  size_t next_static = 0;        // the next timeline entry
+  int64_t applied_request = 0;   // the newest scale request applied
+  std::unique_ptr<World> world;  // null while this process has no rank in the plan
+  std::optional<SwitchMarker> joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
+  std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
+  bool fatal = false;  // a failure recovery cannot help (the coordinator gave no answer)
 
   Impl(TrainConfig c, const WorkerEnv& e) : cfg(std::move(c)), env(e) {
-    if (env.rank == 0) events = MetricsWriter(cfg.events_path);
     // Workers of a timeline or of scale requests are started as the plans need them, so the
     // world size in the environment is only checked against a fixed run.
     cfg.validate_for_workers(cfg.timeline.empty() && !elastic() ? env.world_size
@@ -628,21 +715,21 @@ struct ParallelTrainer::Impl {
     plan = cfg.plan;
     const int64_t join = env_int("TESSEL_JOIN_GENERATION", false);
     if (join > 0) {
-      // Started for the switch to generation `join`: take part in it as a receiver only. Rank 0
-      // described it in a marker file before the launcher started this process.
-      const auto m = read_json_file(switch_marker(int(join)));
-      Switch sw{layout::plan_from_json(m.at("from")), layout::plan_from_json(m.at("to")),
-                m.at("cause").get<std::string>(), m.at("request").get<int64_t>()};
-      TESSEL_CHECK(env.rank < sw.to.world(), ConfigError,
-                   "TESSEL_JOIN_GENERATION={}: rank {} has no place in {}", join, env.rank,
-                   sw.to.describe());
+      // Started for the switch to generation `join`: take part in it as a receiver only. Its
+      // description was written before this process was started.
+      const auto path = switch_marker_path(env.store_dir, env.job_id, int(join));
+      auto m = SwitchMarker::from_json(read_json_file(path), path);
+      TESSEL_CHECK(index_of(m.to_members, env.rank) >= 0, ConfigError,
+                   "TESSEL_JOIN_GENERATION={}: process {} has no place in {} ({})", join, env.rank,
+                   m.to.describe(), path);
       generation = int(join) - 1;
-      plan = sw.from;
-      applied_request = m.at("applied_request").get<int64_t>();
-      const int64_t step = m.at("step").get<int64_t>();
-      while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)
-        ++next_static;
-      joining = std::move(sw);
+      plan = m.from;
+      members = m.from_members;
+      next_process_id = m.next_process_id;
+      failures = m.failures;
+      applied_request = m.applied_request;
+      skip_timeline_through(m.step);
+      joining = std::move(m);
       return;
     }
     if (resume()) return;
@@ -650,13 +737,23 @@ struct ParallelTrainer::Impl {
                  "worker rank {} has no place in {}: `tessel train` starts workers as the plans "
                  "need them",
                  env.rank, plan.describe());
+    members = iota_members(plan.world());
+    next_process_id = plan.world();
     world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation, true);
   }
 
-  // Whether the launcher takes scale requests for this job (`tessel ctl scale`); read once, not
-  // at every step boundary.
+  // Whether the launcher takes scale requests for this job (`tessel ctl scale`) and recovers
+  // from failed workers; read once, not at every step boundary.
   bool elastic() const { return elastic_; }
   const bool elastic_ = env_int("TESSEL_ELASTIC", false) == 1;
+
+  // The process reporting progress, metrics and events: rank 0 of the current world.
+  bool lead() const { return world != nullptr && world->rank == 0; }
+
+  void skip_timeline_through(int64_t step) {
+    while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)
+      ++next_static;
+  }
 
   // Continues from the newest checkpoint in checkpoint.dir, saved under any plan: this process
   // joins the plan the config has in force at the saved step and reads its share. Returns false
@@ -670,11 +767,12 @@ struct ParallelTrainer::Impl {
     check_resumable(cfg, meta, *path);
     const int64_t step = meta.at("step").get<int64_t>();
     plan = cfg.plan_at(step);
-    while (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= step)
-      ++next_static;
+    skip_timeline_through(step);
     TESSEL_CHECK(env.rank < plan.world(), ConfigError,
                  "worker rank {} has no place in {}, the plan at step {}", env.rank,
                  plan.describe(), step);
+    members = iota_members(plan.world());
+    next_process_id = plan.world();
     world = std::make_unique<World>(cfg, env, plan, env.rank, env.generation, false);
     load_rank_state(reader, layout::StateLayout::build(cfg.model, world->plan), env.rank,
                     world->state_buffers());
@@ -686,86 +784,120 @@ struct ParallelTrainer::Impl {
     return true;
   }
 
-  // Files in the job's rendezvous directory through which workers and the launcher talk:
-  // switch-<g>.json, written by rank 0 when the workers start the switch to generation g (the
-  // launcher starts the ranks it adds; they read the switch from it), and request-<r>.json,
-  // written by the launcher for a scale request (`tessel ctl scale N`).
-  std::string switch_marker(int g) const {
-    return fmt::format("{}/{}.switch-{}.json", env.store_dir, env.job_id, g);
-  }
+  // <job>.request-<r>.json, written by the coordinator for a scale request (`tessel ctl scale`).
   std::string request_file(int64_t r) const {
     return fmt::format("{}/{}.request-{}.json", env.store_dir, env.job_id, r);
   }
 
   // The switch to make after the step just finished, if any (collective over the world when the
-  // job takes scale requests: every rank must decide alike).
-  std::optional<Switch> next_switch() {
+  // job takes scale requests: every rank must decide alike, and every rank computes the same
+  // new members).
+  std::optional<SwitchMarker> next_switch() {
     const int64_t step = world->step;
+    std::optional<SwitchMarker> sw;
     if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
       const auto& e = cfg.timeline[next_static++];
-      return Switch{plan, e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)", 0};
+      sw.emplace();
+      sw->to = e.plan;
+      sw->cause = e.workers > 0 ? "timeline (workers)" : "timeline (plan)";
+    } else if (elastic()) {
+      // The newest request any rank has seen; the request files only ever appear, so every rank
+      // can read the agreed one after the all-reduce.
+      int64_t seen = applied_request;
+      while (std::filesystem::exists(request_file(seen + 1))) ++seen;
+      std::vector<int64_t> all(size_t(world->groups.world->size()));
+      world->groups.world->all_gather(&seen, 1, all.data());
+      seen = *std::max_element(all.begin(), all.end());
+      if (seen <= applied_request) return std::nullopt;
+      const auto req = read_json_file(request_file(seen));
+      auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
+      applied_request = seen;
+      if (to == plan) return std::nullopt;
+      sw.emplace();
+      sw->to = std::move(to);
+      sw->cause = "scale request";
+      sw->request = seen;
     }
-    if (!elastic()) return std::nullopt;
-    // The newest request any rank has seen; the request files only ever appear, so every rank
-    // can read the agreed one after the all-reduce.
-    int64_t seen = applied_request;
-    while (std::filesystem::exists(request_file(seen + 1))) ++seen;
-    std::vector<int64_t> all(size_t(world->groups.world->size()));
-    world->groups.world->all_gather(&seen, 1, all.data());
-    seen = *std::max_element(all.begin(), all.end());
-    if (seen <= applied_request) return std::nullopt;
-    const auto req = read_json_file(request_file(seen));
-    auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
-    applied_request = seen;
-    if (to == plan) return std::nullopt;
-    return Switch{plan, std::move(to), "scale request", seen};
+    if (!sw) return std::nullopt;
+    sw->generation = generation + 1;
+    sw->from = plan;
+    sw->from_members = members;
+    // The first ranks keep their processes; ranks beyond the old world get new processes.
+    const int n = sw->to.world();
+    sw->to_members.assign(members.begin(),
+                          members.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members.size())));
+    while (int(sw->to_members.size()) < n) {
+      sw->to_members.push_back(next_process_id);
+      sw->spawn.push_back(next_process_id++);
+    }
+    sw->next_process_id = next_process_id;
+    sw->applied_request = applied_request;
+    sw->failures = failures;
+    sw->step = step;
+    sw->cursor = world->cursor;
+    return sw;
   }
 
-  // Live switch of plans at a step boundary: every process of the old or the new world joins one
+  void write_event(const nlohmann::json& record) {
+    if (!events) events.emplace(cfg.events_path);
+    events->write(record);
+  }
+
+  // Enters generation sw.generation: every process of the old or the new world joins one
   // transition world, the training state moves by the TransferPlan (each piece from the nearest
   // holder; nothing a process keeps moves), the new world's members build their chunks in the
   // new generation and continue with the old world's step, data cursor and learning-rate
-  // position. Processes without a rank in the new plan drop their state; the others' old chunks
-  // are released once the move is done.
-  void transition(const Switch& sw) {
-    const int next = generation + 1;
-    const layout::Plan from = sw.from, to = sw.to;
-    generation = next;
-    plan = to;
-    const int process = env.rank;
-    const bool in_new = process < to.world();
-    if (world == nullptr && !in_new) return;  // not involved
+  // position. Processes without a rank in the new plan drop their state and leave. A recovery
+  // (sw.recovery) takes its sources from sw.from_members only (the others' ranks are lost), or
+  // reads the whole state from sw.checkpoint. If the switch fails, this process keeps its old
+  // world and state (chunks a successor took over are given back), so it can report them.
+  void transition(const SwitchMarker& sw) {
+    const int me = env.rank;
+    const int new_rank = index_of(sw.to_members, me);
+    const int old_rank = world != nullptr ? index_of(sw.from_members, me) : -1;
     const auto t0 = std::chrono::steady_clock::now();
-    if (process == 0 && world != nullptr) {
-      // Tells the launcher (which starts the ranks this switch adds) and those ranks what it is.
-      const nlohmann::json m = {{"generation", next},
-                                {"step", world->step},
-                                {"from", layout::to_json(from)},
-                                {"to", layout::to_json(to)},
-                                {"cause", sw.cause},
-                                {"request", sw.request},
-                                {"applied_request", applied_request}};
-      AtomicFileWriter out(switch_marker(next));
-      const std::string text = m.dump();
-      out.write(text.data(), text.size());
-      out.commit();
+    if (!sw.recovery && world != nullptr && world->rank == 0) {
+      // Tells the coordinator (which starts the processes this switch adds) and those processes
+      // what it is.
+      write_json_file(switch_marker_path(env.store_dir, env.job_id, sw.generation), sw.to_json());
     }
-    const auto old_layout = layout::StateLayout::build(cfg.model, from);
-    const auto new_layout = layout::StateLayout::build(cfg.model, to);
+    auto enter = [&] {
+      generation = sw.generation;
+      plan = sw.to;
+      members = sw.to_members;
+      next_process_id = std::max(next_process_id, sw.next_process_id);
+      failures = std::max(failures, sw.failures);
+      applied_request = std::max(applied_request, sw.applied_request);
+    };
+    if (new_rank < 0 && old_rank < 0) {  // nothing to give or take
+      world.reset();
+      enter();
+      return;
+    }
+    const int64_t store_generation = env.generation + sw.generation;
+    if (!sw.checkpoint.empty()) {
+      restore_from_checkpoint(sw, new_rank, store_generation, t0);
+      enter();
+      return;
+    }
+    // A survivor whose state is not a source drops it first (its memory is needed).
+    if (old_rank < 0) world.reset();
+    const auto old_layout = layout::StateLayout::build(cfg.model, sw.from);
+    const auto new_layout = layout::StateLayout::build(cfg.model, sw.to);
     // One host: every process is local.
-    const auto plan = reshard::TransferPlan::build(old_layout, new_layout,
-                                                   std::vector<int>(size_t(from.world()), 0),
-                                                   std::vector<int>(size_t(to.world()), 0));
+    const auto tplan = reshard::TransferPlan::build(
+        old_layout, new_layout, std::vector<int>(size_t(sw.from.world()), 0),
+        std::vector<int>(size_t(sw.to.world()), 0), sw.from_members, sw.to_members);
     const double planning_s = seconds_since(t0);
     comm::StoreOptions store;
     store.path = env.store_dir;
     store.job_id = env.job_id;
-    store.generation = env.generation + next;
+    store.generation = store_generation;
     const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
     store.timeout = timeout;
     // Waits for every process of the transition, joiners (being started now) included.
     auto t1 = std::chrono::steady_clock::now();
-    auto union_world = reshard::connect_transition_world(store, plan, process, timeout);
+    auto union_world = reshard::connect_transition_world(store, tplan, me, timeout);
     const double connect_s = seconds_since(t1);
     t1 = std::chrono::steady_clock::now();
     // The old buffers first: the successor may take over chunks (and their memory) it keeps.
@@ -773,58 +905,151 @@ struct ParallelTrainer::Impl {
     if (world)
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
     std::unique_ptr<World> successor;
-    if (in_new)
-      successor = std::make_unique<World>(cfg, env, to, process, store.generation, false,
-                                          world.get(), &plan);
-    const double rebuild_s = seconds_since(t1);
-    t1 = std::chrono::steady_clock::now();
-    if (successor) buffers.new_buffers = successor->state_buffers();
-    reshard::execute(plan, process, *union_world, buffers);
-    layout::ScalarState mine;
-    if (world) {
-      mine.step = world->step;
-      mine.lr_step = world->step;
-      mine.data_cursor = world->cursor;
+    double rebuild_s = 0, transfer_s = 0;
+    layout::ScalarState shared{sw.step, sw.step, sw.cursor, {}};
+    try {
+      if (new_rank >= 0)
+        successor = std::make_unique<World>(cfg, env, sw.to, new_rank, store_generation, false,
+                                            world.get(), &tplan);
+      rebuild_s = seconds_since(t1);
+      t1 = std::chrono::steady_clock::now();
+      if (successor) buffers.new_buffers = successor->state_buffers();
+      reshard::execute(tplan, me, *union_world, buffers);
+      if (!sw.recovery) {
+        layout::ScalarState mine;
+        if (world) mine = {world->step, world->step, world->cursor, {}};
+        shared = reshard::share_scalar_state(tplan, me, *union_world, world ? &mine : nullptr);
+      }
+      transfer_s = seconds_since(t1);
+    } catch (...) {
+      if (successor && world) successor->give_back(*world);
+      throw;
     }
-    const auto shared =
-        reshard::share_scalar_state(plan, process, *union_world, world ? &mine : nullptr);
-    const double transfer_s = seconds_since(t1);
     world = std::move(successor);
-    if (world) {
-      world->step = shared.step;
-      world->cursor = shared.data_cursor;
-    }
-    if (process == 0) {
-      const auto& st = plan.stats();
+    enter();
+    if (!world) return;  // left the job
+    world->generation = generation;
+    world->step = shared.step;
+    world->cursor = shared.data_cursor;
+    if (world->rank == 0) {
+      const auto& st = tplan.stats();
       const double total_s = seconds_since(t0);
       spdlog::info(
-          "step {}: switched from {} to {} in {:.3f} s: {:.1f} MB moved between "
-          "processes, {:.1f} MB copied locally, {} messages",
-          shared.step, from.describe(), to.describe(), total_s, double(st.bytes_moved) / 1e6,
-          double(st.local_copy_bytes) / 1e6, st.messages);
-      // One line per reconfiguration (output.events).
-      events.write({{"event", "reconfigure"},
-                    {"cause", sw.cause},
-                    {"generation", next},
-                    {"step", shared.step},
-                    {"old_plan", from.describe()},
-                    {"new_plan", to.describe()},
-                    {"old_workers", from.world()},
-                    {"new_workers", to.world()},
-                    {"detection_s", 0.0},
-                    {"planning_s", planning_s},
-                    {"connect_s", connect_s},
-                    {"rebuild_s", rebuild_s},
-                    {"transfer_s", transfer_s},
-                    {"total_pause_s", total_s},
-                    {"bytes_moved", st.bytes_moved},
-                    {"bytes_cross_host", st.bytes_cross_host},
-                    {"bytes_copied_locally", st.local_copy_bytes},
-                    {"max_send_bytes", st.max_send_bytes},
-                    {"max_recv_bytes", st.max_recv_bytes},
-                    {"messages", st.messages},
-                    {"steps_lost", 0}});
+          "step {}: {} from {} to {} in {:.3f} s: {:.1f} MB moved between processes, {:.1f} MB "
+          "copied locally, {} messages",
+          shared.step, sw.recovery ? "recovered" : "switched", sw.from.describe(), sw.to.describe(),
+          total_s, double(st.bytes_moved) / 1e6, double(st.local_copy_bytes) / 1e6, st.messages);
+      nlohmann::json record = {{"event", sw.recovery ? "recover" : "reconfigure"},
+                               {"cause", sw.cause},
+                               {"generation", generation},
+                               {"step", shared.step},
+                               {"old_plan", sw.from.describe()},
+                               {"new_plan", sw.to.describe()},
+                               {"old_workers", sw.from.world()},
+                               {"new_workers", sw.to.world()},
+                               {"restored_from", "survivors"},
+                               {"detection_s", 0.0},
+                               {"planning_s", planning_s},
+                               {"connect_s", connect_s},
+                               {"rebuild_s", rebuild_s},
+                               {"transfer_s", transfer_s},
+                               {"total_pause_s", total_s},
+                               {"bytes_moved", st.bytes_moved},
+                               {"bytes_cross_host", st.bytes_cross_host},
+                               {"bytes_copied_locally", st.local_copy_bytes},
+                               {"max_send_bytes", st.max_send_bytes},
+                               {"max_recv_bytes", st.max_recv_bytes},
+                               {"messages", st.messages},
+                               {"steps_lost", 0}};
+      for (const auto& [k, v] : sw.record.items()) record[k] = v;
+      // The pause of a recovery runs from the failure's detection (the coordinator's record).
+      if (sw.recovery)
+        record["total_pause_s"] = record["detection_s"].get<double>() +
+                                  record.value("planning_s_coordinator", 0.0) + total_s;
+      write_event(record);
     }
+  }
+
+  // A recovery from a checkpoint: the new world's members read their share of it (each only
+  // what its rank holds) and continue from its step and data cursor.
+  void restore_from_checkpoint(const SwitchMarker& sw, int new_rank, int64_t store_generation,
+                               std::chrono::steady_clock::time_point t0) {
+    world.reset();
+    if (new_rank < 0) return;
+    store::CheckpointReader reader(sw.checkpoint);
+    check_resumable(cfg, reader.meta(), sw.checkpoint);
+    world = std::make_unique<World>(cfg, env, sw.to, new_rank, store_generation, false);
+    load_rank_state(reader, layout::StateLayout::build(cfg.model, world->plan), new_rank,
+                    world->state_buffers());
+    world->generation = sw.generation;
+    world->step = reader.meta().at("step").get<int64_t>();
+    world->cursor = reader.meta().at("cursor").get<int64_t>();
+    if (new_rank == 0) {
+      const double total_s = seconds_since(t0);
+      spdlog::info("step {}: restored {} from {} in {:.3f} s ({})", world->step, sw.to.describe(),
+                   sw.checkpoint, total_s, sw.cause);
+      nlohmann::json record = {{"event", "recover"},
+                               {"cause", sw.cause},
+                               {"generation", sw.generation},
+                               {"step", world->step},
+                               {"old_plan", sw.from.describe()},
+                               {"new_plan", sw.to.describe()},
+                               {"new_workers", sw.to.world()},
+                               {"restored_from", sw.checkpoint},
+                               {"detection_s", 0.0},
+                               {"transfer_s", total_s},
+                               {"bytes_moved", 0}};
+      for (const auto& [k, v] : sw.record.items()) record[k] = v;
+      record["total_pause_s"] = record["detection_s"].get<double>() +
+                                record.value("planning_s_coordinator", 0.0) + total_s;
+      write_event(record);
+    }
+  }
+
+  // After a peer failed (`what`): breaks this process's communicators (so every peer notices),
+  // reports what state it holds to the coordinator, waits for the coordinator's decision and
+  // carries it out (transition). Throws TimeoutError when no decision comes.
+  void recover(const std::string& what) {
+    ++failures;
+    FailureReport r;
+    r.process = env.rank;
+    r.error = what;
+    r.applied_request = applied_request;
+    r.generation = generation;
+    r.plan = plan;
+    r.members = members;
+    if (world) {
+      world->abort(what);
+      try {
+        world->finish_checkpoint();  // a background save may still be writing
+      } catch (const std::exception& e) {
+        spdlog::warn("the checkpoint being saved when the failure happened is lost: {}", e.what());
+      }
+      r.valid = !world->updating;
+      r.generation = world->generation;
+      r.plan = world->plan;
+      r.rank = world->rank;
+      r.step = world->step;
+      r.cursor = world->cursor;
+    }
+    spdlog::warn("process {}: {}; reporting to the coordinator (failure {}, {} at step {})",
+                 env.rank, what, failures, r.valid ? "state valid" : "no usable state", r.step);
+    write_json_file(failure_report_path(env.store_dir, env.job_id, failures, env.rank),
+                    r.to_json());
+    const auto path = recovery_path(env.store_dir, env.job_id, failures);
+    const auto limit = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 2000) + 30000);
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!std::filesystem::exists(path)) {
+      fatal = std::chrono::steady_clock::now() >= deadline;
+      TESSEL_CHECK(!fatal, TimeoutError,
+                   "process {}: the coordinator decided nothing about failure {} within {} s "
+                   "({} did not appear)",
+                   env.rank, failures, limit.count() / 1000, path);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    auto sw = SwitchMarker::from_json(read_json_file(path), path);
+    skip_timeline_through(sw.step);
+    transition(sw);
   }
 };
 
@@ -842,51 +1067,75 @@ double ParallelTrainer::train_step() {
 TrainSummary ParallelTrainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
-  const bool lead = s.env.rank == 0;  // process 0 is rank 0 of every plan
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
-  if (lead) {
+  if (s.lead()) {
     spdlog::info("training {} on {} workers ({}) for {} steps, {} tokens per step", cfg.model.name,
                  cfg.plan.world(), cfg.plan.describe(), cfg.training.steps, tokens_per_step);
   }
   RunTracker tracker(s.world ? s.world->step : 0, cfg.training.steps, cfg.training.log_every,
-                     tokens_per_step, lead);
-  if (s.joining) {
-    s.transition(*s.joining);
-    s.joining.reset();
-  }
-  while (s.world && s.world->step < cfg.training.end_step()) {
-    World& w = *s.world;
-    tracker.begin_step();
-    double lr = w.lr_schedule.at(w.step);
-    double grad_norm = 0;
-    double loss = w.train_step(&grad_norm);
-    nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
-    if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
-    if (s.generation > 0) record["generation"] = s.generation;
-    record["workers"] = w.plan.world();
-    if (lead) w.metrics.write(record);
-    const auto& ck = cfg.checkpoint;
-    if (!ck.dir.empty() &&
-        ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
-      w.save_checkpoint();
-    if (w.step >= cfg.training.end_step()) break;
-    if (auto sw = s.next_switch()) {
-      s.transition(*sw);
-      // A worker the new plan does not need leaves; `tessel train` starts a fresh process when a
-      // later plan needs the rank again.
-      if (s.world == nullptr) break;
+                     tokens_per_step, s.lead());
+  // In an elastic job a failed peer (PeerLostError, TimeoutError) is not the end: the process
+  // recovers (Impl::recover) and goes on in the generation the coordinator decides.
+  std::optional<std::string> failed;
+  for (;;) {
+    try {
+      if (failed) {
+        const std::string what = *failed;
+        failed.reset();
+        s.recover(what);
+      } else if (s.joining) {
+        const SwitchMarker sw = *s.joining;
+        s.joining.reset();
+        s.transition(sw);
+      }
+      while (s.world && s.world->step < cfg.training.end_step()) {
+        World& w = *s.world;
+        tracker.show_progress(s.lead(), cfg.training.steps, cfg.training.log_every);
+        tracker.begin_step();
+        double lr = w.lr_schedule.at(w.step);
+        double grad_norm = 0;
+        double loss = w.train_step(&grad_norm);
+        nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
+        if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
+        if (s.generation > 0) record["generation"] = s.generation;
+        record["workers"] = w.plan.world();
+        if (w.rank == 0) w.metrics.write(record);
+        const auto& ck = cfg.checkpoint;
+        if (!ck.dir.empty() &&
+            ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
+          w.save_checkpoint();
+        if (w.step >= cfg.training.end_step()) break;
+        if (auto sw = s.next_switch()) {
+          s.transition(*sw);
+          // A worker the new plan does not need leaves; `tessel train` starts a fresh process
+          // when a later plan needs one again.
+          if (s.world == nullptr) break;
+        }
+      }
+      if (s.world) {
+        World& w = *s.world;
+        w.finish_checkpoint();
+        if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
+          w.dump_params(dir);
+        // Nobody leaves before everyone is done with the last step's collectives.
+        w.groups.world->barrier();
+      }
+      break;
+    } catch (const PeerLostError& e) {
+      if (!s.elastic()) throw;
+      failed = e.what();
+    } catch (const TimeoutError& e) {
+      if (!s.elastic() || s.fatal) throw;
+      failed = e.what();
     }
+    // Before anything else: peers blocked on this process must fail now, not at their timeout.
+    if (s.world) s.world->abort(*failed);
   }
   const double elapsed = tracker.elapsed_seconds();
   const TrainSummary& summary = tracker.finish();
   if (s.world == nullptr) return summary;  // left the job at a switch
   World& w = *s.world;
-  w.finish_checkpoint();
-  if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
-    w.dump_params(dir);
-  // Nobody leaves before everyone is done with the last step's collectives.
-  w.groups.world->barrier();
-  if (lead && summary.steps_run > 0) {
+  if (w.rank == 0 && summary.steps_run > 0) {
     std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
                 static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
                 w.plan.world(), summary.final_loss, format_rate(summary.tokens_per_second).c_str());

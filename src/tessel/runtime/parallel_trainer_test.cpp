@@ -37,8 +37,10 @@ const std::string kTraining =
 
 // The equivalence of every layout with one process is tested in equivalence_test.cpp.
 
-// A worker killed mid-run: the launcher names it and fails (bounded by the comm timeout), and
-// the survivors end with PeerLostError in their logs instead of hanging.
+// A worker killed mid-run in a fixed (non-elastic) launch, `tessel launch -- tessel worker`: the
+// launcher names it and fails (bounded by the comm timeout), and the survivors end with
+// PeerLostError in their logs instead of hanging. (`tessel train` recovers instead:
+// elastic/failure_test.cpp.)
 TEST(ParallelTrainer, KilledWorkerFailsTheJobAndSurvivorsSeePeerLost) {
   TempDir dir;
   auto corpus = make_corpus(dir);
@@ -58,7 +60,9 @@ TEST(ParallelTrainer, KilledWorkerFailsTheJobAndSurvivorsSeePeerLost) {
       "wait $L\n"
       "echo \"launcher rc=$?\"\n",
       fmt::arg("dir", dir.path().string()),
-      fmt::arg("cmd", tessel_command(fmt::format("train {} --nproc 3 --log-dir logs", cfg))));
+      fmt::arg("cmd", tessel_command(fmt::format(
+                          "launch --nproc 3 --log-dir logs --peer-grace 10 -- {} worker {}",
+                          tessel::testing::tessel_binary().string(), cfg))));
   std::string out;
   int rc = tessel::testing::run_command(
       fmt::format("timeout 60 bash {}", (dir / "kill.sh").string()), &out);

@@ -13,6 +13,11 @@ RunTracker::RunTracker(int64_t first_step, int64_t total_steps, int64_t log_ever
   if (show_progress) progress_.emplace(total_steps, log_every);
 }
 
+void RunTracker::show_progress(bool on, int64_t total_steps, int64_t log_every) {
+  if (on && !progress_) progress_.emplace(total_steps, log_every);
+  if (!on) progress_.reset();
+}
+
 void RunTracker::begin_step() {
   step_start_ = Clock::now();
 }

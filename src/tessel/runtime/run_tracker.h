@@ -30,6 +30,9 @@ class RunTracker {
   RunTracker(int64_t first_step, int64_t total_steps, int64_t log_every, int64_t tokens_per_step,
              bool show_progress);
 
+  // Starts or stops showing progress (the reporting worker changes when rank 0's process dies).
+  void show_progress(bool on, int64_t total_steps, int64_t log_every);
+
   // Starts the clock of the next step.
   void begin_step();
   // Records the step just taken (`step` counts steps taken so far) and returns its metrics record.

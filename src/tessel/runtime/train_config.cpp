@@ -223,14 +223,17 @@ TrainConfig TrainConfig::load(const std::string& path) {
   auto out = top.section("output");
   out.read("metrics", c.metrics_path);
   out.read("events", c.events_path);
+  out.read("data_order", c.data_order_path);
   out.reject_unknown_keys();
   c.metrics_path = resolve(c.metrics_path, base);
   c.events_path = resolve(c.events_path, base);
+  c.data_order_path = resolve(c.data_order_path, base);
 
   read_parallel(top.section("parallel"), c, base);
   read_timeline(top, c);
   auto el = top.section("elastic");
   el.read("hosts_file", c.hosts_file);
+  el.read("replace_failed", c.replace_failed);
   el.reject_unknown_keys();
   c.hosts_file = resolve(c.hosts_file, base);
 

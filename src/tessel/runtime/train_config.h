@@ -6,13 +6,13 @@
 //                log_every, backend, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep, async}
-//   output:     {metrics, events}
+//   output:     {metrics, events, data_order}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file}   (a watched worker list; see TrainConfig::hosts_file)
+//   elastic:    {hosts_file, replace_failed}   (see TrainConfig::hosts_file, replace_failed)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -107,7 +107,13 @@ struct TrainConfig {
   CheckpointConfig checkpoint;
   std::string metrics_path;  // JSON lines; empty = none
   std::string events_path;   // JSON lines, one per reconfiguration; empty = none
-  layout::Plan plan;         // with layers_per_stage filled in (Plan::with_defaults)
+  // output.data_order: JSON lines, one per step attempt and data-parallel replica, written when
+  // the replica loads its samples: which positions of the global sample order it trains on
+  // ({"step", "generation", "process", "dp_rank", "first", "count"}). For each step, the lines of
+  // the last generation that ran it are the samples the final state learned from; they prove
+  // that reconfigurations and failures repeat or skip no sample.
+  std::string data_order_path;
+  layout::Plan plan;  // with layers_per_stage filled in (Plan::with_defaults)
   // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
   // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.
   double comm_timeout_s = 60;
@@ -119,6 +125,9 @@ struct TrainConfig {
   // line per worker slot (blank lines and '#' comments ignored); when its count changes, the job
   // scales to it as with `tessel ctl scale N`. Empty: none.
   std::string hosts_file;
+  // elastic.replace_failed: when a worker dies, start a new process in its place (it receives
+  // its share of the state in the recovery) instead of going on with the survivors only.
+  bool replace_failed = false;
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

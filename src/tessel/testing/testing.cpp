@@ -26,6 +26,8 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() {
+  // TESSEL_KEEP_TEMP=1 keeps test directories for a post-mortem (their paths are in the logs).
+  if (const char* keep = std::getenv("TESSEL_KEEP_TEMP"); keep != nullptr && *keep == '1') return;
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
 }

@@ -89,7 +89,9 @@ runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const Rec
   }
 
   nlohmann::json dead = in.dead;
-  m.record = {{"dead", dead}, {"survivors", survivors.size()}};
+  m.record = {{"dead", dead},
+              {"survivors", survivors.size()},
+              {"old_workers", survivors.size() + in.dead.size()}};
   if (source != nullptr) {
     const FailureReport& any = *source->front();
     m.from = any.plan;

@@ -111,9 +111,11 @@ const std::string kTraining =
     "optimizer: {lr: 0.003, warmup_steps: 1}\n";
 
 // Runs `tessel train` on `cfg` in the background and SIGKILLs `kills` random workers at random
-// moments, each once the job has trained two steps since the previous recovery; returns the
-// script's output. Bounded by `timeout`: a hang fails the test instead of blocking it.
-int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::string* out) {
+// moments, each once the job has trained two steps since the previous recovery (the first not
+// before `first_after` steps); returns the script's output. Bounded by `timeout`: a hang fails the
+// test instead of blocking it.
+int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::string* out,
+                   int first_after = 0) {
   const auto bin = tessel::testing::tessel_binary().string();
   std::ofstream(dir / "kill.sh") << fmt::format(
       "cd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
@@ -124,7 +126,7 @@ int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::s
       "recovered() {{ [ -f events.jsonl ] && grep -c '\"event\":\"recover\"' events.jsonl || "
       "echo 0; }}\n"
       "for k in $(seq {kills}); do\n"
-      "  n=$(lines)\n"
+      "  n=$(lines); [ $n -lt {first} ] && n={first}\n"
       "  for i in $(seq 2000); do [ $(lines) -ge $((n + 2)) ] && break; kill -0 $L || break; "
       "sleep 0.01; done\n"
       "  sleep 0.0$((RANDOM % 10))\n"
@@ -139,7 +141,7 @@ int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::s
       "wait $L\n"
       "echo train exit $?\n",
       fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg),
-      fmt::arg("kills", kills));
+      fmt::arg("kills", kills), fmt::arg("first", std::max(0, first_after - 2)));
   return tessel::testing::run_command(
       fmt::format("timeout 400 bash {}", (dir / "kill.sh").string()), out);
 }
@@ -205,7 +207,8 @@ TEST(Failures, LostOptimizerShardsAreRestoredFromTheCheckpoint) {
           "checkpoint: {dir: ck, every: 5}\n"
           "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
   std::string out;
-  const int rc = train_and_kill(dir, cfg, 2, &out);
+  // After the first checkpoint (step 5): before it a lost shard ends the job (next test).
+  const int rc = train_and_kill(dir, cfg, 2, &out, 7);
   const std::string log = read_text(dir / "train.out");
   ASSERT_EQ(rc, 0) << out << log;
   ASSERT_NE(out.find("train exit 0"), std::string::npos) << out << log;

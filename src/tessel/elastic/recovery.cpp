@@ -67,6 +67,11 @@ runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const Rec
   std::sort(others.begin(), others.end());
   survivors.insert(survivors.end(), others.begin(), others.end());
 
+  TESSEL_CHECK(!survivors.empty() || in.replace_failed, Error,
+               "{}: no worker survived; run the job again (it resumes from its newest "
+               "checkpoint), or set elastic.replace_failed so new workers take the dead ones' "
+               "places",
+               in.cause);
   const int wanted = int(survivors.size()) + (in.replace_failed ? int(in.dead.size()) : 0);
   std::string why_not;
   int workers = wanted;

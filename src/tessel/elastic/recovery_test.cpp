@@ -83,6 +83,17 @@ TEST(Recovery, AHalfAppliedUpdateIsNotASource) {
   EXPECT_NE(e.find("worker 1 was killed"), std::string::npos) << e;
 }
 
+TEST(Recovery, NoSurvivorsNeedReplacementsOrARestart) {
+  TempDir dir;
+  const auto cfg = config(dir, "parallel: {dp: 2}\n");
+  RecoveryInput in;
+  in.dead = {0, 1};
+  in.cause = "worker 0 was killed";
+  const auto e = tessel::testing::error_of<Error>([&] { decide_recovery(cfg, in); });
+  EXPECT_NE(e.find("no worker survived"), std::string::npos) << e;
+  EXPECT_NE(e.find("elastic.replace_failed"), std::string::npos) << e;
+}
+
 TEST(Recovery, LostOptimizerShardsRollBackToTheCheckpoint) {
   TempDir dir;
   auto cfg = config(dir, "parallel: {dp: 2, zero_stage: 1}\ncheckpoint: {dir: ck, every: 2}\n");

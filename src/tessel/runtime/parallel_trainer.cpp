@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -70,11 +71,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
 // renamed into place), bounded by `timeout`.
-void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout) {
+// `cancelled` (set when a peer failed) ends the wait at once with PeerLostError.
+void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout,
+                         const std::atomic<bool>& cancelled) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (int r = 0; r < n; ++r) {
     const auto path = std::filesystem::path(staging) / store::rank_file_name(r);
     while (!std::filesystem::exists(path)) {
+      TESSEL_CHECK(!cancelled.load(), PeerLostError,
+                   "checkpoint: a peer failed before rank {}'s file {} was written", r,
+                   path.string());
       TESSEL_CHECK(std::chrono::steady_clock::now() < deadline, TimeoutError,
                    "checkpoint: rank {}'s file {} did not appear within {} ms", r, path.string(),
                    timeout.count());
@@ -154,8 +160,10 @@ struct World {
   double last_grad_norm = 0;
   double pipeline_idle = 0;  // last step: share of the pipeline phase all ranks spent waiting
   std::optional<layout::StateLayout> state_layout;  // built at the first checkpoint
-  store::AsyncSaver saver;                          // checkpoint.async
-  int generation = 0;                               // the job's generation this world belongs to
+  // Set when a peer failed: a background save then stops waiting for the other ranks' files.
+  std::atomic<bool> save_cancelled{false};
+  store::AsyncSaver saver;  // checkpoint.async (after save_cancelled: its thread reads it)
+  int generation = 0;       // the job's generation this world belongs to
   // True while a ZeRO-1 update is half applied (owned range stepped, parameters not yet
   // gathered): a failure then leaves this rank's state inconsistent.
   bool updating = false;
@@ -391,10 +399,11 @@ struct World {
       const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
       const int keep = cfg.checkpoint.keep;
       const int r = rank;
+      const std::atomic<bool>* cancelled = &save_cancelled;
       saver.save(std::move(writer),
-                 [world_size, meta, timeout, keep, r, dir](store::CheckpointWriter& w) {
+                 [world_size, meta, timeout, keep, r, dir, cancelled](store::CheckpointWriter& w) {
                    if (r != 0) return;
-                   wait_for_rank_files(w.staging_dir(), world_size, timeout);
+                   wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
                    publish_checkpoint(w, world_size, meta, dir, keep);
                    spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)",
                                 w.dir(), double(w.bytes()) / 1e6);
@@ -979,8 +988,11 @@ struct ParallelTrainer::Impl {
     store::CheckpointReader reader(sw.checkpoint);
     check_resumable(cfg, reader.meta(), sw.checkpoint);
     world = std::make_unique<World>(cfg, env, sw.to, new_rank, store_generation, false);
+    const double rebuild_s = seconds_since(t0);
+    const auto t1 = std::chrono::steady_clock::now();
     load_rank_state(reader, layout::StateLayout::build(cfg.model, world->plan), new_rank,
                     world->state_buffers());
+    const double transfer_s = seconds_since(t1);
     world->generation = sw.generation;
     world->step = reader.meta().at("step").get<int64_t>();
     world->cursor = reader.meta().at("cursor").get<int64_t>();
@@ -997,7 +1009,10 @@ struct ParallelTrainer::Impl {
                                {"new_workers", sw.to.world()},
                                {"restored_from", sw.checkpoint},
                                {"detection_s", 0.0},
-                               {"transfer_s", total_s},
+                               {"planning_s", 0.0},
+                               {"rebuild_s", rebuild_s},
+                               {"transfer_s", transfer_s},
+                               {"bytes_read", reader.bytes_read()},
                                {"bytes_moved", 0}};
       for (const auto& [k, v] : sw.record.items()) record[k] = v;
       record["total_pause_s"] = record["detection_s"].get<double>() +
@@ -1020,6 +1035,7 @@ struct ParallelTrainer::Impl {
     r.members = members;
     if (world) {
       world->abort(what);
+      world->save_cancelled = true;
       try {
         world->finish_checkpoint();  // a background save may still be writing
       } catch (const std::exception& e) {

@@ -190,6 +190,60 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
   expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
 }
 
+// Kills that do not wait for the job: during timeline switches, during recoveries, of processes
+// just started. The job still reaches its last step with the losses, data order and final state
+// of the uninterrupted run (replicas or, when a failure leaves none, the checkpoint).
+TEST(Failures, KillsDuringSwitchesAndRecoveries) {
+  TempDir dir;
+  const auto corpus = runtime::testing::make_corpus(dir);
+  const std::string training =
+      "training: {steps: 120, global_batch: 12, micro_batch: 2, threads: 1}\n"
+      "optimizer: {lr: 0.003, warmup_steps: 1}\n";
+  const auto ref = reference_run(dir, corpus, training);
+  const auto cfg = runtime::testing::write_config(
+      dir, corpus,
+      training +
+          "parallel: {dp: 4, timeout_s: 10}\nelastic: {replace_failed: true}\n"
+          "timeline:\n"
+          "  - {at_step: 15, workers: 2}\n  - {at_step: 30, workers: 3}\n"
+          "  - {at_step: 45, workers: 4}\n  - {at_step: 60, workers: 2}\n"
+          "  - {at_step: 75, workers: 4}\n"
+          "checkpoint: {dir: ck, every: 5}\n"
+          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+  const auto bin = tessel::testing::tessel_binary().string();
+  std::ofstream(dir / "storm.sh") << fmt::format(
+      "cd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
+      "{bin} train {cfg} > train.out 2>&1 &\n"
+      "L=$!\n"
+      "RANDOM=11\n"
+      "for i in $(seq 2000); do [ -f metrics.jsonl ] && [ $(wc -l < metrics.jsonl) -ge 7 ] && "
+      "break; sleep 0.01; done\n"
+      "for k in $(seq 10); do\n"
+      "  sleep 0.$((RANDOM % 4 + 1))\n"
+      "  pids=($(pgrep -P $L))\n"
+      "  [ ${{#pids[@]}} -gt 0 ] || break\n"
+      "  kill -9 ${{pids[$((RANDOM % ${{#pids[@]}}))]}} && echo killed $k\n"
+      "done\n"
+      "wait $L\n"
+      "echo train exit $?\n",
+      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg));
+  std::string out;
+  const int rc = tessel::testing::run_command(
+      fmt::format("timeout 400 bash {}", (dir / "storm.sh").string()), &out);
+  const std::string log = read_text(dir / "train.out");
+  ASSERT_EQ(rc, 0) << out << log;
+  ASSERT_NE(out.find("train exit 0"), std::string::npos) << out << log;
+  std::map<int64_t, double> loss;
+  for (const auto& r : read_lines(dir / "metrics.jsonl"))
+    loss[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
+  EXPECT_GE(loss.size(), ref.losses.size() - 10);
+  for (const auto& [step, l] : loss)
+    EXPECT_NEAR(l, ref.losses[size_t(step - 1)], 1e-5 * ref.losses[size_t(step - 1)])
+        << "step " << step;
+  expect_exact_data_order(dir / "order.jsonl", int64_t(ref.losses.size()), 12);
+  expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
+}
+
 // ZeRO-1 keeps each optimizer shard on one worker only: killing one loses state, so the job
 // rolls back to its last checkpoint (each survivor reading only its share) and still ends where
 // the uninterrupted run ends.

@@ -1,5 +1,10 @@
 #include "tessel/reshard/executor.h"
 
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
 #include <cstring>
 #include <memory>
 
@@ -81,6 +86,141 @@ void run_local(const TransferPlan& plan, int process,
   }
 }
 
+// Cross-memory attach: a receiver reads a same-host sender's old buffers directly.
+struct DirectPeers {
+  bool enabled = false;
+  std::vector<int64_t> pid;                  // by union rank
+  std::vector<std::vector<uint64_t>> bases;  // by union rank: its old buffers' addresses
+};
+
+// Calls f(src_offset, dst_offset, n) for runs of n floats consecutive in both regions, in packed
+// order.
+template <typename F>
+void for_each_run(const StridedRegion& src, const StridedRegion& dst, F&& f) {
+  const int64_t total = src.numel();
+  if (total == 0) return;
+  if (contiguous(src) && contiguous(dst)) {
+    f(src.offset, dst.offset, total);
+    return;
+  }
+  const size_t D = src.extents.size();
+  const bool inner = src.strides[D - 1] == 1 && dst.strides[D - 1] == 1;
+  const int64_t run = inner ? src.extents[D - 1] : 1;
+  std::vector<int64_t> idx(D, 0);
+  for (int64_t done = 0; done < total; done += run) {
+    int64_t so = src.offset, dof = dst.offset;
+    for (size_t d = 0; d < D; ++d) {
+      so += idx[d] * src.strides[d];
+      dof += idx[d] * dst.strides[d];
+    }
+    f(so, dof, run);
+    // Next index: the innermost dimension is covered by the run when `inner`.
+    for (size_t d = inner ? D - 1 : D; d-- > 0;) {
+      if (++idx[d] < src.extents[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// Reads `local` from `remote` of process `pid` (equal total lengths), resuming after short reads.
+void read_remote(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
+                 int src_process) {
+  size_t li = 0, ri = 0;
+  while (li < local.size()) {
+    const size_t ln = std::min<size_t>(local.size() - li, IOV_MAX);
+    const size_t rn = std::min<size_t>(remote.size() - ri, IOV_MAX);
+    const ssize_t got = ::process_vm_readv(pid, &local[li], ln, &remote[ri], rn, 0);
+    TESSEL_CHECK(got >= 0, PeerLostError,
+                 "reading the state of process {} (pid {}) directly failed: {} (did it die?)",
+                 src_process, pid, std::strerror(errno));
+    TESSEL_CHECK(got > 0, PeerLostError, "process {} (pid {}) returned no state", src_process, pid);
+    // Advance both lists by `got` bytes.
+    for (size_t left = size_t(got); left > 0;) {
+      const size_t n = std::min(left, local[li].iov_len);
+      local[li].iov_base = static_cast<char*>(local[li].iov_base) + n;
+      local[li].iov_len -= n;
+      left -= n;
+      if (local[li].iov_len == 0) ++li;
+    }
+    for (size_t left = size_t(got); left > 0;) {
+      const size_t n = std::min(left, remote[ri].iov_len);
+      remote[ri].iov_base = static_cast<char*>(remote[ri].iov_base) + n;
+      remote[ri].iov_len -= n;
+      left -= n;
+      if (remote[ri].iov_len == 0) ++ri;
+    }
+  }
+}
+
+// Whether message m goes by cross-memory attach.
+bool read_directly(const TransferPlan& plan, const DirectPeers& peers, const Message& m) {
+  return peers.enabled && plan.host_of(m.src_process) == plan.host_of(m.dst_process);
+}
+
+// Exchanges pids and old buffer addresses and probes whether this process can read every
+// same-host sender it receives from; the world agrees (all must succeed) or nobody reads
+// directly. Collective over `world`.
+DirectPeers agree_on_direct_reads(const TransferPlan& plan, int process, comm::Communicator& world,
+                                  const ProcessBuffers& buffers, bool wanted) {
+  DirectPeers peers;
+  int64_t failures = wanted ? 0 : 1;
+  world.all_reduce_sum(&failures, 1);
+  if (failures > 0) return peers;  // somebody does not want it: skip the exchange
+  const int U = world.size();
+  const int64_t mine = int64_t(::getpid());
+  peers.pid.resize(size_t(U));
+  world.all_gather(&mine, 1, peers.pid.data());
+  std::vector<size_t> counts(size_t(U), 0);
+  for (int u = 0; u < U; ++u) {
+    const int old_rank = plan.old_rank_of(plan.processes()[size_t(u)]);
+    if (old_rank >= 0) counts[size_t(u)] = plan.old_buffer_sizes(old_rank).size();
+  }
+  std::vector<int64_t> my_bases;
+  for (const auto& b : buffers.old_buffers) my_bases.push_back(int64_t(uintptr_t(b.data())));
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  std::vector<int64_t> all(total);
+  world.all_gather_v(my_bases.data(), counts, all.data());
+  peers.bases.resize(size_t(U));
+  for (size_t u = 0, at = 0; u < size_t(U); at += counts[u], ++u)
+    for (size_t k = 0; k < counts[u]; ++k) peers.bases[u].push_back(uint64_t(all[at + k]));
+  // Probe one float of each same-host sender this process receives from.
+  for (const Message& m : plan.messages()) {
+    if (m.dst_process != process || plan.host_of(m.src_process) != plan.host_of(process)) continue;
+    const int u = plan.union_rank(m.src_process);
+    const Transfer& tr = plan.transfers()[size_t(m.transfers.front())];
+    float probe = 0;
+    iovec l{&probe, sizeof probe};
+    iovec r{reinterpret_cast<void*>(peers.bases[size_t(u)][size_t(tr.src_buffer)] +
+                                    uint64_t(tr.src.offset) * sizeof(float)),
+            sizeof probe};
+    if (::process_vm_readv(pid_t(peers.pid[size_t(u)]), &l, 1, &r, 1, 0) != ssize_t(sizeof probe))
+      ++failures;
+  }
+  world.all_reduce_sum(&failures, 1);
+  peers.enabled = failures == 0;
+  return peers;
+}
+
+// Copies message m's transfers from the sender's old buffers into this process's new buffers.
+void read_message(const TransferPlan& plan, const DirectPeers& peers, const Message& m,
+                  const std::vector<std::span<float>>& new_buffers) {
+  const size_t u = size_t(plan.union_rank(m.src_process));
+  std::vector<iovec> local, remote;
+  for (int t : m.transfers) {
+    const Transfer& tr = plan.transfers()[size_t(t)];
+    const auto& buf = new_buffers.at(size_t(tr.dst_buffer));
+    check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
+    const uint64_t base = peers.bases[u].at(size_t(tr.src_buffer));
+    for_each_run(tr.src, tr.dst, [&](int64_t so, int64_t dof, int64_t n) {
+      local.push_back({buf.data() + dof, size_t(n) * sizeof(float)});
+      remote.push_back({reinterpret_cast<void*>(base + uint64_t(so) * sizeof(float)),
+                        size_t(n) * sizeof(float)});
+    });
+  }
+  read_remote(pid_t(peers.pid[u]), local, remote, m.src_process);
+}
+
 }  // namespace
 
 void pack_message(const TransferPlan& plan, const Message& m,
@@ -105,8 +245,9 @@ void unpack_message(const TransferPlan& plan, const Message& m, const float* in,
   }
 }
 
-void execute(const TransferPlan& plan, int process, comm::Communicator& world,
-             const ProcessBuffers& buffers) {
+ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& world,
+                     const ProcessBuffers& buffers, const ExecuteOptions& options) {
+  ExecuteStats stats;
   const int me = plan.union_rank(process);
   TESSEL_CHECK(world.size() == int(plan.processes().size()) && world.rank() == me,
                InvalidArgumentError,
@@ -146,13 +287,22 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
     return n;
   };
 
+  // 0. Same-host messages are read straight out of the sender's memory when everyone can.
+  const DirectPeers peers =
+      agree_on_direct_reads(plan, process, world, buffers, options.same_host_direct);
+
   // 1. Receives first, so every send finds its receive posted.
   std::vector<const Message*> incoming;
+  std::vector<const Message*> direct_reads;
   // Message buffers are left uninitialised: every float is written by pack or the network.
   std::vector<std::unique_ptr<float[]>> inbox;
   std::vector<comm::Request> recvs, direct_recvs, sends;
   for (const Message& m : plan.messages()) {
     if (m.dst_process != process) continue;
+    if (read_directly(plan, peers, m)) {
+      direct_reads.push_back(&m);
+      continue;
+    }
     const int peer = plan.union_rank(m.src_process);
     incoming.push_back(&m);
     const int64_t n = packed_numel(m);
@@ -171,7 +321,7 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
   // 2. Pack and send.
   std::vector<std::unique_ptr<float[]>> outbox;
   for (const Message& m : plan.messages()) {
-    if (m.src_process != process) continue;
+    if (m.src_process != process || read_directly(plan, peers, m)) continue;
     const int peer = plan.union_rank(m.dst_process);
     const int64_t n = packed_numel(m);
     if (n > 0) {
@@ -202,7 +352,12 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
     run_local(plan, process, buffers.old_buffers, buffers.new_buffers);
     copy_kept(plan, new_rank, buffers.old_buffers, buffers.new_buffers);
   }
-  // 4. Receive, then make sure our sends are out.
+  // 4. Read directly, receive, then make sure our sends are out.
+  for (const Message* m : direct_reads) {
+    read_message(plan, peers, *m, buffers.new_buffers);
+    stats.bytes_read_directly += m->bytes();
+  }
+  for (const Message* m : incoming) stats.bytes_received += m->bytes();
   for (size_t i = 0, r = 0; i < incoming.size(); ++i) {
     if (!inbox[i]) continue;
     recvs[r++].wait();
@@ -218,8 +373,10 @@ void execute(const TransferPlan& plan, int process, comm::Communicator& world,
   }
   for (auto& r : direct_recvs) r.wait();
   for (auto& s : sends) s.wait();
-  // 5. Nobody leaves while a peer may still read from its connection.
+  // 5. Nobody leaves (or frees its old buffers) while a peer may still read from its connection
+  // or its memory.
   world.barrier();
+  return stats;
 }
 
 layout::ScalarState share_scalar_state(const TransferPlan& plan, int process,

@@ -10,11 +10,12 @@
 // process groups (over the new ranks) are formed separately.
 //
 // execute() on each member, all at once:
-//   1. posts a receive for every message addressed to it (TransferPlan::messages()),
+//   0. agrees whether same-host messages are read directly from the sender (ExecuteOptions),
+//   1. posts a receive for every other message addressed to it (TransferPlan::messages()),
 //   2. packs and sends every message it owes (one per receiving peer, boxes back to back),
 //   3. meanwhile does its local transfers (old buffer -> new buffer within the process) and
 //      copies kept buffers (none when the caller passes the old buffer itself as the new one),
-//   4. waits for and unpacks its receives, then waits for its sends,
+//   4. reads its direct messages, waits for and unpacks its receives, then waits for its sends,
 //   5. ends with a barrier of the union world, so nobody (a leaving process in particular) goes
 //      away while a peer may still need its connection.
 // Every wait is bounded by the communicator's timeout: a dead or hung peer surfaces as
@@ -54,11 +55,25 @@ struct ProcessBuffers {
   std::vector<std::span<float>> new_buffers;
 };
 
+struct ExecuteOptions {
+  // Within a host, a receiver copies its messages straight out of the sender's buffers (Linux
+  // cross-memory attach, process_vm_readv: one copy, no socket buffers, no staging) instead of
+  // over the network. Used only when every receiver can read every same-host sender it needs
+  // (probed at the start, agreed in a collective); otherwise everything goes over the network.
+  // Every process of a transition must pass the same value.
+  bool same_host_direct = true;
+};
+
 // Runs the plan's part of `process` over the union world `world` (see above). Throws
 // InvalidArgumentError when the world or the buffers do not match the plan, and the
-// communicator's TimeoutError / PeerLostError when a peer fails.
-void execute(const TransferPlan& plan, int process, comm::Communicator& world,
-             const ProcessBuffers& buffers);
+// communicator's TimeoutError / PeerLostError when a peer fails (PeerLostError also when a
+// sender being read directly vanishes).
+struct ExecuteStats {
+  int64_t bytes_read_directly = 0;  // by this process, out of same-host senders' memory
+  int64_t bytes_received = 0;       // by this process, over the network
+};
+ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& world,
+                     const ProcessBuffers& buffers, const ExecuteOptions& options = {});
 
 // The replicated scalar state for every member of the union world: the process of the lowest
 // old rank that is not lost (TransferPlan::kLost) broadcasts its `mine` (which must then be

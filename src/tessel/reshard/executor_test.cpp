@@ -55,13 +55,14 @@ struct Case {
 
 // Every process of the case runs this: reshard its ids-filled old state (if any) and compare
 // what it ends with against a fresh B; joiners also receive the scalar state.
-int run_process(const Case& c, const tessel::testing::TempDir& dir, int process) {
+int run_process(const Case& c, const tessel::testing::TempDir& dir, int process, bool direct) {
   const auto A = StateLayout::build(c.config, c.a);
   const auto B = StateLayout::build(c.config, c.b);
   std::vector<int> old_hosts(c.old_ids.size(), 0), new_hosts(c.new_ids.size(), 0);
   const auto plan = TransferPlan::build(A, B, old_hosts, new_hosts, c.old_ids, c.new_ids);
   const StateUniverse u(c.config, kSeed);
-  auto world = connect_transition_world(store_in(dir, c.name), plan, process, 20s);
+  auto world = connect_transition_world(store_in(dir, c.name + (direct ? "-direct" : "-net")), plan,
+                                        process, 20s);
 
   const int i = plan.old_rank_of(process), j = plan.new_rank_of(process);
   ProcessBuffers io;
@@ -74,7 +75,13 @@ int run_process(const Case& c, const tessel::testing::TempDir& dir, int process)
     new_state = testing::empty_state(B, j);
     io.new_buffers = new_state.spans();
   }
-  execute(plan, process, *world, io);
+  const auto stats = execute(plan, process, *world, io, {.same_host_direct = direct});
+  int64_t incoming = 0;
+  for (const auto& m : plan.messages())
+    if (m.dst_process == process) incoming += m.bytes();
+  CHILD_CHECK(stats.bytes_read_directly == (direct ? incoming : 0) &&
+                  stats.bytes_received == (direct ? 0 : incoming),
+              process, c.name + ": the messages did not take the transport asked for");
   if (j >= 0) {
     CHILD_CHECK(new_state == testing::filled_state(B, j, u, true), process,
                 c.name + ": new rank " + std::to_string(j) + " differs from a fresh B");
@@ -100,9 +107,14 @@ void run_case(const Case& c) {
                           std::vector<int>(c.new_ids.size(), 0), c.old_ids, c.new_ids);
   ASSERT_GT(plan.stats().bytes_moved, 0);
   const auto& procs = plan.processes();
-  const auto outcomes = run_ranks(int(procs.size()), 60s,
-                                  [&](int u) { return run_process(c, dir, procs[size_t(u)]); });
-  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << comm::testing::describe(outcomes);
+  // Both transports: over the network, and read straight from the senders' memory.
+  for (bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "direct reads" : "network");
+    const auto outcomes = run_ranks(int(procs.size()), 60s, [&](int u) {
+      return run_process(c, dir, procs[size_t(u)], direct);
+    });
+    for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << comm::testing::describe(outcomes);
+  }
 }
 
 // Two processes: process 1 joins (only receives) a tp-2 layout of process 0's single-rank job.

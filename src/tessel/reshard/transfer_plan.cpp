@@ -151,6 +151,8 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
     h = host_of_new_rank[size_t(j)];
   }
 
+  P.hosts_ = host;
+
   for (int i = 0; i < from.world(); ++i) {
     std::vector<int64_t> sizes;
     for (const auto& b : from.buffers(i)) sizes.push_back(b.numel);

@@ -110,6 +110,8 @@ class TransferPlan {
   int process_of_old_rank(int rank) const { return old_ids_.at(size_t(rank)); }
   int process_of_new_rank(int rank) const { return new_ids_.at(size_t(rank)); }
   int old_world() const { return int(old_ids_.size()); }
+  // The host of a process of the transition; throws InvalidArgumentError for a stranger.
+  int host_of(int process) const { return hosts_[size_t(union_rank(process))]; }
   int new_world() const { return int(new_ids_.size()); }
 
   // Buffer sizes (floats) per old / new rank, as the layouts say (lost old ranks included).
@@ -129,6 +131,7 @@ class TransferPlan {
 
  private:
   std::vector<int> processes_, old_ids_, new_ids_;
+  std::vector<int> hosts_;  // by union rank
   std::vector<std::vector<int64_t>> old_sizes_, new_sizes_;
   std::vector<std::vector<int>> kept_;  // [new rank][buffer]
   std::vector<Transfer> transfers_;

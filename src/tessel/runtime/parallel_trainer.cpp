@@ -915,6 +915,7 @@ struct ParallelTrainer::Impl {
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
     std::unique_ptr<World> successor;
     double rebuild_s = 0, transfer_s = 0;
+    reshard::ExecuteStats moved;
     layout::ScalarState shared{sw.step, sw.step, sw.cursor, {}};
     try {
       if (new_rank >= 0)
@@ -923,7 +924,15 @@ struct ParallelTrainer::Impl {
       rebuild_s = seconds_since(t1);
       t1 = std::chrono::steady_clock::now();
       if (successor) buffers.new_buffers = successor->state_buffers();
-      reshard::execute(tplan, me, *union_world, buffers);
+      // Within this host, receivers read the senders' memory directly (one copy; the network
+      // when that is not allowed). TESSEL_RESHARD_DIRECT=0 forces the network.
+      reshard::ExecuteOptions how;
+      const char* direct = std::getenv("TESSEL_RESHARD_DIRECT");
+      how.same_host_direct = direct == nullptr || std::string(direct) != "0";
+      moved = reshard::execute(tplan, me, *union_world, buffers, how);
+      int64_t by[2] = {moved.bytes_read_directly, moved.bytes_received};
+      union_world->all_reduce_sum(by, 2);  // the whole transition's, for the event line
+      moved = {by[0], by[1]};
       if (!sw.recovery) {
         layout::ScalarState mine;
         if (world) mine = {world->step, world->step, world->cursor, {}};
@@ -969,6 +978,8 @@ struct ParallelTrainer::Impl {
                                {"max_send_bytes", st.max_send_bytes},
                                {"max_recv_bytes", st.max_recv_bytes},
                                {"messages", st.messages},
+                               {"bytes_read_directly", moved.bytes_read_directly},
+                               {"bytes_over_network", moved.bytes_received},
                                {"steps_lost", 0}};
       for (const auto& [k, v] : sw.record.items()) record[k] = v;
       // The pause of a recovery runs from the failure's detection (the coordinator's record).

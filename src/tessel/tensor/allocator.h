@@ -3,7 +3,10 @@
 // Training allocates the same buffer sizes every step. Returning freed blocks to the OS and taking
 // fresh ones back costs a page fault per 4 KiB page on first touch (~10 µs each on our machines),
 // so freed blocks are kept in per-size free lists and handed out again; after the first step a
-// steady-state training loop touches no new pages. Thread-safe.
+// steady-state training loop touches no new pages. Blocks of 2 MiB and more are 2 MiB aligned and
+// asked to be backed by transparent huge pages (fewer TLB misses in the passes over parameters
+// and optimizer state); TESSEL_HUGEPAGES=0 turns that off (on a VM whose host backs guest memory
+// lazily, the first touch of fresh huge pages is slow: see bench/README.md, elastic). Thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -140,6 +140,16 @@ void Transformer::select_slot(int s) {
   tokens_ = sl.tokens;
 }
 
+void Transformer::release_training_buffers() {
+  for (auto& p : owned_)
+    if (p.get() != params_) p.reset();
+  grads_ = nullptr;
+  act_base_ = nullptr;
+  targets_ = nullptr;
+  for (Slot& sl : slots_) sl.tokens = nullptr;
+  released_ = true;
+}
+
 void* Transformer::allocate(size_t bytes) {
   owned_.reserve(owned_.size() + 1);  // so that push_back cannot throw after the allocation
   void* ptr = backend_.allocate(bytes);

@@ -115,6 +115,11 @@ class Transformer {
   // same size (a new generation's communicators, after a live switch of plans that kept this
   // shard). Throws InvalidArgumentError when the size or rank differ.
   void rebind_tp_group(TpGroup* tp);
+  // Frees the gradients and activations (the memory that is not training state), keeping the
+  // parameters: afterwards only params(), param_views() and num_params() may be used. A live
+  // switch calls it on chunks it will not keep, so the successor's buffers can reuse the memory.
+  void release_training_buffers();
+  bool training_buffers_released() const { return released_; }
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
@@ -287,6 +292,7 @@ class Transformer {
   std::vector<Slot> slots_;
   int cur_ = 0;                                            // selected slot
   std::vector<std::unique_ptr<void, BackendFree>> owned_;  // every allocation above
+  bool released_ = false;                                  // release_training_buffers()
 };
 
 }  // namespace tessel::model

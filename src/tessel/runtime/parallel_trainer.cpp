@@ -39,6 +39,7 @@
 #include "tessel/schedule/generators.h"
 #include "tessel/store/async_saver.h"
 #include "tessel/store/checkpoint_store.h"
+#include "tessel/tensor/allocator.h"
 
 namespace tessel::runtime {
 
@@ -259,7 +260,8 @@ struct World {
       };
       if (const int b = kept(0); b >= 0) {
         auto& old = donor->chunks[size_t(b / 3)].model;
-        if (old && old->activation_slots() == peak[size_t(c)] && donor->B == B) {
+        if (old && !old->training_buffers_released() &&
+            old->activation_slots() == peak[size_t(c)] && donor->B == B) {
           old->rebind_tp_group(tp_group.get());
           // A step that failed half-way (a recovery) left partial sums in the gradients.
           old->zero_grad();
@@ -913,6 +915,7 @@ struct ParallelTrainer::Impl {
     reshard::ProcessBuffers buffers;
     if (world)
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
+    if (world) release_unkept_buffers(tplan, new_rank);
     std::unique_ptr<World> successor;
     double rebuild_s = 0, transfer_s = 0;
     reshard::ExecuteStats moved;
@@ -988,6 +991,26 @@ struct ParallelTrainer::Impl {
                                   record.value("planning_s_coordinator", 0.0) + total_s;
       write_event(record);
     }
+  }
+
+  // Before the successor is built: the gradients and activations of old chunks the successor
+  // will not take over are not state, so they are freed and handed back to the OS. The
+  // successor's new buffers then reuse those pages instead of touching fresh memory, which on a
+  // VM whose host backs memory lazily costs seconds per GiB (bench/README.md, elastic).
+  void release_unkept_buffers(const reshard::TransferPlan& tplan, int new_rank) {
+    std::vector<bool> kept(world->chunks.size(), false);
+    if (new_rank >= 0)
+      for (size_t c = 0; c < tplan.new_buffer_sizes(new_rank).size() / 3; ++c)
+        if (const int b = tplan.kept_from(new_rank, int(3 * c)); b >= 0) kept[size_t(b / 3)] = true;
+    bool released = false;
+    for (size_t b = 0; b < kept.size(); ++b) {
+      auto& m = world->chunks[b].model;
+      if (kept[b] || !m || m->training_buffers_released()) continue;
+      m->release_training_buffers();
+      released = true;
+    }
+    if (world->grad_reduce) world->grad_reduce.reset();  // it points at the gradients
+    if (released) HostAllocator::instance().release_cached();
   }
 
   // A recovery from a checkpoint: the new world's members read their share of it (each only

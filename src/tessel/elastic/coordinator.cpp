@@ -177,6 +177,26 @@ bool Coordinator::on_exit(const runtime::WorkerExit& e) {
   return true;
 }
 
+void Coordinator::notice_reported_failures(const std::string& store_dir) {
+  if (pending_) return;
+  // Workers that met a failure nobody died of (a collective timed out, a connection reset) report
+  // it as the next failure; recover from it the same way, with every process surviving.
+  for (int process : running_) {
+    const auto path = runtime::failure_report_path(store_dir, job_id_, failures_ + 1, process);
+    if (!fs::exists(path)) continue;
+    const auto r = runtime::FailureReport::from_json(runtime::read_json_file(path), path);
+    ++failures_;
+    pending_.emplace();
+    pending_->cause = fmt::format("process {} met: {}", process, r.error);
+    pending_->detected = std::chrono::steady_clock::now();
+    pending_->deadline =
+        pending_->detected + std::chrono::milliseconds(int64_t(cfg_.comm_timeout_s * 2000) + 30000);
+    pending_->expected = running_;
+    spdlog::warn("{}: recovering (failure {})", pending_->cause, failures_);
+    return;
+  }
+}
+
 void Coordinator::recover(const std::string& store_dir) {
   auto& p = *pending_;
   std::vector<runtime::FailureReport> reports;
@@ -266,6 +286,7 @@ void Coordinator::tick(const runtime::LaunchOptions::Spawn& spawn,
     write_all(fd, handle(line, job.store_dir) + "\n");
     ::close(fd);
   }
+  notice_reported_failures(job.store_dir);
   if (pending_) recover(job.store_dir);
   start_joiners(spawn, job.store_dir);
 }

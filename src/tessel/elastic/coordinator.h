@@ -22,7 +22,9 @@
 //    failure report (runtime/switch_marker.h). Once every surviving process has reported, the
 //    coordinator decides (recovery.h: live from survivors when every piece has a surviving copy,
 //    else from the newest checkpoint), writes <store>/<job>.recovery-<e>.json and the switch
-//    marker, and starts the processes it adds. A worker that exits with an error code is a bug
+//    marker, and starts the processes it adds. A failure report that no death explains (a
+//    collective timed out) starts the same recovery with every process surviving. A worker that
+//    exits with an error code is a bug
 //    or a bad input, not a lost machine: that still ends the job, with its message.
 //  * A watched hosts file (elastic.hosts_file, like Varuna's machine list): one line per worker
 //    slot; when the number of slots changes, the coordinator makes the same request as
@@ -68,6 +70,8 @@ class Coordinator {
 
  private:
   void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
+  // Starts a recovery when a worker reported a failure that no death explains.
+  void notice_reported_failures(const std::string& store_dir);
   // Decides a pending recovery once every survivor has reported; throws when it cannot.
   void recover(const std::string& store_dir);
 

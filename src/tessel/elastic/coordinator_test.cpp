@@ -15,6 +15,7 @@
 
 #include "tessel/core/error.h"
 #include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/switch_marker.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/testing/testing.h"
 
@@ -92,6 +93,49 @@ TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
   write_hosts(thirteen);  // no layout for 13 workers: refused, nothing written
   c.tick(spawn, job);
   EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-2.json"));
+  unsetenv("TESSEL_CTL_DIR");
+}
+
+// A failure nobody died of (a timed-out collective): once every worker has reported, the
+// coordinator decides to go on live with all of them.
+TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
+  TempDir dir;
+  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
+  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
+  Coordinator c(cfg, "job3", 2);
+  runtime::LaunchResult job;
+  job.store_dir = dir.path().string();
+  job.job_id = "job3";
+  std::vector<int> spawned;
+  auto spawn = [&](int p, const std::map<std::string, std::string>&) { spawned.push_back(p); };
+  auto report = [&](int process) {
+    runtime::FailureReport r;
+    r.process = process;
+    r.valid = true;
+    r.plan = cfg.plan;
+    r.rank = process;
+    r.step = 9;
+    r.cursor = 108;
+    r.error = "all_reduce_sum on group 'dp.0' timed out";
+    runtime::write_json_file(runtime::failure_report_path(job.store_dir, "job3", 1, process),
+                             r.to_json());
+  };
+  report(1);
+  c.tick(spawn, job);  // a recovery starts; process 0 has not reported yet
+  EXPECT_FALSE(std::filesystem::exists(runtime::recovery_path(job.store_dir, "job3", 1)));
+  report(0);
+  c.tick(spawn, job);
+  const auto path = runtime::recovery_path(job.store_dir, "job3", 1);
+  ASSERT_TRUE(std::filesystem::exists(path));
+  const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+  EXPECT_TRUE(m.recovery);
+  EXPECT_TRUE(m.checkpoint.empty());
+  EXPECT_EQ(m.step, 9);
+  EXPECT_EQ(m.to.world(), 2);
+  EXPECT_TRUE(spawned.empty());
+  EXPECT_NE(m.cause.find("timed out"), std::string::npos) << m.cause;
+  EXPECT_NE(c.handle("status", job.store_dir).find("1 failures"), std::string::npos);
   unsetenv("TESSEL_CTL_DIR");
 }
 

@@ -28,13 +28,18 @@
 //     all-gathers the parameters over dp;
 //   * forms the step's loss on every rank (all-reduce over the world of the head stages' loss
 //     sums), so the losses equal the single-process Trainer's up to float summation order.
-// Rank 0 prints progress and writes the metrics file. Evaluation, checkpoints and ZeRO stages
-// above 1 are not supported here (TrainConfig::validate_for_workers rejects them).
+// Rank 0 prints progress and writes the metrics and event files; every rank writes its share of
+// checkpoints (sharded_checkpoint.h). Evaluation and ZeRO stages above 1 are not supported here
+// (TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
+// timeline or by scale requests (a live switch: Impl::transition).
 // With TESSEL_DUMP_PARAMS=DIR in the environment, every rank writes its local parameters to
 // DIR/rank<R>.params at the end of run() (format: Impl::dump_params; used by the tests).
 //
 // Failures of peers surface as PeerLostError / TimeoutError from the communicators (bounded by
-// parallel.timeout_s, default 60 s); config problems as ConfigError.
+// parallel.timeout_s, default 60 s); config problems as ConfigError. In an elastic job
+// (TESSEL_ELASTIC=1, set by `tessel train`) a process that meets such a failure does not end:
+// it breaks its communicators, reports its state to the coordinator and carries out the
+// coordinator's recovery (Impl::recover; docs/architecture.md, "Failures").
 #pragma once
 
 #include <cstdint>

@@ -16,6 +16,8 @@ namespace tessel::comm {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::catch_error;
+using testing::Caught;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
@@ -595,30 +597,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, SigkillTest,
                            }
                          });
 
-// What a call threw and its message, for checks on the message.
-struct Caught {
-  Thrown kind = Thrown::kNothing;
-  std::string what;
-};
-
-template <typename F>
-Caught catch_error(int rank, F&& f) {
-  Caught c;
-  try {
-    f();
-  } catch (const TimeoutError& e) {
-    c = {Thrown::kTimeout, e.what()};
-  } catch (const PeerLostError& e) {
-    c = {Thrown::kPeerLost, e.what()};
-  } catch (const std::exception& e) {
-    c = {Thrown::kOther, e.what()};
-  }
-  if (c.kind != Thrown::kNothing) {
-    std::fprintf(stderr, "[rank %d] %s: %s\n", rank, thrown_name(c.kind), c.what.c_str());
-  }
-  return c;
-}
-
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
@@ -631,6 +609,24 @@ bool contains(const std::string& s, const std::string& part) {
 // their waits: a missing abort shows as a hung rank or a TimeoutError, not as a slow pass.
 class AbortTest : public ::testing::TestWithParam<int> {};
 
+// The peers' side: rank 1 in an all-reduce that needs rank 0, the others in a receive from it;
+// each must fail with PeerLostError, and leaves a file saying it did.
+int wait_on_aborting_rank0(Communicator& c, int rank, const tessel::testing::TempDir& dir) {
+  std::vector<float> v(1000, 1.f);
+  int64_t x = 0;
+  Caught got = catch_error(rank, [&] {
+    if (rank == 1) {
+      c.all_reduce_sum(v.data(), v.size());
+    } else {
+      auto q = c.recv(&x, sizeof(x), 0, 3);
+      q.wait();
+    }
+  });
+  touch(dir, "failed." + std::to_string(rank));
+  CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
+  return kChildOk;
+}
+
 TEST_P(AbortTest, AbortFromAnotherThreadEndsTheWaitAndFailsPeersFast) {
   const int size = GetParam();
   const std::string reason = "step 17 lost a peer on group 'tp.0'";
@@ -638,21 +634,7 @@ TEST_P(AbortTest, AbortFromAnotherThreadEndsTheWaitAndFailsPeersFast) {
   const auto store = store_in(dir);
   auto outcomes = run_ranks(size, 20s, [&](int rank) {
     auto c = Communicator::connect(store, "world", rank, size, 30s);
-    if (rank != 0) {
-      std::vector<float> v(1000, 1.f);
-      int64_t x = 0;
-      Caught got = catch_error(rank, [&] {
-        if (rank == 1) {
-          c->all_reduce_sum(v.data(), v.size());
-        } else {
-          auto q = c->recv(&x, sizeof(x), 0, 3);
-          q.wait();
-        }
-      });
-      touch(dir, "failed." + std::to_string(rank));
-      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
-      return kChildOk;
-    }
+    if (rank != 0) return wait_on_aborting_rank0(*c, rank, dir);
 
     int64_t x = 0, y = 7, z = 0;
     // Transfers still pending at the abort, never waited for: their destructors (at the end of
@@ -737,21 +719,7 @@ TEST_P(AbortTest, AbortWhileIdleFailsPeersFast) {
   const auto store = store_in(dir);
   auto outcomes = run_ranks(size, 20s, [&](int rank) {
     auto c = Communicator::connect(store, "world", rank, size, 30s);
-    if (rank != 0) {
-      std::vector<float> v(1000, 1.f);
-      int64_t x = 0;
-      Caught got = catch_error(rank, [&] {
-        if (rank == 1) {
-          c->all_reduce_sum(v.data(), v.size());
-        } else {
-          auto q = c->recv(&x, sizeof(x), 0, 3);
-          q.wait();
-        }
-      });
-      touch(dir, "failed." + std::to_string(rank));
-      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind));
-      return kChildOk;
-    }
+    if (rank != 0) return wait_on_aborting_rank0(*c, rank, dir);
     std::this_thread::sleep_for(50ms);
     c->abort("idle abort");
     for (int p = 1; p < size; ++p) wait_for_file(dir, "failed." + std::to_string(p));

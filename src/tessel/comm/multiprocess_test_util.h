@@ -18,6 +18,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tessel/core/error.h"
@@ -134,21 +135,34 @@ inline const char* thrown_name(Thrown t) {
   }
 }
 
+// What a call threw and its message, for checks on the message.
+struct Caught {
+  Thrown kind = Thrown::kNothing;
+  std::string what;
+};
+
+// Runs f and reports what it threw (printed to stderr with the rank, so a failing child's log
+// says what it saw).
 template <typename F>
-Thrown what_throws(int rank, F&& f) {
+Caught catch_error(int rank, F&& f) {
+  Caught c;
   try {
     f();
   } catch (const tessel::TimeoutError& e) {
-    std::fprintf(stderr, "[rank %d] TimeoutError: %s\n", rank, e.what());
-    return Thrown::kTimeout;
+    c = {Thrown::kTimeout, e.what()};
   } catch (const tessel::PeerLostError& e) {
-    std::fprintf(stderr, "[rank %d] PeerLostError: %s\n", rank, e.what());
-    return Thrown::kPeerLost;
+    c = {Thrown::kPeerLost, e.what()};
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "[rank %d] unexpected exception: %s\n", rank, e.what());
-    return Thrown::kOther;
+    c = {Thrown::kOther, e.what()};
   }
-  return Thrown::kNothing;
+  if (c.kind != Thrown::kNothing)
+    std::fprintf(stderr, "[rank %d] %s: %s\n", rank, thrown_name(c.kind), c.what.c_str());
+  return c;
+}
+
+template <typename F>
+Thrown what_throws(int rank, F&& f) {
+  return catch_error(rank, std::forward<F>(f)).kind;
 }
 
 }  // namespace tessel::comm::testing

@@ -110,19 +110,33 @@ const std::string kTraining =
     "training: {steps: 150, global_batch: 12, micro_batch: 2, threads: 1}\n"
     "optimizer: {lr: 0.003, warmup_steps: 1}\n";
 
-// Runs `tessel train` on `cfg` in the background and SIGKILLs `kills` random workers at random
-// moments, each once the job has trained two steps since the previous recovery (the first not
-// before `first_after` steps); returns the script's output. Bounded by `timeout`: a hang fails the
-// test instead of blocking it.
-int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::string* out,
-                   int first_after = 0) {
+// Runs `tessel train` on `cfg` in the background with `killer` (bash; $L is the launcher's pid,
+// and "echo killed $k" marks each kill) running beside it, then waits for the job and prints
+// "train exit <code>"; returns the script's exit code, its output in *out. Bounded by `timeout`: a
+// hang fails the test instead of blocking it.
+int train_with_killer(const TempDir& dir, const std::string& cfg, const std::string& killer,
+                      std::string* out) {
   const auto bin = tessel::testing::tessel_binary().string();
   std::ofstream(dir / "kill.sh") << fmt::format(
       "cd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
       "{bin} train {cfg} > train.out 2>&1 &\n"
       "L=$!\n"
-      "RANDOM=7\n"
       "lines() {{ [ -f metrics.jsonl ] && wc -l < metrics.jsonl || echo 0; }}\n"
+      "{killer}"
+      "wait $L\n"
+      "echo train exit $?\n",
+      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg),
+      fmt::arg("killer", killer));
+  return tessel::testing::run_command(
+      fmt::format("timeout 400 bash {}", (dir / "kill.sh").string()), out);
+}
+
+// SIGKILLs `kills` random workers at random moments, each once the job has trained two steps
+// since the previous recovery (the first not before `first_after` steps).
+int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::string* out,
+                   int first_after = 0) {
+  const std::string killer = fmt::format(
+      "RANDOM=7\n"
       "recovered() {{ [ -f events.jsonl ] && grep -c '\"event\":\"recover\"' events.jsonl || "
       "echo 0; }}\n"
       "for k in $(seq {kills}); do\n"
@@ -135,15 +149,26 @@ int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::s
       "  victim=${{pids[$((RANDOM % ${{#pids[@]}}))]}}\n"
       "  kill -9 $victim && echo killed $k\n"
       "  for i in $(seq 3000); do [ $(recovered) -ge $k ] && break; kill -0 $L 2>/dev/null || "
-      "break; "
-      "sleep 0.01; done\n"
-      "done\n"
-      "wait $L\n"
-      "echo train exit $?\n",
-      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg),
+      "break; sleep 0.01; done\n"
+      "done\n",
       fmt::arg("kills", kills), fmt::arg("first", std::max(0, first_after - 2)));
-  return tessel::testing::run_command(
-      fmt::format("timeout 400 bash {}", (dir / "kill.sh").string()), out);
+  return train_with_killer(dir, cfg, killer, out);
+}
+
+// What every surviving run must show: the last logged loss of each step (a step may be redone)
+// equals the reference's, with at most `unlogged` steps missing (a step whose loss was being
+// reduced when a worker died has no record); the data order is exact; the final checkpoint
+// equals the reference's.
+void expect_like_reference(const TempDir& dir, const Reference& ref, size_t unlogged) {
+  std::map<int64_t, double> loss;
+  for (const auto& r : read_lines(dir / "metrics.jsonl"))
+    loss[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
+  EXPECT_GE(loss.size(), ref.losses.size() - unlogged);
+  for (const auto& [step, l] : loss)
+    EXPECT_NEAR(l, ref.losses[size_t(step - 1)], 1e-5 * ref.losses[size_t(step - 1)])
+        << "step " << step;
+  expect_exact_data_order(dir / "order.jsonl", int64_t(ref.losses.size()), 12);
+  expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
 }
 
 // 20 random workers of a dp job killed at random moments, each replaced by a new process: the
@@ -177,17 +202,7 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
   }
   EXPECT_EQ(recoveries, 20) << log;
 
-  // Per-step losses: the last record of each step (a step may be redone) equals the reference;
-  // a step whose loss was being reduced when a worker died has no record (at most one per kill).
-  std::map<int64_t, double> loss;
-  for (const auto& r : read_lines(dir / "metrics.jsonl"))
-    loss[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
-  EXPECT_GE(loss.size(), ref.losses.size() - 20);
-  for (const auto& [step, l] : loss)
-    EXPECT_NEAR(l, ref.losses[size_t(step - 1)], 1e-5 * ref.losses[size_t(step - 1)])
-        << "step " << step;
-  expect_exact_data_order(dir / "order.jsonl", int64_t(ref.losses.size()), 12);
-  expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
+  expect_like_reference(dir, ref, 20);  // at most one unlogged step per kill
 }
 
 // Kills that do not wait for the job: during timeline switches, during recoveries, of processes
@@ -210,38 +225,24 @@ TEST(Failures, KillsDuringSwitchesAndRecoveries) {
           "  - {at_step: 75, workers: 4}\n"
           "checkpoint: {dir: ck, every: 5}\n"
           "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
-  const auto bin = tessel::testing::tessel_binary().string();
-  std::ofstream(dir / "storm.sh") << fmt::format(
-      "cd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
-      "{bin} train {cfg} > train.out 2>&1 &\n"
-      "L=$!\n"
-      "RANDOM=11\n"
-      "for i in $(seq 2000); do [ -f metrics.jsonl ] && [ $(wc -l < metrics.jsonl) -ge 7 ] && "
-      "break; sleep 0.01; done\n"
-      "for k in $(seq 10); do\n"
-      "  sleep 0.$((RANDOM % 4 + 1))\n"
-      "  pids=($(pgrep -P $L))\n"
-      "  [ ${{#pids[@]}} -gt 0 ] || break\n"
-      "  kill -9 ${{pids[$((RANDOM % ${{#pids[@]}}))]}} && echo killed $k\n"
-      "done\n"
-      "wait $L\n"
-      "echo train exit $?\n",
-      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg));
+  // Kills every 0.1-0.4 s once step 7 is done, without waiting for recoveries.
   std::string out;
-  const int rc = tessel::testing::run_command(
-      fmt::format("timeout 400 bash {}", (dir / "storm.sh").string()), &out);
+  const int rc =
+      train_with_killer(dir, cfg,
+                        "RANDOM=11\n"
+                        "for i in $(seq 2000); do [ $(lines) -ge 7 ] && break; "
+                        "sleep 0.01; done\n"
+                        "for k in $(seq 10); do\n"
+                        "  sleep 0.$((RANDOM % 4 + 1))\n"
+                        "  pids=($(pgrep -P $L))\n"
+                        "  [ ${#pids[@]} -gt 0 ] || break\n"
+                        "  kill -9 ${pids[$((RANDOM % ${#pids[@]}))]} && echo killed $k\n"
+                        "done\n",
+                        &out);
   const std::string log = read_text(dir / "train.out");
   ASSERT_EQ(rc, 0) << out << log;
   ASSERT_NE(out.find("train exit 0"), std::string::npos) << out << log;
-  std::map<int64_t, double> loss;
-  for (const auto& r : read_lines(dir / "metrics.jsonl"))
-    loss[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
-  EXPECT_GE(loss.size(), ref.losses.size() - 10);
-  for (const auto& [step, l] : loss)
-    EXPECT_NEAR(l, ref.losses[size_t(step - 1)], 1e-5 * ref.losses[size_t(step - 1)])
-        << "step " << step;
-  expect_exact_data_order(dir / "order.jsonl", int64_t(ref.losses.size()), 12);
-  expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
+  expect_like_reference(dir, ref, 10);
 }
 
 // ZeRO-1 keeps each optimizer shard on one worker only: killing one loses state, so the job
@@ -276,15 +277,7 @@ TEST(Failures, LostOptimizerShardsAreRestoredFromTheCheckpoint) {
     }
   }
   EXPECT_GE(from_checkpoint, 1) << log;
-  std::map<int64_t, double> loss;
-  for (const auto& r : read_lines(dir / "metrics.jsonl"))
-    loss[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
-  EXPECT_GE(loss.size(), ref.losses.size() - 2);
-  for (const auto& [step, l] : loss)
-    EXPECT_NEAR(l, ref.losses[size_t(step - 1)], 1e-5 * ref.losses[size_t(step - 1)])
-        << "step " << step;
-  expect_exact_data_order(dir / "order.jsonl", int64_t(ref.losses.size()), 12);
-  expect_same_state(*runtime::latest_sharded_checkpoint((dir / "ck").string()), ref.checkpoint);
+  expect_like_reference(dir, ref, 2);
 }
 
 // Without a checkpoint, losing the only copy of some state ends the job with one message that

@@ -158,23 +158,24 @@ bool Coordinator::on_exit(const runtime::WorkerExit& e) {
   }
   // Only a death by a signal is a lost worker; an error exit ends the job with its message.
   if (!e.signaled) return false;
-  const auto now = std::chrono::steady_clock::now();
   const std::string cause = fmt::format("worker {} {}", process, e.describe());
-  if (!pending_) {
-    ++failures_;
-    pending_.emplace();
-    pending_->cause = cause;
-    pending_->detected = now;
-    // Survivors notice within the communication timeout, and may first finish a checkpoint.
-    pending_->deadline =
-        now + std::chrono::milliseconds(int64_t(cfg_.comm_timeout_s * 2000) + 30000);
-    spdlog::warn("{}: recovering (failure {})", cause, failures_);
-  } else {
+  if (pending_)
     pending_->cause += "; " + cause;
-  }
+  else
+    start_recovery(cause);
   pending_->dead.insert(process);
   pending_->expected = running_;
   return true;
+}
+
+void Coordinator::start_recovery(const std::string& cause) {
+  ++failures_;
+  pending_.emplace();
+  pending_->cause = cause;
+  pending_->detected = std::chrono::steady_clock::now();
+  pending_->deadline = pending_->detected + runtime::recovery_deadline(cfg_.comm_timeout_s);
+  pending_->expected = running_;
+  spdlog::warn("{}: recovering (failure {})", cause, failures_);
 }
 
 void Coordinator::notice_reported_failures(const std::string& store_dir) {
@@ -185,14 +186,7 @@ void Coordinator::notice_reported_failures(const std::string& store_dir) {
     const auto path = runtime::failure_report_path(store_dir, job_id_, failures_ + 1, process);
     if (!fs::exists(path)) continue;
     const auto r = runtime::FailureReport::from_json(runtime::read_json_file(path), path);
-    ++failures_;
-    pending_.emplace();
-    pending_->cause = fmt::format("process {} met: {}", process, r.error);
-    pending_->detected = std::chrono::steady_clock::now();
-    pending_->deadline =
-        pending_->detected + std::chrono::milliseconds(int64_t(cfg_.comm_timeout_s * 2000) + 30000);
-    pending_->expected = running_;
-    spdlog::warn("{}: recovering (failure {})", pending_->cause, failures_);
+    start_recovery(fmt::format("process {} met: {}", process, r.error));
     return;
   }
 }

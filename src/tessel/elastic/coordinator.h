@@ -70,6 +70,8 @@ class Coordinator {
 
  private:
   void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
+  // Opens failure number failures_ + 1: every running process is to report.
+  void start_recovery(const std::string& cause);
   // Starts a recovery when a worker reported a failure that no death explains.
   void notice_reported_failures(const std::string& store_dir);
   // Decides a pending recovery once every survivor has reported; throws when it cannot.

@@ -854,6 +854,18 @@ struct ParallelTrainer::Impl {
     events->write(record);
   }
 
+  // The event line of a switch this process measured for `total_s`, with what the switch's
+  // author recorded (the coordinator's detection and planning times, steps lost, ...). The pause
+  // of a recovery runs from the failure's detection.
+  void write_switch_event(nlohmann::json record, const SwitchMarker& sw, double total_s) {
+    for (const auto& [k, v] : sw.record.items()) record[k] = v;
+    record["total_pause_s"] = sw.recovery
+                                  ? record.value("detection_s", 0.0) +
+                                        record.value("planning_s_coordinator", 0.0) + total_s
+                                  : total_s;
+    write_event(record);
+  }
+
   // Enters generation sw.generation: every process of the old or the new world joins one
   // transition world, the training state moves by the TransferPlan (each piece from the nearest
   // holder; nothing a process keeps moves), the new world's members build their chunks in the
@@ -913,9 +925,10 @@ struct ParallelTrainer::Impl {
     t1 = std::chrono::steady_clock::now();
     // The old buffers first: the successor may take over chunks (and their memory) it keeps.
     reshard::ProcessBuffers buffers;
-    if (world)
+    if (world) {
       for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
-    if (world) release_unkept_buffers(tplan, new_rank);
+      release_unkept_buffers(tplan, new_rank);
+    }
     std::unique_ptr<World> successor;
     double rebuild_s = 0, transfer_s = 0;
     reshard::ExecuteStats moved;
@@ -974,7 +987,6 @@ struct ParallelTrainer::Impl {
                                {"connect_s", connect_s},
                                {"rebuild_s", rebuild_s},
                                {"transfer_s", transfer_s},
-                               {"total_pause_s", total_s},
                                {"bytes_moved", st.bytes_moved},
                                {"bytes_cross_host", st.bytes_cross_host},
                                {"bytes_copied_locally", st.local_copy_bytes},
@@ -984,12 +996,7 @@ struct ParallelTrainer::Impl {
                                {"bytes_read_directly", moved.bytes_read_directly},
                                {"bytes_over_network", moved.bytes_received},
                                {"steps_lost", 0}};
-      for (const auto& [k, v] : sw.record.items()) record[k] = v;
-      // The pause of a recovery runs from the failure's detection (the coordinator's record).
-      if (sw.recovery)
-        record["total_pause_s"] = record["detection_s"].get<double>() +
-                                  record.value("planning_s_coordinator", 0.0) + total_s;
-      write_event(record);
+      write_switch_event(std::move(record), sw, total_s);
     }
   }
 
@@ -1048,10 +1055,7 @@ struct ParallelTrainer::Impl {
                                {"transfer_s", transfer_s},
                                {"bytes_read", reader.bytes_read()},
                                {"bytes_moved", 0}};
-      for (const auto& [k, v] : sw.record.items()) record[k] = v;
-      record["total_pause_s"] = record["detection_s"].get<double>() +
-                                record.value("planning_s_coordinator", 0.0) + total_s;
-      write_event(record);
+      write_switch_event(std::move(record), sw, total_s);
     }
   }
 
@@ -1087,7 +1091,8 @@ struct ParallelTrainer::Impl {
     write_json_file(failure_report_path(env.store_dir, env.job_id, failures, env.rank),
                     r.to_json());
     const auto path = recovery_path(env.store_dir, env.job_id, failures);
-    const auto limit = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 2000) + 30000);
+    // The coordinator's bound on gathering the reports (this wait starts after its own).
+    const auto limit = recovery_deadline(cfg.comm_timeout_s);
     const auto deadline = std::chrono::steady_clock::now() + limit;
     while (!std::filesystem::exists(path)) {
       fatal = std::chrono::steady_clock::now() >= deadline;

@@ -85,6 +85,10 @@ FailureReport FailureReport::from_json(const nlohmann::json& d, const std::strin
   }
 }
 
+std::chrono::milliseconds recovery_deadline(double comm_timeout_s) {
+  return std::chrono::milliseconds(int64_t(comm_timeout_s * 2000) + 30000);
+}
+
 std::string switch_marker_path(const std::string& store_dir, const std::string& job, int g) {
   return fmt::format("{}/{}.switch-{}.json", store_dir, job, g);
 }

@@ -16,6 +16,7 @@
 // never reused; the members of a plan are the process ids of its ranks 0..world-1, in order.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -69,6 +70,12 @@ struct FailureReport {
   nlohmann::json to_json() const;
   static FailureReport from_json(const nlohmann::json& doc, const std::string& what);
 };
+
+// How long a recovery may take from the failure to the decision: survivors notice within the
+// communication timeout and may first wait for a background save (bounded by the same), plus
+// slack for starting and planning. Both sides use it: the coordinator for the reports, the
+// survivors for the decision.
+std::chrono::milliseconds recovery_deadline(double comm_timeout_s);
 
 std::string switch_marker_path(const std::string& store_dir, const std::string& job, int g);
 std::string failure_report_path(const std::string& store_dir, const std::string& job,

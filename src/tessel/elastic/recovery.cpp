@@ -115,7 +115,15 @@ runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const Rec
                in.cause, lost);
   store::CheckpointReader reader(*in.checkpoint);
   m.checkpoint = *in.checkpoint;
-  m.from = m.to;  // unused: every rank reads from the checkpoint
+  // Every rank reads from the checkpoint; `from` only names the plan that failed (the newest
+  // any survivor held) for the event line.
+  m.from = m.to;
+  int newest_generation = -1;
+  for (const auto& r : in.reports)
+    if (r.generation > newest_generation) {
+      newest_generation = r.generation;
+      m.from = r.plan;
+    }
   m.step = reader.meta().at("step").get<int64_t>();
   m.cursor = reader.meta().at("cursor").get<int64_t>();
   m.record["lost"] = lost;

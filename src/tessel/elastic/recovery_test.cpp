@@ -115,6 +115,7 @@ TEST(Recovery, LostOptimizerShardsRollBackToTheCheckpoint) {
   in.checkpoint = ck;
   auto m = decide_recovery(cfg, in);
   EXPECT_EQ(m.checkpoint, *ck);
+  EXPECT_EQ(m.from, cfg.plan.with_defaults(cfg.model));  // the plan that failed, for the event
   EXPECT_EQ(m.step, 4);
   EXPECT_EQ(m.record.at("steps_lost").get<int64_t>(), 2);
   // What was lost is named: dp rank 1's optimizer shard.

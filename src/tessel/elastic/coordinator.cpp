@@ -16,7 +16,6 @@
 #include <sstream>
 #include <vector>
 
-#include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/recovery.h"
@@ -119,10 +118,7 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
   }
   const int64_t r = ++requests_;
   const nlohmann::json req = {{"request", r}, {"workers", n}, {"plan", layout::to_json(plan)}};
-  AtomicFileWriter out(fmt::format("{}/{}.request-{}.json", store_dir, job_id_, r));
-  const std::string text = req.dump();
-  out.write(text.data(), text.size());
-  out.commit();
+  runtime::write_json_file(runtime::scale_request_path(store_dir, job_id_, r), req);
   spdlog::info("scale request {}: {} workers ({}) at the next step boundary", r, n,
                plan.describe());
   return fmt::format("ok: request {}: {} workers ({}) at the next step boundary", r, n,

@@ -16,6 +16,7 @@
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/model/model_spec.h"
+#include "tessel/runtime/json_file.h"
 #include "tessel/runtime/model_json.h"
 #include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/store/checkpoint_store.h"
@@ -395,16 +396,6 @@ std::vector<float> read_f32(const HfWeights& w, const std::string& hf_name) {
   return out;
 }
 
-json read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  TESSEL_CHECK(in, IoError, "cannot read '{}'", path.string());
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "'{}' is not valid JSON: {}", path.string(), e.what());
-  }
-}
-
 void write_text_file(const fs::path& path, const std::string& text) {
   AtomicFileWriter out(path.string());
   out.write(text.data(), text.size());
@@ -586,7 +577,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
                "'{}' is not a directory holding a Hugging Face model", hf_dir);
   const fs::path config_path = dir / "config.json";
   std::optional<json> hf_config;
-  if (fs::exists(config_path)) hf_config = read_json_file(config_path);
+  if (fs::exists(config_path)) hf_config = read_json_file(config_path.string());
   const std::string config_what = fmt::format("'{}'", config_path.string());
 
   HfImportResult result;

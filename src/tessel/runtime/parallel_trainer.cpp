@@ -18,7 +18,6 @@
 #include <thread>
 
 #include "tessel/comm/process_groups.h"
-#include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/data/batch_loader.h"
@@ -795,11 +794,6 @@ struct ParallelTrainer::Impl {
     return true;
   }
 
-  // <job>.request-<r>.json, written by the coordinator for a scale request (`tessel ctl scale`).
-  std::string request_file(int64_t r) const {
-    return fmt::format("{}/{}.request-{}.json", env.store_dir, env.job_id, r);
-  }
-
   // The switch to make after the step just finished, if any (collective over the world when the
   // job takes scale requests: every rank must decide alike, and every rank computes the same
   // new members).
@@ -815,12 +809,13 @@ struct ParallelTrainer::Impl {
       // The newest request any rank has seen; the request files only ever appear, so every rank
       // can read the agreed one after the all-reduce.
       int64_t seen = applied_request;
-      while (std::filesystem::exists(request_file(seen + 1))) ++seen;
+      while (std::filesystem::exists(scale_request_path(env.store_dir, env.job_id, seen + 1)))
+        ++seen;
       std::vector<int64_t> all(size_t(world->groups.world->size()));
       world->groups.world->all_gather(&seen, 1, all.data());
       seen = *std::max_element(all.begin(), all.end());
       if (seen <= applied_request) return std::nullopt;
-      const auto req = read_json_file(request_file(seen));
+      const auto req = read_json_file(scale_request_path(env.store_dir, env.job_id, seen));
       auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
       applied_request = seen;
       if (to == plan) return std::nullopt;

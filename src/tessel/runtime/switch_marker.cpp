@@ -1,10 +1,7 @@
 #include "tessel/runtime/switch_marker.h"
 
-#include <fstream>
-
 #include <fmt/format.h>
 
-#include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 
 namespace tessel::runtime {
@@ -85,6 +82,10 @@ FailureReport FailureReport::from_json(const nlohmann::json& d, const std::strin
   }
 }
 
+std::string scale_request_path(const std::string& store_dir, const std::string& job, int64_t r) {
+  return fmt::format("{}/{}.request-{}.json", store_dir, job, r);
+}
+
 std::chrono::milliseconds recovery_deadline(double comm_timeout_s) {
   return std::chrono::milliseconds(int64_t(comm_timeout_s * 2000) + 30000);
 }
@@ -100,23 +101,6 @@ std::string failure_report_path(const std::string& store_dir, const std::string&
 
 std::string recovery_path(const std::string& store_dir, const std::string& job, int64_t failure) {
   return fmt::format("{}/{}.recovery-{}.json", store_dir, job, failure);
-}
-
-void write_json_file(const std::string& path, const nlohmann::json& doc) {
-  AtomicFileWriter out(path);
-  const std::string text = doc.dump();
-  out.write(text.data(), text.size());
-  out.commit();
-}
-
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  TESSEL_CHECK(in.good(), IoError, "cannot read {}", path);
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "{} is not valid JSON: {}", path, e.what());
-  }
 }
 
 }  // namespace tessel::runtime

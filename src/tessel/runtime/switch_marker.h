@@ -11,6 +11,7 @@
 //    failure number e (a peer it talks to died): what state it holds and at which step.
 //  * <job>.recovery-<e>.json (a SwitchMarker with recovery set): the coordinator's decision for
 //    failure e, once every surviving process reported; the survivors wait for it.
+//  * <job>.request-<r>.json: scale request r (`tessel ctl scale N`), written by the coordinator.
 //
 // Processes and ranks. Every worker process has an id (TESSEL_RANK), fixed for its lifetime and
 // never reused; the members of a plan are the process ids of its ranks 0..world-1, in order.
@@ -24,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tessel/layout/plan.h"
+#include "tessel/runtime/json_file.h"
 
 namespace tessel::runtime {
 
@@ -81,10 +83,8 @@ std::string switch_marker_path(const std::string& store_dir, const std::string& 
 std::string failure_report_path(const std::string& store_dir, const std::string& job,
                                 int64_t failure, int process);
 std::string recovery_path(const std::string& store_dir, const std::string& job, int64_t failure);
-
-// Writes `doc` to `path` atomically. Throws IoError.
-void write_json_file(const std::string& path, const nlohmann::json& doc);
-// Throws IoError when `path` cannot be read, CorruptDataError when it is not JSON.
-nlohmann::json read_json_file(const std::string& path);
+// <job>.request-<r>.json: scale request r, written by the coordinator (`tessel ctl scale N`):
+// {"request", "workers", "plan"}; the workers apply the newest one at a step boundary.
+std::string scale_request_path(const std::string& store_dir, const std::string& job, int64_t r);
 
 }  // namespace tessel::runtime

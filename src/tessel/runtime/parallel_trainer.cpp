@@ -335,9 +335,11 @@ struct World {
   World& operator=(const World&) = delete;
 
   // Breaks every communicator of this world (comm::ProcessGroups::abort), so that peers waiting
-  // on this process fail at once, then drops the step's pending transfers.
+  // on this process fail at once, stops a background save from waiting for the other ranks'
+  // files, then drops the step's pending transfers.
   void abort(const std::string& why) noexcept {
     groups.abort(why);
+    save_cancelled = true;
     recvs.clear();
     sends.clear();
     send_buffers.clear();
@@ -1068,7 +1070,6 @@ struct ParallelTrainer::Impl {
     r.members = members;
     if (world) {
       world->abort(what);
-      world->save_cancelled = true;
       try {
         world->finish_checkpoint();  // a background save may still be writing
       } catch (const std::exception& e) {

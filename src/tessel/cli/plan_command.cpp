@@ -121,12 +121,7 @@ int run_plan(const PlanArgs& a) {
   const planner::SearchResult res = planner::search(req);
   const planner::Candidate& best = res.best();  // throws the infeasible answer
 
-  if (!a.out.empty()) {
-    const std::string text = layout::to_json(best.plan).dump(2) + "\n";
-    AtomicFileWriter file(a.out);
-    file.write(text.data(), text.size());
-    file.commit();
-  }
+  if (!a.out.empty()) write_file_atomically(a.out, layout::to_json(best.plan).dump(2) + "\n");
   if (a.json) {
     nlohmann::json doc;
     doc["model"] = req.model.name;

@@ -118,10 +118,7 @@ int run_profile(const ProfileArgs& a) {
   if (to_stdout) {
     std::cout << doc.dump(2) << "\n";
   } else {
-    const std::string text = doc.dump(2) + "\n";
-    AtomicFileWriter file(a.out);
-    file.write(text.data(), text.size());
-    file.commit();
+    write_file_atomically(a.out, doc.dump(2) + "\n");
     std::cout << summary(doc) << fmt::format("wrote {}\n", a.out);
   }
   std::cout.flush();

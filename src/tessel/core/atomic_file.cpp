@@ -83,4 +83,10 @@ void AtomicFileWriter::commit() {
   }
 }
 
+void write_file_atomically(const std::string& path, std::string_view bytes) {
+  AtomicFileWriter out(path);
+  out.write(bytes.data(), bytes.size());
+  out.commit();
+}
+
 }  // namespace tessel

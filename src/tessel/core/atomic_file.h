@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace tessel {
 
@@ -39,5 +40,8 @@ class AtomicFileWriter {
   int fd_ = -1;
   uint64_t size_ = 0;
 };
+
+// The whole of `bytes` as the file `path`, through an AtomicFileWriter. Throws IoError.
+void write_file_atomically(const std::string& path, std::string_view bytes);
 
 }  // namespace tessel

@@ -396,12 +396,6 @@ std::vector<float> read_f32(const HfWeights& w, const std::string& hf_name) {
   return out;
 }
 
-void write_text_file(const fs::path& path, const std::string& text) {
-  AtomicFileWriter out(path.string());
-  out.write(text.data(), text.size());
-  out.commit();
-}
-
 std::string join_first(const std::vector<std::string>& names, size_t limit) {
   std::string s;
   for (size_t i = 0; i < names.size() && i < limit; ++i) s += (i ? ", " : "") + names[i];
@@ -561,7 +555,7 @@ HfExportResult export_hf(const std::string& checkpoint_dir, const std::string& o
   // transformers rejects safetensors files whose metadata lacks format "pt".
   result.bytes = store::write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
                                           tensors, {{"format", "pt"}});
-  write_text_file(fs::path(out_dir) / "config.json", config.dump(2) + "\n");
+  write_file_atomically((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
   return result;
 }
 

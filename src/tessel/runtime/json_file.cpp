@@ -8,10 +8,7 @@
 namespace tessel::runtime {
 
 void write_json_file(const std::string& path, const nlohmann::json& doc) {
-  AtomicFileWriter out(path);
-  const std::string text = doc.dump();
-  out.write(text.data(), text.size());
-  out.commit();
+  write_file_atomically(path, doc.dump());
 }
 
 nlohmann::json read_json_file(const std::string& path) {

@@ -86,12 +86,7 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
                         const std::string& dir, int keep) {
   writer.commit(num_ranks, meta);
   const std::string name = fs::path(writer.dir()).filename().string();
-  {
-    AtomicFileWriter latest((fs::path(dir) / "latest").string());
-    const std::string line = name + "\n";
-    latest.write(line.data(), line.size());
-    latest.commit();
-  }
+  { write_file_atomically((fs::path(dir) / "latest").string(), name + "\n"); }
   // Keep the newest `keep` step directories (names sort by step).
   std::vector<std::string> steps;
   for (const auto& e : fs::directory_iterator(dir)) {

@@ -9,7 +9,9 @@ The same sequence of plans runs twice, each step of both runs identical:
            (training.stop_at) and the next resuming from it under the next plan.
 A reconfiguration's pause is the wall-clock time from the end of the last step before the switch
 to the start of the first step after it (metrics lines carry "time", the end of the step, and
-"step_s"). Human-readable lines first, the last line is one JSON object. Standard library only.
+"step_s"). Live switches are prepared elastic.prepare_steps (2) ahead while training goes on;
+the extra time of those steps against the same steps of the restart run is reported beside the
+pauses ("prepare_extra_step_s"), not hidden. Human-readable lines first, the last line is one JSON object. Standard library only.
 """
 import argparse
 import json
@@ -70,6 +72,10 @@ def records(path):
     return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
 
 
+def step_times(path):
+    return {r["step"]: r["step_s"] for r in records(path)}
+
+
 def pauses(recs, switch_steps):
     by_step = {r["step"]: r for r in recs}
     out = []
@@ -109,18 +115,33 @@ def main():
         train(args, f"restart-{i}", cfg, workers(plan))
     restart = pauses(records(pathlib.Path(args.work) / "restart.metrics.jsonl"), switch_steps)
 
+    # A live switch is prepared ahead (elastic.prepare_steps): its new processes start and every
+    # process builds its new buffers while the steps before it run. What that costs is those
+    # steps' time beyond the same steps of the restart run (same plans, nothing prepared).
+    live_steps = step_times(pathlib.Path(args.work) / "live.metrics.jsonl")
+    restart_steps = step_times(pathlib.Path(args.work) / "restart.metrics.jsonl")
+    extra = []
+    for i, s in enumerate(switch_steps):
+        a = events[i].get("announced_at_step", s)
+        extra.append(sum(live_steps[k] - restart_steps[k] for k in range(a + 1, s + 1)))
+
     print(f"{'switch':<28} {'live pause s':>12} {'restart pause s':>16} {'speedup':>8}  live breakdown")
     for i, s in enumerate(switch_steps):
         e = events[i]
+        prep = (f"; announced after step {e['announced_at_step']}, waited "
+                f"{e.get('prepare_wait_s', 0):.3f} for the build, steps "
+                f"{e['announced_at_step'] + 1}..{s} took {extra[i]:+.3f} s against restart"
+                if "announced_at_step" in e else "")
         print(f"{str(PLANS[i][1]) + '->' + str(PLANS[i + 1][1]):<28} {live[i]:>12.3f} "
               f"{restart[i]:>16.3f} {restart[i] / live[i]:>8.1f}  total {e['total_pause_s']:.3f} "
               f"(plan {e['planning_s']:.3f}, connect {e['connect_s']:.3f}, rebuild "
               f"{e['rebuild_s']:.3f}, transfer {e['transfer_s']:.3f}; "
-              f"{e['bytes_moved'] / 1e6:.0f} MB moved)")
+              f"{e['bytes_moved'] / 1e6:.0f} MB moved{prep})")
     pl, pr = sum(live) / len(live), sum(restart) / len(restart)
     print(json.dumps({"pause_live_s": round(pl, 4), "pause_restart_s": round(pr, 4),
                       "speedup": round(pr / pl, 2), "live_pauses_s": [round(x, 4) for x in live],
                       "restart_pauses_s": [round(x, 4) for x in restart],
+                      "prepare_extra_step_s": [round(x, 4) for x in extra],
                       "switches": [f"{PLANS[i][1]}->{PLANS[i + 1][1]}" for i in range(len(switch_steps))]}))
 
 

@@ -130,12 +130,28 @@ void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
   if (pending_) return;  // a failure is being recovered from: its decision says who starts
   for (;;) {
     const auto path = runtime::switch_marker_path(store_dir, job_id_, next_generation_);
-    if (!fs::exists(path)) return;
-    const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
-    for (int p : m.spawn) {
-      spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
-      running_.insert(p);
+    if (!fs::exists(path)) {
+      // Announced ahead: its processes start now and prepare while the job trains.
+      const auto early = runtime::prepare_marker_path(store_dir, job_id_, next_generation_);
+      if (prepared_generation_ == next_generation_ || !fs::exists(early)) return;
+      const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(early), early);
+      for (int p : m.spawn) {
+        spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
+        running_.insert(p);
+        preparing_.insert(p);
+      }
+      prepared_generation_ = next_generation_;
+      next_process_id_ = std::max(next_process_id_, m.next_process_id);
+      return;
     }
+    const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+    if (prepared_generation_ != next_generation_) {  // else started from its announcement
+      for (int p : m.spawn) {
+        spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
+        running_.insert(p);
+      }
+    }
+    preparing_.clear();
     next_process_id_ = std::max(next_process_id_, m.next_process_id);
     workers_ = m.to.world();
     ++next_generation_;
@@ -145,6 +161,7 @@ void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
 bool Coordinator::on_exit(const runtime::WorkerExit& e) {
   const int process = e.rank;
   running_.erase(process);
+  preparing_.erase(process);
   if (e.ok()) {
     if (pending_) {
       pending_->expected.erase(process);
@@ -160,8 +177,15 @@ bool Coordinator::on_exit(const runtime::WorkerExit& e) {
   else
     start_recovery(cause);
   pending_->dead.insert(process);
-  pending_->expected = running_;
+  pending_->expected = state_holders();
   return true;
+}
+
+std::set<int> Coordinator::state_holders() const {
+  std::set<int> out;
+  for (int p : running_)
+    if (!preparing_.contains(p)) out.insert(p);
+  return out;
 }
 
 void Coordinator::start_recovery(const std::string& cause) {
@@ -170,7 +194,7 @@ void Coordinator::start_recovery(const std::string& cause) {
   pending_->cause = cause;
   pending_->detected = std::chrono::steady_clock::now();
   pending_->deadline = pending_->detected + runtime::recovery_deadline(cfg_.comm_timeout_s);
-  pending_->expected = running_;
+  pending_->expected = state_holders();
   spdlog::warn("{}: recovering (failure {})", cause, failures_);
 }
 
@@ -220,7 +244,9 @@ void Coordinator::recover(const std::string& store_dir) {
   in.failures = failures_;
   // Above every generation used so far, including switch markers not yet read.
   int g = next_generation_;
-  while (fs::exists(runtime::switch_marker_path(store_dir, job_id_, g))) ++g;
+  while (fs::exists(runtime::switch_marker_path(store_dir, job_id_, g)) ||
+         fs::exists(runtime::prepare_marker_path(store_dir, job_id_, g)))
+    ++g;
   for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
   in.generation = g;
   in.next_process_id = next_process_id_;
@@ -241,7 +267,9 @@ void Coordinator::recover(const std::string& store_dir) {
                                 : std::string());
   pending_.reset();
   // Markers before g were written before the failure and are void now: their switches failed.
+  // Processes started for one of them leave (they see this decision).
   next_generation_ = g;
+  preparing_.clear();
 }
 
 void Coordinator::watch_hosts_file(const std::string& store_dir) {

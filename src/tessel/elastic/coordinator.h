@@ -72,6 +72,8 @@ class Coordinator {
   void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
   // Opens failure number failures_ + 1: every running process is to report.
   void start_recovery(const std::string& cause);
+  // The running processes a failure recovery waits for: all but those still preparing.
+  std::set<int> state_holders() const;
   // Starts a recovery when a worker reported a failure that no death explains.
   void notice_reported_failures(const std::string& store_dir);
   // Decides a pending recovery once every survivor has reported; throws when it cannot.
@@ -90,6 +92,11 @@ class Coordinator {
   int next_generation_ = 1;  // the switch marker awaited next
   int64_t requests_ = 0;     // scale requests written so far
   std::set<int> running_;    // worker processes started and not ended
+  // Processes started early for the switch to generation prepared_generation_ (prepare-<g>),
+  // until it happens: they hold no state, so a failure in the meantime does not wait for their
+  // reports (they leave once its recovery is decided).
+  std::set<int> preparing_;
+  int prepared_generation_ = 0;
   int next_process_id_ = 0;  // the id the next new process gets
   int64_t failures_ = 0;     // failures so far
   // A failure being recovered from: the survivors still to report, the dead, when it was seen.

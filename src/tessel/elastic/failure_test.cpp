@@ -245,6 +245,56 @@ TEST(Failures, KillsDuringSwitchesAndRecoveries) {
   expect_like_reference(dir, ref, 10);
 }
 
+// A worker killed while a scale-up is being prepared (its new processes started and building
+// their buffers): the recovery does not wait for those processes, they leave, and the scale-up
+// is prepared again from the survivors' new world and happens at its step.
+TEST(Failures, AFailureDuringAPreparedSwitch) {
+  TempDir dir;
+  const auto corpus = runtime::testing::make_corpus(dir);
+  const std::string training =
+      "training: {steps: 80, global_batch: 12, micro_batch: 2, threads: 1}\n"
+      "optimizer: {lr: 0.003, warmup_steps: 1}\n";
+  const auto ref = reference_run(dir, corpus, training);
+  const auto cfg = runtime::testing::write_config(
+      dir, corpus,
+      training +
+          "parallel: {dp: 2, timeout_s: 20}\nelastic: {prepare_steps: 50}\n"
+          "timeline:\n  - {at_step: 60, workers: 4}\n"
+          "checkpoint: {dir: ck, every: 20}\n"
+          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+  // Once the two processes of the scale-up exist (announced at step 10), kill process 1.
+  std::string out;
+  const int rc = train_with_killer(
+      dir, cfg,
+      "for i in $(seq 3000); do [ $(pgrep -P $L | wc -l) -ge 4 ] && break; sleep 0.01; done\n"
+      "for p in $(pgrep -P $L); do\n"
+      "  tr '\\0' '\\n' < /proc/$p/environ | grep -qx TESSEL_RANK=1 && kill -9 $p && "
+      "echo killed 1\n"
+      "done\n",
+      &out);
+  const std::string log = read_text(dir / "train.out");
+  ASSERT_EQ(rc, 0) << out << log;
+  ASSERT_NE(out.find("killed 1"), std::string::npos) << out << log;
+  ASSERT_NE(out.find("train exit 0"), std::string::npos) << out << log;
+  EXPECT_NE(log.find("overtook the switch"), std::string::npos) << log;
+
+  const auto events = read_lines(dir / "events.jsonl");
+  ASSERT_EQ(events.size(), 2u) << log;
+  const auto& recover = events[0];
+  EXPECT_EQ(recover.at("event"), "recover") << recover.dump();
+  EXPECT_LT(recover.at("step").get<int64_t>(), 60) << recover.dump();
+  EXPECT_EQ(recover.at("restored_from"), "survivors") << recover.dump();
+  EXPECT_EQ(recover.at("new_workers").get<int>(), 1) << recover.dump();
+  const auto& grow = events[1];
+  EXPECT_EQ(grow.at("event"), "reconfigure") << grow.dump();
+  EXPECT_EQ(grow.at("step").get<int64_t>(), 60) << grow.dump();
+  EXPECT_EQ(grow.at("new_workers").get<int>(), 4) << grow.dump();
+  // Prepared again by the survivor, right after the recovery.
+  EXPECT_EQ(grow.value("announced_at_step", int64_t(-1)), recover.at("step").get<int64_t>())
+      << grow.dump();
+  expect_like_reference(dir, ref, 1);
+}
+
 // ZeRO-1 keeps each optimizer shard on one worker only: killing one loses state, so the job
 // rolls back to its last checkpoint (each survivor reading only its share) and still ends where
 // the uninterrupted run ends.

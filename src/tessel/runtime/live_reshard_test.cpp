@@ -88,7 +88,18 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
   auto events = read_records(dir / "events.jsonl");
   ASSERT_EQ(events.size(), cfg_loaded.timeline.size());
   for (size_t i = 0; i < events.size(); ++i) {
-    EXPECT_EQ(events[i].at("step").get<int64_t>(), cfg_loaded.timeline[i].at_step);
+    const int64_t at = cfg_loaded.timeline[i].at_step;
+    EXPECT_EQ(events[i].at("step").get<int64_t>(), at);
+    // Each switch was announced elastic.prepare_steps ahead (not before the previous one), its
+    // buffers built while training went on.
+    if (cfg_loaded.prepare_steps > 0) {
+      const int64_t previous = i > 0 ? cfg_loaded.timeline[i - 1].at_step : 0;
+      EXPECT_EQ(events[i].value("announced_at_step", int64_t(-1)),
+                std::max(previous, at - cfg_loaded.prepare_steps))
+          << events[i].dump();
+    } else {
+      EXPECT_FALSE(events[i].contains("announced_at_step")) << events[i].dump();
+    }
     EXPECT_EQ(events[i].at("new_workers").get<int>(), cfg_loaded.timeline[i].plan.world());
     EXPECT_GE(events[i].at("total_pause_s").get<double>(),
               events[i].at("transfer_s").get<double>());
@@ -117,7 +128,8 @@ TEST(LiveReshard, DataToTensorAndPipelineToOneProcess) {
       "  - {at_step: 3, parallel: {tp: 2, pp: 2}}\n"
       "  - {at_step: 6, parallel: {dp: 1}}\n";
   expect_switching_run_matches("gpt2-tiny", plans, 4);
-  expect_switching_run_matches("llama-tiny", plans, 4);
+  // Everything built during the pauses (nothing announced ahead).
+  expect_switching_run_matches("llama-tiny", plans + "elastic: {prepare_steps: 0}\n", 4);
 }
 
 // ZeRO-1 flat ranges and interleaved stages on both sides of a switch, shrinking and growing.

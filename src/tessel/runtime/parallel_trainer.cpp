@@ -13,6 +13,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <span>
 #include <thread>
@@ -32,10 +33,10 @@
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/runtime/model_json.h"
+#include "tessel/runtime/prepared_chunks.h"
 #include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/switch_marker.h"
 #include "tessel/runtime/tp_comm_group.h"
-#include "tessel/schedule/generators.h"
 #include "tessel/store/async_saver.h"
 #include "tessel/store/checkpoint_store.h"
 #include "tessel/tensor/allocator.h"
@@ -182,10 +183,11 @@ struct World {
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
   // `donor` (a live switch): the old world of this process; chunks whose state the transfer plan
   // keeps in place (same shard, same layout) are taken over from it instead of being rebuilt
-  // when their micro-batch size and activation slots match.
+  // when their micro-batch size and activation slots match. `prepared`: chunks built ahead for
+  // this rank of `p` (prepared_chunks.h), used where nothing is taken over.
   World(const TrainConfig& c, const WorkerEnv& e, const layout::Plan& p, int rank_in_plan,
         int64_t generation, bool init_params, World* donor = nullptr,
-        const reshard::TransferPlan* transfer = nullptr)
+        const reshard::TransferPlan* transfer = nullptr, PreparedChunks* prepared = nullptr)
       : cfg(c), env(e), plan(p.with_defaults(c.model)), rank(rank_in_plan) {
     if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
 
@@ -204,9 +206,12 @@ struct World {
     groups = comm::connect_process_groups(store, grid, rank, plan.world(), timeout);
     if (plan.tp > 1) tp_group = std::make_unique<CommTpGroup>(*groups.tp);
 
-    backend = donor != nullptr
-                  ? donor->backend
-                  : std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend));
+    if (donor != nullptr)
+      backend = donor->backend;
+    else if (prepared != nullptr)
+      backend = prepared->backend;
+    else
+      backend = std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend));
     source = data::open_token_source(cfg.data.path);
     TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,
                  "{}: the data {} has token ids up to {} but model '{}' has vocab_size {}",
@@ -220,30 +225,8 @@ struct World {
     M = plan.micro_batches;
     num_vs = plan.num_stages();
 
-    schedule::Schedule s;
-    switch (plan.schedule) {
-      case layout::ScheduleKind::gpipe:
-        s = schedule::gpipe(plan.pp, int(M));
-        break;
-      case layout::ScheduleKind::one_f_one_b:
-        s = schedule::one_f_one_b(plan.pp, int(M));
-        break;
-      case layout::ScheduleKind::interleaved_one_f_one_b:
-        s = schedule::interleaved_one_f_one_b(plan.pp, int(M), plan.virtual_stages);
-        break;
-    }
-    program = s.per_stage[size_t(groups.coord.pp)];
-    // Each chunk gets as many activation slots as its most micro-batches in flight (forward run,
-    // backward not yet) in this rank's program: 1F1B needs at most pp, GPipe M.
-    std::vector<int> peak(size_t(plan.virtual_stages), 1), live(peak.size(), 0);
-    for (const auto& ins : program) {
-      if (ins.op == schedule::Op::forward) {
-        int& n = live[size_t(ins.chunk)];
-        peak[size_t(ins.chunk)] = std::max(peak[size_t(ins.chunk)], ++n);
-      } else if (ins.op == schedule::Op::backward) {
-        --live[size_t(ins.chunk)];
-      }
-    }
+    program = pipeline_program(plan, groups.coord.pp);
+    const std::vector<int> peak = activation_peaks(program, plan.virtual_stages);
 
     const auto ranges = plan.stage_ranges(cfg.model);
     const std::string wte =
@@ -268,6 +251,10 @@ struct World {
           taken.emplace_back(c, b / 3, 0);
         }
       }
+      if (!ch.model && prepared != nullptr && prepared->models[size_t(c)]) {
+        ch.model = std::move(prepared->models[size_t(c)]);
+        ch.model->rebind_tp_group(tp_group.get());
+      }
       if (!ch.model)
         ch.model = std::make_unique<model::Transformer>(cfg.model, *backend, int(B), int(T),
                                                         ch.range, tp_group.get(), peak[size_t(c)]);
@@ -277,25 +264,29 @@ struct World {
       const int64_t n = ch.model->num_params();
       ch.own_n = n;
       if (plan.zero_stage == 1) {
-        // Contiguous, as even as possible: the first n % dp ranks own one element more. (No
-        // padding is needed: reduce_scatter_sum / all_gather_v take uneven counts.)
-        const int64_t dp = plan.dp, r = groups.coord.dp;
-        for (int64_t i = 0; i < dp; ++i) ch.dp_counts.push_back(size_t(n / dp + (i < n % dp)));
-        ch.own_lo = r * (n / dp) + std::min(r, n % dp);
-        ch.own_n = int64_t(ch.dp_counts[size_t(r)]);
+        auto z = zero_split(n, plan.dp, groups.coord.dp);
+        ch.dp_counts = std::move(z.counts);
+        ch.own_lo = z.lo;
+        ch.own_n = z.n_own;
       }
-      auto adam = [&](int kind, Tensor Chunk::*member) {
+      // Adam moments: the donor's where the transfer keeps them, else prepared ones, else new.
+      const int64_t n_adam = std::max<int64_t>(ch.own_n, 1);
+      auto adam = [&](int kind, Tensor Chunk::*member, std::vector<Tensor> PreparedChunks::*ready) {
         if (const int b = kept(kind); b >= 0) {
           Tensor& t = donor->chunks[size_t(b / 3)].*member;
-          if (t.defined() && t.numel() == std::max<int64_t>(ch.own_n, 1)) {
+          if (t.defined() && t.numel() == n_adam) {
             taken.emplace_back(c, b / 3, kind);
             return std::move(t);
           }
         }
-        return Tensor::zeros({std::max<int64_t>(ch.own_n, 1)});
+        if (prepared != nullptr) {
+          Tensor& t = (prepared->*ready)[size_t(c)];
+          if (t.defined() && t.numel() == n_adam) return std::move(t);
+        }
+        return Tensor::zeros({n_adam});
       };
-      ch.adam_m = adam(1, &Chunk::adam_m);
-      ch.adam_v = adam(2, &Chunk::adam_v);
+      ch.adam_m = adam(1, &Chunk::adam_m, &PreparedChunks::adam_m);
+      ch.adam_v = adam(2, &Chunk::adam_v, &PreparedChunks::adam_v);
       if (cfg.model.tie_embeddings && plan.pp > 1 &&
           (ch.range.has_embedding || ch.range.has_head)) {
         const auto& views = ch.model->param_views();
@@ -716,6 +707,15 @@ struct ParallelTrainer::Impl {
   int64_t applied_request = 0;   // the newest scale request applied
   std::unique_ptr<World> world;  // null while this process has no rank in the plan
   std::optional<SwitchMarker> joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
+  bool joining_early = false;  // ... from its announcement (prepare-<g>): wait for the switch
+  // A switch announced ahead (elastic.prepare_steps): made after `at_step` steps; until then
+  // this process builds its buffers in the new plan in the background.
+  struct Preparation {
+    SwitchMarker sw;
+    int64_t at_step = 0;
+    std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
+  };
+  std::optional<Preparation> preparing;
   std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
   bool fatal = false;  // a failure recovery cannot help (the coordinator gave no answer)
 
@@ -729,7 +729,12 @@ struct ParallelTrainer::Impl {
     if (join > 0) {
       // Started for the switch to generation `join`: take part in it as a receiver only. Its
       // description was written before this process was started.
-      const auto path = switch_marker_path(env.store_dir, env.job_id, int(join));
+      // Announced ahead (prepare-<g>) unless the switch itself is already there.
+      auto path = switch_marker_path(env.store_dir, env.job_id, int(join));
+      if (!std::filesystem::exists(path)) {
+        path = prepare_marker_path(env.store_dir, env.job_id, int(join));
+        joining_early = true;
+      }
       auto m = SwitchMarker::from_json(read_json_file(path), path);
       TESSEL_CHECK(index_of(m.to_members, env.rank) >= 0, ConfigError,
                    "TESSEL_JOIN_GENERATION={}: process {} has no place in {} ({})", join, env.rank,
@@ -802,12 +807,13 @@ struct ParallelTrainer::Impl {
   std::optional<SwitchMarker> next_switch() {
     const int64_t step = world->step;
     std::optional<SwitchMarker> sw;
-    if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
+    if (preparing && preparing->at_step == step) {
+      ++next_static;
+      sw = preparing->sw;  // the buffers stay in `preparing` for transition()
+    } else if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
       const auto& e = cfg.timeline[next_static++];
-      sw.emplace();
-      sw->to = e.plan;
-      sw->cause = e.workers > 0 ? "timeline (workers)" : "timeline (plan)";
-    } else if (elastic()) {
+      sw = make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
+    } else if (elastic() && !preparing) {  // during a preparation requests wait (queued)
       // The newest request any rank has seen; the request files only ever appear, so every rank
       // can read the agreed one after the all-reduce.
       int64_t seen = applied_request;
@@ -821,29 +827,146 @@ struct ParallelTrainer::Impl {
       auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
       applied_request = seen;
       if (to == plan) return std::nullopt;
-      sw.emplace();
-      sw->to = std::move(to);
-      sw->cause = "scale request";
+      sw = make_switch(std::move(to), "scale request");
       sw->request = seen;
     }
     if (!sw) return std::nullopt;
-    sw->generation = generation + 1;
-    sw->from = plan;
-    sw->from_members = members;
-    // The first ranks keep their processes; ranks beyond the old world get new processes.
-    const int n = sw->to.world();
-    sw->to_members.assign(members.begin(),
-                          members.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members.size())));
-    while (int(sw->to_members.size()) < n) {
-      sw->to_members.push_back(next_process_id);
-      sw->spawn.push_back(next_process_id++);
-    }
-    sw->next_process_id = next_process_id;
-    sw->applied_request = applied_request;
-    sw->failures = failures;
     sw->step = step;
     sw->cursor = world->cursor;
     return sw;
+  }
+
+  // The switch from the current world to plan `to` (the next generation). The first ranks keep
+  // their processes; ranks beyond the old world get new processes, whose ids it takes.
+  SwitchMarker make_switch(layout::Plan to, const std::string& cause) {
+    SwitchMarker sw;
+    sw.to = std::move(to);
+    sw.cause = cause;
+    sw.generation = generation + 1;
+    sw.from = plan;
+    sw.from_members = members;
+    const int n = sw.to.world();
+    sw.to_members.assign(members.begin(),
+                         members.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members.size())));
+    while (int(sw.to_members.size()) < n) {
+      sw.to_members.push_back(next_process_id);
+      sw.spawn.push_back(next_process_id++);
+    }
+    sw.next_process_id = next_process_id;
+    sw.applied_request = applied_request;
+    sw.failures = failures;
+    sw.step = world->step;
+    sw.cursor = world->cursor;
+    return sw;
+  }
+
+  // Announces the next timeline switch once it is elastic.prepare_steps or fewer steps away
+  // (every rank decides alike, from the config): rank 0 writes prepare-<g>, so the coordinator
+  // starts the processes it adds now, and this process starts building, on a background thread,
+  // the chunks it will hold in the new plan and cannot take over from its current world.
+  void maybe_prepare() {
+    if (preparing || cfg.prepare_steps <= 0 || next_static >= cfg.timeline.size()) return;
+    const auto& e = cfg.timeline[next_static];
+    const int64_t step = world->step;
+    if (e.at_step <= step || e.at_step - step > cfg.prepare_steps ||
+        e.at_step >= cfg.training.end_step())
+      return;
+    Preparation p;
+    p.sw = make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
+    p.at_step = e.at_step;
+    if (world->rank == 0 && !p.sw.spawn.empty())
+      write_json_file(prepare_marker_path(env.store_dir, env.job_id, p.sw.generation),
+                      p.sw.to_json());
+    if (const int new_rank = index_of(p.sw.to_members, env.rank); new_rank >= 0) {
+      const auto tplan = transfer_plan(p.sw);
+      std::vector<bool> kept(tplan.new_buffer_sizes(new_rank).size() / 3);
+      for (size_t c = 0; c < kept.size(); ++c) kept[c] = tplan.kept_from(new_rank, int(3 * c)) >= 0;
+      p.chunks = std::async(std::launch::async,
+                            [this, to = p.sw.to, new_rank, backend = world->backend, kept] {
+                              return prepare_chunks(cfg, to, new_rank, backend, kept);
+                            });
+    }
+    preparing = std::move(p);
+  }
+
+  // Drops a preparation (its switch will not happen: a failure came first), after its
+  // background build ended.
+  void drop_preparation() noexcept {
+    if (!preparing) return;
+    if (preparing->chunks.valid()) {
+      try {
+        preparing->chunks.get();
+      } catch (const std::exception& e) {
+        spdlog::warn("preparing the switch to generation {} failed: {}", preparing->sw.generation,
+                     e.what());
+      }
+    }
+    preparing.reset();
+  }
+
+  // The buffers prepared for switch `sw`, if it is the prepared one, after their build ended;
+  // `record` gets when it was announced and how long the switch waited for the build.
+  std::optional<PreparedChunks> take_prepared(const SwitchMarker& sw, nlohmann::json& record) {
+    if (!preparing || sw.recovery || preparing->sw.generation != sw.generation) return {};
+    auto p = std::move(*preparing);
+    preparing.reset();
+    record["announced_at_step"] = p.sw.step;
+    if (!p.chunks.valid()) return {};
+    const auto t0 = std::chrono::steady_clock::now();
+    auto chunks = p.chunks.get();
+    record["prepare_wait_s"] = seconds_since(t0);
+    return chunks;
+  }
+
+  // One host: every process is local.
+  reshard::TransferPlan transfer_plan(const SwitchMarker& sw) const {
+    return reshard::TransferPlan::build(
+        layout::StateLayout::build(cfg.model, sw.from),
+        layout::StateLayout::build(cfg.model, sw.to), std::vector<int>(size_t(sw.from.world()), 0),
+        std::vector<int>(size_t(sw.to.world()), 0), sw.from_members, sw.to_members);
+  }
+
+  // A process started for a switch announced ahead (joining_early): builds its chunks while the
+  // job still trains, then waits for the switch itself (switch-<g>, with the step it happens
+  // at) and returns it. Returns nothing when a failure recovery overtook the switch (its
+  // decision for the failure after sw.failures appeared first): this process is not needed.
+  // Throws TimeoutError when neither comes within the bound.
+  std::optional<SwitchMarker> await_switch(const SwitchMarker& announced) {
+    const int new_rank = index_of(announced.to_members, env.rank);
+    Preparation p;
+    p.sw = announced;
+    p.chunks = std::async(std::launch::async, [this, to = announced.to, new_rank] {
+      return prepare_chunks(
+          cfg, to, new_rank,
+          std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend)), {});
+    });
+    preparing = std::move(p);
+    const auto go = switch_marker_path(env.store_dir, env.job_id, announced.generation);
+    const auto overtaken = recovery_path(env.store_dir, env.job_id, announced.failures + 1);
+    const auto limit = recovery_deadline(cfg.comm_timeout_s) * (cfg.prepare_steps + 1);
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      if (std::filesystem::exists(go)) {
+        auto sw = SwitchMarker::from_json(read_json_file(go), go);
+        skip_timeline_through(sw.step);
+        return sw;
+      }
+      if (std::filesystem::exists(overtaken)) {
+        drop_preparation();
+        spdlog::info(
+            "process {}: a failure recovery overtook the switch to generation {} it "
+            "was started for; leaving",
+            env.rank, announced.generation);
+        return std::nullopt;
+      }
+      fatal = std::chrono::steady_clock::now() >= deadline;  // no recovery helps this
+      TESSEL_CHECK(!fatal, TimeoutError,
+                   "process {} was started for the switch to generation {} ({}), which did not "
+                   "happen within {} s ({} did not appear)",
+                   env.rank, announced.generation, announced.to.describe(), limit.count() / 1000,
+                   go);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
   }
 
   void write_event(const nlohmann::json& record) {
@@ -902,12 +1025,7 @@ struct ParallelTrainer::Impl {
     }
     // A survivor whose state is not a source drops it first (its memory is needed).
     if (old_rank < 0) world.reset();
-    const auto old_layout = layout::StateLayout::build(cfg.model, sw.from);
-    const auto new_layout = layout::StateLayout::build(cfg.model, sw.to);
-    // One host: every process is local.
-    const auto tplan = reshard::TransferPlan::build(
-        old_layout, new_layout, std::vector<int>(size_t(sw.from.world()), 0),
-        std::vector<int>(size_t(sw.to.world()), 0), sw.from_members, sw.to_members);
+    const auto tplan = transfer_plan(sw);
     const double planning_s = seconds_since(t0);
     comm::StoreOptions store;
     store.path = env.store_dir;
@@ -928,12 +1046,15 @@ struct ParallelTrainer::Impl {
     }
     std::unique_ptr<World> successor;
     double rebuild_s = 0, transfer_s = 0;
+    nlohmann::json prepare_record = nlohmann::json::object();
     reshard::ExecuteStats moved;
     layout::ScalarState shared{sw.step, sw.step, sw.cursor, {}};
     try {
+      // Prepared ahead (maybe_prepare, await_switch): waits for the build if it still runs.
+      auto prepared = take_prepared(sw, prepare_record);
       if (new_rank >= 0)
         successor = std::make_unique<World>(cfg, env, sw.to, new_rank, store_generation, false,
-                                            world.get(), &tplan);
+                                            world.get(), &tplan, prepared ? &*prepared : nullptr);
       rebuild_s = seconds_since(t1);
       t1 = std::chrono::steady_clock::now();
       if (successor) buffers.new_buffers = successor->state_buffers();
@@ -993,6 +1114,7 @@ struct ParallelTrainer::Impl {
                                {"bytes_read_directly", moved.bytes_read_directly},
                                {"bytes_over_network", moved.bytes_received},
                                {"steps_lost", 0}};
+      record.update(prepare_record);
       write_switch_event(std::move(record), sw, total_s);
     }
   }
@@ -1060,6 +1182,7 @@ struct ParallelTrainer::Impl {
   // reports what state it holds to the coordinator, waits for the coordinator's decision and
   // carries it out (transition). Throws TimeoutError when no decision comes.
   void recover(const std::string& what) {
+    drop_preparation();
     ++failures;
     FailureReport r;
     r.process = env.rank;
@@ -1135,11 +1258,16 @@ TrainSummary ParallelTrainer::run() {
         failed.reset();
         s.recover(what);
       } else if (s.joining) {
-        const SwitchMarker sw = *s.joining;
+        std::optional<SwitchMarker> sw = std::move(s.joining);
         s.joining.reset();
-        s.transition(sw);
+        if (s.joining_early) sw = s.await_switch(*sw);
+        if (!sw) break;  // overtaken by a failure recovery: not needed
+        s.transition(*sw);
       }
       while (s.world && s.world->step < cfg.training.end_step()) {
+        // Here, not after a switch: every way into a world (a switch, joining, a recovery, a
+        // resume) passes, so all ranks decide alike whether a preparation runs.
+        s.maybe_prepare();
         World& w = *s.world;
         tracker.show_progress(s.lead(), cfg.training.steps, cfg.training.log_every);
         tracker.begin_step();

@@ -94,6 +94,10 @@ std::string switch_marker_path(const std::string& store_dir, const std::string& 
   return fmt::format("{}/{}.switch-{}.json", store_dir, job, g);
 }
 
+std::string prepare_marker_path(const std::string& store_dir, const std::string& job, int g) {
+  return fmt::format("{}/{}.prepare-{}.json", store_dir, job, g);
+}
+
 std::string failure_report_path(const std::string& store_dir, const std::string& job,
                                 int64_t failure, int process) {
   return fmt::format("{}/{}.report-{}-{}.json", store_dir, job, failure, process);

@@ -7,6 +7,10 @@
 //    current rank 0 before a switch it decided (timeline, scale request), or by the coordinator
 //    for a recovery from a failure. The coordinator starts the processes listed in `spawn`; they
 //    read their part from it (TESSEL_JOIN_GENERATION=g).
+//  * <job>.prepare-<g>.json (SwitchMarker): the same switch, announced ahead (elastic.
+//    prepare_steps before a timeline entry): the coordinator starts the `spawn` processes at
+//    once, they build their buffers while the job still trains, then wait for switch-<g> (go) or
+//    for recovery-<failures + 1> (the switch is void: they leave).
 //  * <job>.report-<e>-<p>.json (FailureReport): process p's account of itself after it met
 //    failure number e (a peer it talks to died): what state it holds and at which step.
 //  * <job>.recovery-<e>.json (a SwitchMarker with recovery set): the coordinator's decision for
@@ -80,6 +84,7 @@ struct FailureReport {
 std::chrono::milliseconds recovery_deadline(double comm_timeout_s);
 
 std::string switch_marker_path(const std::string& store_dir, const std::string& job, int g);
+std::string prepare_marker_path(const std::string& store_dir, const std::string& job, int g);
 std::string failure_report_path(const std::string& store_dir, const std::string& job,
                                 int64_t failure, int process);
 std::string recovery_path(const std::string& store_dir, const std::string& job, int64_t failure);

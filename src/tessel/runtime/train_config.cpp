@@ -234,6 +234,9 @@ TrainConfig TrainConfig::load(const std::string& path) {
   auto el = top.section("elastic");
   el.read("hosts_file", c.hosts_file);
   el.read("replace_failed", c.replace_failed);
+  el.read("prepare_steps", c.prepare_steps);
+  TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
+               el.where("prepare_steps"), c.prepare_steps);
   el.reject_unknown_keys();
   c.hosts_file = resolve(c.hosts_file, base);
 

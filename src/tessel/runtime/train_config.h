@@ -12,7 +12,7 @@
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file, replace_failed}   (see TrainConfig::hosts_file, replace_failed)
+//   elastic:    {hosts_file, replace_failed, prepare_steps}   (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -128,6 +128,12 @@ struct TrainConfig {
   // elastic.replace_failed: when a worker dies, start a new process in its place (it receives
   // its share of the state in the recovery) instead of going on with the survivors only.
   bool replace_failed = false;
+  // elastic.prepare_steps: a timeline switch is prepared this many steps ahead while training
+  // goes on: the processes it adds are started and build their buffers, and every survivor
+  // builds the buffers of the chunks it will hold and does not hold now. The pause then holds
+  // only the transfer. Costs the successor's memory beside the current one's during those steps;
+  // 0: build everything during the pause.
+  int prepare_steps = 2;
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

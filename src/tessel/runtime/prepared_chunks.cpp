@@ -1,0 +1,100 @@
+#include "tessel/runtime/prepared_chunks.h"
+
+#include <algorithm>
+#include <string>
+
+#include "tessel/core/check.h"
+#include "tessel/schedule/generators.h"
+
+namespace tessel::runtime {
+
+namespace {
+
+// Stands in for a tensor-parallel group that does not exist yet: it has the rank and size the
+// model's shard shapes depend on, and no collective may run through it.
+class UnboundTpGroup final : public model::TpGroup {
+ public:
+  UnboundTpGroup(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce_sum(float*, size_t) override { unbound(); }
+  void all_reduce_max(float*, size_t) override { unbound(); }
+
+ private:
+  [[noreturn]] static void unbound() {
+    TESSEL_THROW(InvalidArgumentError,
+                 "a model prepared ahead of a switch ran a tensor-parallel collective before the "
+                 "switch bound it to its communicators (rebind_tp_group)");
+  }
+  int rank_, size_;
+};
+
+}  // namespace
+
+std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
+  schedule::Schedule s;
+  const int M = int(plan.micro_batches);
+  switch (plan.schedule) {
+    case layout::ScheduleKind::gpipe:
+      s = schedule::gpipe(plan.pp, M);
+      break;
+    case layout::ScheduleKind::one_f_one_b:
+      s = schedule::one_f_one_b(plan.pp, M);
+      break;
+    case layout::ScheduleKind::interleaved_one_f_one_b:
+      s = schedule::interleaved_one_f_one_b(plan.pp, M, plan.virtual_stages);
+      break;
+  }
+  return s.per_stage[size_t(pp)];
+}
+
+std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks) {
+  std::vector<int> peak(size_t(chunks), 1), live(peak.size(), 0);
+  for (const auto& ins : program) {
+    if (ins.op == schedule::Op::forward) {
+      int& n = live[size_t(ins.chunk)];
+      peak[size_t(ins.chunk)] = std::max(peak[size_t(ins.chunk)], ++n);
+    } else if (ins.op == schedule::Op::backward) {
+      --live[size_t(ins.chunk)];
+    }
+  }
+  return peak;
+}
+
+ZeroSplit zero_split(int64_t n, int64_t dp, int64_t r) {
+  ZeroSplit z;
+  for (int64_t i = 0; i < dp; ++i) z.counts.push_back(size_t(n / dp + (i < n % dp)));
+  z.lo = r * (n / dp) + std::min(r, n % dp);
+  z.n_own = int64_t(z.counts[size_t(r)]);
+  return z;
+}
+
+PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int rank,
+                              std::shared_ptr<kernels::Backend> backend,
+                              const std::vector<bool>& skip) {
+  const layout::Plan plan = p.with_defaults(cfg.model);
+  const layout::Coord coord = plan.coord_of(rank);
+  const auto peaks = activation_peaks(pipeline_program(plan, coord.pp), plan.virtual_stages);
+  const auto ranges = plan.stage_ranges(cfg.model);
+  PreparedChunks out;
+  out.backend = std::move(backend);
+  if (plan.tp > 1) out.unbound_tp = std::make_unique<UnboundTpGroup>(coord.tp, plan.tp);
+  const auto n_chunks = size_t(plan.virtual_stages);
+  out.models.resize(n_chunks);
+  out.adam_m.resize(n_chunks);
+  out.adam_v.resize(n_chunks);
+  for (size_t c = 0; c < n_chunks; ++c) {
+    if (c < skip.size() && skip[c]) continue;
+    auto m = std::make_unique<model::Transformer>(
+        cfg.model, *out.backend, int(plan.micro_batch), int(cfg.data.seq_len),
+        ranges[size_t(plan.stage_of(coord.pp, int(c)))], out.unbound_tp.get(), peaks[c]);
+    int64_t n = m->num_params();
+    if (plan.zero_stage == 1) n = zero_split(n, plan.dp, coord.dp).n_own;
+    out.adam_m[c] = Tensor::zeros({std::max<int64_t>(n, 1)});
+    out.adam_v[c] = Tensor::zeros({std::max<int64_t>(n, 1)});
+    out.models[c] = std::move(m);
+  }
+  return out;
+}
+
+}  // namespace tessel::runtime

@@ -119,10 +119,13 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
   const int64_t r = ++requests_;
   const nlohmann::json req = {{"request", r}, {"workers", n}, {"plan", layout::to_json(plan)}};
   runtime::write_json_file(runtime::scale_request_path(store_dir, job_id_, r), req);
-  spdlog::info("scale request {}: {} workers ({}) at the next step boundary", r, n,
-               plan.describe());
-  return fmt::format("ok: request {}: {} workers ({}) at the next step boundary", r, n,
-                     plan.describe());
+  const std::string when =
+      cfg_.prepare_steps > 0
+          ? fmt::format("prepared from the next step boundary on, switched {} steps later",
+                        cfg_.prepare_steps)
+          : std::string("at the next step boundary");
+  spdlog::info("scale request {}: {} workers ({}) {}", r, n, plan.describe(), when);
+  return fmt::format("ok: request {}: {} workers ({}) {}", r, n, plan.describe(), when);
 }
 
 void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
@@ -232,7 +235,7 @@ void Coordinator::recover(const std::string& store_dir) {
     return;
   }
   if (reports.empty() && p.someone_finished) {
-    // Everyone else finished the run: nothing to recover.
+    spdlog::info("{}: every other worker had finished the run; nothing to recover", p.cause);
     pending_.reset();
     return;
   }

@@ -10,10 +10,13 @@
 //    $TESSEL_CTL_DIR, else /tmp/tessel-ctl), takes one command per connection (`tessel ctl`):
 //      scale N   the planner picks the plan for N workers (keeping the global batch); a count
 //                no plan fits is refused with the planner's reason, and training goes on.
-//                Otherwise the coordinator writes <store>/<job>.request-<r>.json and the workers
-//                switch at the next step boundary (they agree on the newest request in a
-//                collective, so requests made while a switch runs are applied after it -- the
-//                newest wins, none is lost).
+//                Otherwise the coordinator writes <store>/<job>.request-<r>.json; at the next
+//                step boundary the workers agree on the newest request in a collective and
+//                announce the switch (prepare-<g>): the processes it adds start and everyone
+//                builds the new buffers while elastic.prepare_steps more steps run, then they
+//                switch (at once with prepare_steps 0, or when a timeline entry comes first).
+//                Requests made while a switch is prepared or runs are applied after it -- the
+//                newest wins, none is lost.
 //      status    the job, its workers and the requests so far.
 //    Each reply is one line starting with "ok:" or "refused:".
 //  * Failures. A worker killed by a signal (SIGKILL, the OOM killer, a preempted machine's

@@ -140,7 +140,7 @@ TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
 }
 
 // A running job scaled 2 -> 3 -> 1 workers by `tessel ctl`: every step's loss equals the single
-// process's, and each scale is one event line.
+// process's, and each scale is one event line, prepared before it was made.
 TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {
   TempDir dir;
   auto corpus = runtime::testing::make_corpus(dir);
@@ -193,6 +193,10 @@ TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {
   EXPECT_EQ(events[0].at("cause"), "scale request");
   EXPECT_EQ(events[0].at("new_workers").get<int>(), 3);
   EXPECT_EQ(events[1].at("new_workers").get<int>(), 1);
+  // Each was prepared over elastic.prepare_steps (2) steps before it was made.
+  for (const auto& e : events)
+    EXPECT_EQ(e.value("announced_at_step", int64_t(-1)), e.at("step").get<int64_t>() - 2)
+        << e.dump();
 }
 
 }  // namespace

@@ -200,7 +200,12 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
     EXPECT_EQ(e.at("restored_from"), "survivors") << e.dump();
     EXPECT_EQ(e.at("new_workers").get<int>(), 4) << e.dump();
   }
-  EXPECT_EQ(recoveries, 20) << log;
+  // A kill can land after the last step, once the others have finished: nothing to recover.
+  size_t after_the_end = 0;
+  for (size_t at = 0; (at = log.find("nothing to recover", at)) != std::string::npos; ++at)
+    ++after_the_end;
+  EXPECT_LE(after_the_end, 1u) << log;
+  EXPECT_EQ(size_t(recoveries) + after_the_end, 20u) << log;
 
   expect_like_reference(dir, ref, 20);  // at most one unlogged step per kill
 }

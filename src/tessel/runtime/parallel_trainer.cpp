@@ -177,7 +177,8 @@ struct World {
   // Chunk state taken over from the donor world of a switch: (chunk, donor chunk, buffer kind
   // 0 params / 1 adam_m / 2 adam_v), so a failed switch can give it back (give_back).
   std::vector<std::tuple<int, int, int>> taken;
-  int data_log_fd = -1;  // output.data_order, on the first tp and pp rank of each replica
+  int data_log_fd = -1;     // output.data_order, on the first tp and pp rank of each replica
+  int64_t saved_step = -1;  // of this world's last checkpoint save (-1: none yet)
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
@@ -373,6 +374,7 @@ struct World {
   // Saves the whole state as checkpoint.dir/step-N (sharded_checkpoint.h): every rank writes its
   // share, then rank 0 publishes it. Collective over the world.
   void save_checkpoint() {
+    saved_step = step;
     const auto& dir = cfg.checkpoint.dir;
     if (rank == 0) std::filesystem::create_directories(dir);
     groups.world->barrier();
@@ -416,6 +418,18 @@ struct World {
 
   // Ends the background save, if one runs; rethrows its error.
   void finish_checkpoint() { saver.wait(); }
+
+  // Saves this step's checkpoint unless checkpoint.dir already has it published (rank 0 looks;
+  // collective over the world).
+  void save_checkpoint_unless_published() {
+    int64_t published = -1;
+    if (rank == 0)
+      if (const auto latest = latest_sharded_checkpoint(cfg.checkpoint.dir))
+        published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
+    std::vector<int64_t> all(size_t(groups.world->size()));
+    groups.world->all_gather(&published, 1, all.data());
+    if (all[0] != step) save_checkpoint();
+  }
 
   nlohmann::json checkpoint_meta() const {
     return runtime::checkpoint_meta(cfg, plan, step, cursor);
@@ -708,11 +722,13 @@ struct ParallelTrainer::Impl {
   std::unique_ptr<World> world;  // null while this process has no rank in the plan
   std::optional<SwitchMarker> joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
   bool joining_early = false;  // ... from its announcement (prepare-<g>): wait for the switch
-  // A switch announced ahead (elastic.prepare_steps): made after `at_step` steps; until then
-  // this process builds its buffers in the new plan in the background.
+  // A switch announced ahead (a timeline entry or a scale request, elastic.prepare_steps): made
+  // after `at_step` steps; until then this process builds its buffers in the new plan in the
+  // background.
   struct Preparation {
     SwitchMarker sw;
     int64_t at_step = 0;
+    bool timeline = false;               // the next timeline entry (else a scale request)
     std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
   };
   std::optional<Preparation> preparing;
@@ -807,13 +823,15 @@ struct ParallelTrainer::Impl {
   std::optional<SwitchMarker> next_switch() {
     const int64_t step = world->step;
     std::optional<SwitchMarker> sw;
-    if (preparing && preparing->at_step == step) {
-      ++next_static;
+    if (preparing) {
+      // Requests wait (queued) while a switch is prepared; it happens at its step.
+      if (preparing->at_step != step) return std::nullopt;
+      if (preparing->timeline) ++next_static;
       sw = preparing->sw;  // the buffers stay in `preparing` for transition()
     } else if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
       const auto& e = cfg.timeline[next_static++];
       sw = make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
-    } else if (elastic() && !preparing) {  // during a preparation requests wait (queued)
+    } else if (elastic()) {
       // The newest request any rank has seen; the request files only ever appear, so every rank
       // can read the agreed one after the all-reduce.
       int64_t seen = applied_request;
@@ -829,6 +847,15 @@ struct ParallelTrainer::Impl {
       if (to == plan) return std::nullopt;
       sw = make_switch(std::move(to), "scale request");
       sw->request = seen;
+      // Prepared over the next elastic.prepare_steps steps, unless the timeline switches first
+      // or the run ends before (then now, built during the pause).
+      const int64_t at = step + cfg.prepare_steps;
+      const bool timeline_first =
+          next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= at;
+      if (cfg.prepare_steps > 0 && at < cfg.training.end_step() && !timeline_first) {
+        start_preparation(std::move(*sw), at, false);
+        return std::nullopt;
+      }
     }
     if (!sw) return std::nullopt;
     sw->step = step;
@@ -860,10 +887,8 @@ struct ParallelTrainer::Impl {
     return sw;
   }
 
-  // Announces the next timeline switch once it is elastic.prepare_steps or fewer steps away
-  // (every rank decides alike, from the config): rank 0 writes prepare-<g>, so the coordinator
-  // starts the processes it adds now, and this process starts building, on a background thread,
-  // the chunks it will hold in the new plan and cannot take over from its current world.
+  // Prepares the next timeline switch once it is elastic.prepare_steps or fewer steps away
+  // (every rank decides alike, from the config).
   void maybe_prepare() {
     if (preparing || cfg.prepare_steps <= 0 || next_static >= cfg.timeline.size()) return;
     const auto& e = cfg.timeline[next_static];
@@ -871,9 +896,19 @@ struct ParallelTrainer::Impl {
     if (e.at_step <= step || e.at_step - step > cfg.prepare_steps ||
         e.at_step >= cfg.training.end_step())
       return;
+    start_preparation(make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)"),
+                      e.at_step, true);
+  }
+
+  // Announces switch `sw`, to be made after `at_step` steps: rank 0 writes prepare-<g>, so the
+  // coordinator starts the processes it adds now, and this process starts building, on a
+  // background thread, the chunks it will hold in the new plan and cannot take over from its
+  // current world.
+  void start_preparation(SwitchMarker sw, int64_t at_step, bool timeline) {
     Preparation p;
-    p.sw = make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
-    p.at_step = e.at_step;
+    p.sw = std::move(sw);
+    p.at_step = at_step;
+    p.timeline = timeline;
     if (world->rank == 0 && !p.sw.spawn.empty())
       write_json_file(prepare_marker_path(env.store_dir, env.job_id, p.sw.generation),
                       p.sw.to_json());
@@ -1294,6 +1329,10 @@ TrainSummary ParallelTrainer::run() {
       if (s.world) {
         World& w = *s.world;
         w.finish_checkpoint();
+        // A failure while the last step's checkpoint was being written cancels that save; the
+        // world its recovery made (at the last step) writes it again.
+        if (!cfg.checkpoint.dir.empty() && w.step == cfg.training.end_step() && w.saved_step < 0)
+          w.save_checkpoint_unless_published();
         if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
           w.dump_params(dir);
         // Nobody leaves before everyone is done with the last step's collectives.

@@ -11,7 +11,8 @@ A reconfiguration's pause is the wall-clock time from the end of the last step b
 to the start of the first step after it (metrics lines carry "time", the end of the step, and
 "step_s"). Live switches are prepared elastic.prepare_steps (2) ahead while training goes on;
 the extra time of those steps against the same steps of the restart run is reported beside the
-pauses ("prepare_extra_step_s"), not hidden. Human-readable lines first, the last line is one JSON object. Standard library only.
+pauses ("prepare_extra_step_s"), not hidden, and a third run with nothing prepared
+(elastic.prepare_steps: 0) gives the pauses and the end-to-end time without preparation. Human-readable lines first, the last line is one JSON object. Standard library only.
 """
 import argparse
 import json
@@ -36,7 +37,7 @@ def flow(d):
     return "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"
 
 
-def config(args, name, parallel, timeline=None, stop_at=0, resume_dir=None):
+def config(args, name, parallel, timeline=None, stop_at=0, resume_dir=None, prepare_steps=None):
     text = f"""model: {{preset: {args.model}}}
 data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0, seed: 1}}
 training: {{steps: {STEPS}, stop_at: {stop_at}, global_batch: {GLOBAL_BATCH}, seed: 1234, log_every: 1}}
@@ -46,6 +47,8 @@ parallel: {flow(parallel)}
 """
     if resume_dir:
         text += f"checkpoint: {{dir: {resume_dir}}}\n"
+    if prepare_steps is not None:
+        text += f"elastic: {{prepare_steps: {prepare_steps}}}\n"
     if timeline:
         text += "timeline:\n" + "".join(f"  - {{at_step: {s}, parallel: {flow(p)}}}\n"
                                          for s, p in timeline)
@@ -105,6 +108,11 @@ def main():
     train(args, "live", live_cfg, max(workers(p) for _, p in PLANS))
     live = pauses(records(pathlib.Path(args.work) / "live.metrics.jsonl"), switch_steps)
     events = records(pathlib.Path(args.work) / "live.events.jsonl")
+    # The same, with nothing prepared ahead (everything built during the pauses): what the
+    # preparation buys and costs.
+    bare_cfg = config(args, "bare", PLANS[0][1], timeline=PLANS[1:], prepare_steps=0)
+    train(args, "bare", bare_cfg, max(workers(p) for _, p in PLANS))
+    bare = pauses(records(pathlib.Path(args.work) / "bare.metrics.jsonl"), switch_steps)
 
     # Restart: one run per plan, each stopping at the next switch with a checkpoint.
     ck = pathlib.Path(args.work) / "restart-ck"
@@ -125,7 +133,8 @@ def main():
         a = events[i].get("announced_at_step", s)
         extra.append(sum(live_steps[k] - restart_steps[k] for k in range(a + 1, s + 1)))
 
-    print(f"{'switch':<28} {'live pause s':>12} {'restart pause s':>16} {'speedup':>8}  live breakdown")
+    print(f"{'switch':<28} {'live pause s':>12} {'restart pause s':>16} {'speedup':>8} "
+          f"{'unprepared s':>13}  live breakdown")
     for i, s in enumerate(switch_steps):
         e = events[i]
         prep = (f"; announced after step {e['announced_at_step']}, waited "
@@ -133,15 +142,27 @@ def main():
                 f"{e['announced_at_step'] + 1}..{s} took {extra[i]:+.3f} s against restart"
                 if "announced_at_step" in e else "")
         print(f"{str(PLANS[i][1]) + '->' + str(PLANS[i + 1][1]):<28} {live[i]:>12.3f} "
-              f"{restart[i]:>16.3f} {restart[i] / live[i]:>8.1f}  total {e['total_pause_s']:.3f} "
+              f"{restart[i]:>16.3f} {restart[i] / live[i]:>8.1f} {bare[i]:>13.3f}  "
+              f"total {e['total_pause_s']:.3f} "
               f"(plan {e['planning_s']:.3f}, connect {e['connect_s']:.3f}, rebuild "
               f"{e['rebuild_s']:.3f}, transfer {e['transfer_s']:.3f}; "
               f"{e['bytes_moved'] / 1e6:.0f} MB moved{prep})")
+    # End to end, for the whole picture: from the start of step 1 to the end of the last step.
+    span = {}
+    for name in ("live", "bare", "restart"):
+        recs = {r["step"]: r for r in records(pathlib.Path(args.work) / f"{name}.metrics.jsonl")}
+        span[name] = recs[STEPS]["time"] - (recs[1]["time"] - recs[1]["step_s"])
+    print(f"steps 1..{STEPS} end to end: live {span['live']:.2f} s, live unprepared "
+          f"{span['bare']:.2f} s, restart {span['restart']:.2f} s")
     pl, pr = sum(live) / len(live), sum(restart) / len(restart)
     print(json.dumps({"pause_live_s": round(pl, 4), "pause_restart_s": round(pr, 4),
                       "speedup": round(pr / pl, 2), "live_pauses_s": [round(x, 4) for x in live],
                       "restart_pauses_s": [round(x, 4) for x in restart],
                       "prepare_extra_step_s": [round(x, 4) for x in extra],
+                      "unprepared_pauses_s": [round(x, 4) for x in bare],
+                      "run_live_s": round(span["live"], 3),
+                      "run_unprepared_s": round(span["bare"], 3),
+                      "run_restart_s": round(span["restart"], 3),
                       "switches": [f"{PLANS[i][1]}->{PLANS[i + 1][1]}" for i in range(len(switch_steps))]}))
 
 

@@ -948,9 +948,16 @@ struct ParallelTrainer::Impl {
     record["announced_at_step"] = p.sw.step;
     if (!p.chunks.valid()) return {};
     const auto t0 = std::chrono::steady_clock::now();
-    auto chunks = p.chunks.get();
-    record["prepare_wait_s"] = seconds_since(t0);
-    return chunks;
+    try {
+      auto chunks = p.chunks.get();
+      record["prepare_wait_s"] = seconds_since(t0);
+      return chunks;
+    } catch (const std::exception& e) {
+      // E.g. no memory for both worlds at once: the switch builds them after freeing the old.
+      spdlog::warn("preparing the switch to generation {} failed ({}); building during the pause",
+                   sw.generation, e.what());
+      return {};
+    }
   }
 
   // One host: every process is local.

@@ -825,7 +825,7 @@ struct ParallelTrainer::Impl {
     std::optional<SwitchMarker> sw;
     if (preparing) {
       // Requests wait (queued) while a switch is prepared; it happens at its step.
-      if (preparing->at_step != step) return std::nullopt;
+      if (preparing->at_step > step) return std::nullopt;
       if (preparing->timeline) ++next_static;
       sw = preparing->sw;  // the buffers stay in `preparing` for transition()
     } else if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "tessel/core/check.h"
+#include "tessel/layout/zero_split.h"
 #include "tessel/model/tp_shard.h"
 
 namespace tessel::layout {
@@ -270,9 +271,9 @@ StateLayout StateLayout::build(const model::ModelConfig& config, const Plan& pla
         b.chunk_begin = 0;
         b.numel = n;
         if (plan.zero_stage == 1 && is_optimizer_state(kind)) {
-          const int64_t dp = plan.dp, d = co.dp;
-          b.chunk_begin = d * (n / dp) + std::min(d, n % dp);
-          b.numel = n / dp + (d < n % dp ? 1 : 0);
+          const ZeroSplit z = zero_split(n, plan.dp, co.dp);
+          b.chunk_begin = z.lo;
+          b.numel = z.n_own;
         }
         const int buffer = int(L.buffers_[size_t(rank)].size());
         L.buffers_[size_t(rank)].push_back(b);

@@ -26,6 +26,7 @@
 #include "tessel/kernels/backend.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/layout/training_state.h"
+#include "tessel/layout/zero_split.h"
 #include "tessel/model/transformer.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/reshard/transfer_plan.h"
@@ -265,7 +266,7 @@ struct World {
       const int64_t n = ch.model->num_params();
       ch.own_n = n;
       if (plan.zero_stage == 1) {
-        auto z = zero_split(n, plan.dp, groups.coord.dp);
+        auto z = layout::zero_split(n, plan.dp, groups.coord.dp);
         ch.dp_counts = std::move(z.counts);
         ch.own_lo = z.lo;
         ch.own_n = z.n_own;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "tessel/core/check.h"
+#include "tessel/layout/zero_split.h"
 #include "tessel/schedule/generators.h"
 
 namespace tessel::runtime {
@@ -61,14 +62,6 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
   return peak;
 }
 
-ZeroSplit zero_split(int64_t n, int64_t dp, int64_t r) {
-  ZeroSplit z;
-  for (int64_t i = 0; i < dp; ++i) z.counts.push_back(size_t(n / dp + (i < n % dp)));
-  z.lo = r * (n / dp) + std::min(r, n % dp);
-  z.n_own = int64_t(z.counts[size_t(r)]);
-  return z;
-}
-
 PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int rank,
                               std::shared_ptr<kernels::Backend> backend,
                               const std::vector<bool>& skip) {
@@ -89,7 +82,7 @@ PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int
         cfg.model, *out.backend, int(plan.micro_batch), int(cfg.data.seq_len),
         ranges[size_t(plan.stage_of(coord.pp, int(c)))], out.unbound_tp.get(), peaks[c]);
     int64_t n = m->num_params();
-    if (plan.zero_stage == 1) n = zero_split(n, plan.dp, coord.dp).n_own;
+    if (plan.zero_stage == 1) n = layout::zero_split(n, plan.dp, coord.dp).n_own;
     out.adam_m[c] = Tensor::zeros({std::max<int64_t>(n, 1)});
     out.adam_v[c] = Tensor::zeros({std::max<int64_t>(n, 1)});
     out.models[c] = std::move(m);

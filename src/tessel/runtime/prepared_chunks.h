@@ -7,7 +7,8 @@
 // (a timeline entry, elastic.prepare_steps ahead), prepare_chunks() builds them while the job
 // still trains -- on a background thread of a survivor, or in a process started early for the
 // switch -- so the pause holds only the transfer. Nothing here needs a communicator: the pipeline
-// coordinate, the schedule's activation slots and the ZeRO-1 split all follow from (plan, rank).
+// coordinate, the schedule's activation slots and the ZeRO-1 split (layout/zero_split.h) all
+// follow from (plan, rank).
 #pragma once
 
 #include <cstdint>
@@ -30,15 +31,6 @@ std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, in
 // Per chunk of `program` (chunks of them), the most micro-batches in flight at once (forward
 // run, backward not yet): the activation slots it needs. 1F1B needs at most pp, GPipe M.
 std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks);
-
-// ZeRO-1: a flat buffer of n elements split over dp ranks, contiguous and as even as possible
-// (the first n % dp ranks own one element more; reduce_scatter_sum / all_gather_v take uneven
-// counts, so nothing is padded). Rank r owns [lo, lo + n_own).
-struct ZeroSplit {
-  std::vector<size_t> counts;
-  int64_t lo = 0, n_own = 0;
-};
-ZeroSplit zero_split(int64_t n, int64_t dp, int64_t r);
 
 // The model chunks and Adam moments of one rank of a plan, built before that rank's world
 // exists. Tensor-parallel models are built against a stand-in group of the right rank and size

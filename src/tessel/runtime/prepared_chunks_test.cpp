@@ -2,11 +2,12 @@
 
 #include <gtest/gtest.h>
 
-#include <numeric>
+#include <algorithm>
 #include <vector>
 
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
+#include "tessel/layout/zero_split.h"
 #include "tessel/model/init.h"
 #include "tessel/model/tp_group.h"
 
@@ -52,24 +53,6 @@ TEST(ActivationPeaks, FollowTheSchedule) {
   for (int k : peaks) EXPECT_GE(k, 1);
 }
 
-TEST(ZeroSplit, ContiguousAndEven) {
-  for (int64_t n : {1, 7, 12, 1001}) {
-    for (int64_t dp : {1, 2, 3, 4}) {
-      int64_t at = 0;
-      for (int64_t r = 0; r < dp; ++r) {
-        const auto z = zero_split(n, dp, r);
-        ASSERT_EQ(int64_t(z.counts.size()), dp);
-        EXPECT_EQ(std::accumulate(z.counts.begin(), z.counts.end(), int64_t(0)), n);
-        EXPECT_EQ(z.lo, at) << n << " " << dp << " " << r;
-        EXPECT_EQ(z.n_own, int64_t(z.counts[size_t(r)]));
-        EXPECT_LE(z.counts.front() - z.counts.back(), 1u);
-        at += z.n_own;
-      }
-      EXPECT_EQ(at, n);
-    }
-  }
-}
-
 TEST(PrepareChunks, BuildsEachRanksStagesAndMoments) {
   const auto cfg = tiny_config();
   layout::Plan p = pipeline(2, 4, layout::ScheduleKind::one_f_one_b);
@@ -88,7 +71,7 @@ TEST(PrepareChunks, BuildsEachRanksStagesAndMoments) {
     EXPECT_EQ(m.seq_len(), 16);
     EXPECT_EQ(m.activation_slots(), 2 - c.pp);  // 1F1B over 2 stages
     // ZeRO-1: this dp rank's share of the moments, zeroed.
-    const int64_t own = zero_split(m.num_params(), 3, c.dp).n_own;
+    const int64_t own = layout::zero_split(m.num_params(), 3, c.dp).n_own;
     ASSERT_EQ(out.adam_m[0].numel(), own);
     ASSERT_EQ(out.adam_v[0].numel(), own);
     const float* mv = out.adam_m[0].data<float>();

@@ -131,6 +131,12 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
 void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
                                 const std::string& store_dir) {
   if (pending_) return;  // a failure is being recovered from: its decision says who starts
+  auto start = [&](const runtime::SwitchMarker& m) {
+    for (int p : m.spawn) {
+      spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
+      running_.insert(p);
+    }
+  };
   for (;;) {
     const auto path = runtime::switch_marker_path(store_dir, job_id_, next_generation_);
     if (!fs::exists(path)) {
@@ -138,22 +144,14 @@ void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
       const auto early = runtime::prepare_marker_path(store_dir, job_id_, next_generation_);
       if (prepared_generation_ == next_generation_ || !fs::exists(early)) return;
       const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(early), early);
-      for (int p : m.spawn) {
-        spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
-        running_.insert(p);
-        preparing_.insert(p);
-      }
+      start(m);
+      preparing_.insert(m.spawn.begin(), m.spawn.end());
       prepared_generation_ = next_generation_;
       next_process_id_ = std::max(next_process_id_, m.next_process_id);
       return;
     }
     const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
-    if (prepared_generation_ != next_generation_) {  // else started from its announcement
-      for (int p : m.spawn) {
-        spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
-        running_.insert(p);
-      }
-    }
+    if (prepared_generation_ != next_generation_) start(m);  // else started from its announcement
     preparing_.clear();
     next_process_id_ = std::max(next_process_id_, m.next_process_id);
     workers_ = m.to.world();

@@ -106,9 +106,16 @@ void expect_exact_data_order(const std::filesystem::path& log, int64_t steps, in
   }
 }
 
-const std::string kTraining =
-    "training: {steps: 150, global_batch: 12, micro_batch: 2, threads: 1}\n"
-    "optimizer: {lr: 0.003, warmup_steps: 1}\n";
+// The training and output sections every job here (and its reference run) shares.
+std::string training(int steps) {
+  return fmt::format(
+      "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
+      "optimizer: {{lr: 0.003, warmup_steps: 1}}\n",
+      steps);
+}
+const std::string kOutputs =
+    "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n";
+const std::string kTraining = training(150);
 
 // Runs `tessel train` on `cfg` in the background with `killer` (bash; $L is the launcher's pid,
 // and "echo killed $k" marks each kill) running beside it, then waits for the job and prints
@@ -182,8 +189,8 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
       dir, corpus,
       kTraining +
           "parallel: {dp: 4, timeout_s: 20}\nelastic: {replace_failed: true}\n"
-          "checkpoint: {dir: ck, every: 25}\n"
-          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+          "checkpoint: {dir: ck, every: 25}\n" +
+          kOutputs);
   std::string out;
   const int rc = train_and_kill(dir, cfg, 20, &out);
   const std::string log = read_text(dir / "train.out");
@@ -216,20 +223,17 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
 TEST(Failures, KillsDuringSwitchesAndRecoveries) {
   TempDir dir;
   const auto corpus = runtime::testing::make_corpus(dir);
-  const std::string training =
-      "training: {steps: 120, global_batch: 12, micro_batch: 2, threads: 1}\n"
-      "optimizer: {lr: 0.003, warmup_steps: 1}\n";
-  const auto ref = reference_run(dir, corpus, training);
+  const auto ref = reference_run(dir, corpus, training(120));
   const auto cfg = runtime::testing::write_config(
       dir, corpus,
-      training +
+      training(120) +
           "parallel: {dp: 4, timeout_s: 10}\nelastic: {replace_failed: true}\n"
           "timeline:\n"
           "  - {at_step: 15, workers: 2}\n  - {at_step: 30, workers: 3}\n"
           "  - {at_step: 45, workers: 4}\n  - {at_step: 60, workers: 2}\n"
           "  - {at_step: 75, workers: 4}\n"
-          "checkpoint: {dir: ck, every: 5}\n"
-          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+          "checkpoint: {dir: ck, every: 5}\n" +
+          kOutputs);
   // Kills every 0.1-0.4 s once step 7 is done, without waiting for recoveries.
   std::string out;
   const int rc =
@@ -256,17 +260,14 @@ TEST(Failures, KillsDuringSwitchesAndRecoveries) {
 TEST(Failures, AFailureDuringAPreparedSwitch) {
   TempDir dir;
   const auto corpus = runtime::testing::make_corpus(dir);
-  const std::string training =
-      "training: {steps: 80, global_batch: 12, micro_batch: 2, threads: 1}\n"
-      "optimizer: {lr: 0.003, warmup_steps: 1}\n";
-  const auto ref = reference_run(dir, corpus, training);
+  const auto ref = reference_run(dir, corpus, training(80));
   const auto cfg = runtime::testing::write_config(
       dir, corpus,
-      training +
+      training(80) +
           "parallel: {dp: 2, timeout_s: 20}\nelastic: {prepare_steps: 50}\n"
           "timeline:\n  - {at_step: 60, workers: 4}\n"
-          "checkpoint: {dir: ck, every: 20}\n"
-          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+          "checkpoint: {dir: ck, every: 20}\n" +
+          kOutputs);
   // Once the two processes of the scale-up exist (announced at step 10), kill process 1.
   std::string out;
   const int rc = train_with_killer(
@@ -306,16 +307,13 @@ TEST(Failures, AFailureDuringAPreparedSwitch) {
 TEST(Failures, LostOptimizerShardsAreRestoredFromTheCheckpoint) {
   TempDir dir;
   const auto corpus = runtime::testing::make_corpus(dir);
-  const std::string training =
-      "training: {steps: 60, global_batch: 12, micro_batch: 2, threads: 1}\n"
-      "optimizer: {lr: 0.003, warmup_steps: 1}\n";
-  const auto ref = reference_run(dir, corpus, training);
-  const auto cfg = runtime::testing::write_config(
-      dir, corpus,
-      training +
-          "parallel: {dp: 3, zero_stage: 1, timeout_s: 20}\n"
-          "checkpoint: {dir: ck, every: 5}\n"
-          "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n");
+  const auto ref = reference_run(dir, corpus, training(60));
+  const auto cfg =
+      runtime::testing::write_config(dir, corpus,
+                                     training(60) +
+                                         "parallel: {dp: 3, zero_stage: 1, timeout_s: 20}\n"
+                                         "checkpoint: {dir: ck, every: 5}\n" +
+                                         kOutputs);
   std::string out;
   // After the first checkpoint (step 5): before it a lost shard ends the job (next test).
   const int rc = train_and_kill(dir, cfg, 2, &out, 7);

@@ -122,6 +122,17 @@ void for_each_run(const StridedRegion& src, const StridedRegion& dst, F&& f) {
   }
 }
 
+// Consumes `bytes` from the front of v[i..]: the first segments shrink, emptied ones are skipped.
+void advance(std::vector<iovec>& v, size_t& i, size_t bytes) {
+  while (bytes > 0) {
+    const size_t n = std::min(bytes, v[i].iov_len);
+    v[i].iov_base = static_cast<char*>(v[i].iov_base) + n;
+    v[i].iov_len -= n;
+    bytes -= n;
+    if (v[i].iov_len == 0) ++i;
+  }
+}
+
 // Reads `local` from `remote` of process `pid` (equal total lengths), resuming after short reads.
 void read_remote(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote,
                  int src_process) {
@@ -134,21 +145,8 @@ void read_remote(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remot
                  "reading the state of process {} (pid {}) directly failed: {} (did it die?)",
                  src_process, pid, std::strerror(errno));
     TESSEL_CHECK(got > 0, PeerLostError, "process {} (pid {}) returned no state", src_process, pid);
-    // Advance both lists by `got` bytes.
-    for (size_t left = size_t(got); left > 0;) {
-      const size_t n = std::min(left, local[li].iov_len);
-      local[li].iov_base = static_cast<char*>(local[li].iov_base) + n;
-      local[li].iov_len -= n;
-      left -= n;
-      if (local[li].iov_len == 0) ++li;
-    }
-    for (size_t left = size_t(got); left > 0;) {
-      const size_t n = std::min(left, remote[ri].iov_len);
-      remote[ri].iov_base = static_cast<char*>(remote[ri].iov_base) + n;
-      remote[ri].iov_len -= n;
-      left -= n;
-      if (remote[ri].iov_len == 0) ++ri;
-    }
+    advance(local, li, size_t(got));
+    advance(remote, ri, size_t(got));
   }
 }
 

@@ -830,8 +830,7 @@ struct ParallelTrainer::Impl {
       if (preparing->timeline) ++next_static;
       sw = preparing->sw;  // the buffers stay in `preparing` for transition()
     } else if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
-      const auto& e = cfg.timeline[next_static++];
-      sw = make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
+      sw = timeline_switch(cfg.timeline[next_static++]);
     } else if (elastic()) {
       // The newest request any rank has seen; the request files only ever appear, so every rank
       // can read the agreed one after the all-reduce.
@@ -888,6 +887,10 @@ struct ParallelTrainer::Impl {
     return sw;
   }
 
+  SwitchMarker timeline_switch(const PlanSwitch& e) {
+    return make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
+  }
+
   // Prepares the next timeline switch once it is elastic.prepare_steps or fewer steps away
   // (every rank decides alike, from the config).
   void maybe_prepare() {
@@ -897,8 +900,7 @@ struct ParallelTrainer::Impl {
     if (e.at_step <= step || e.at_step - step > cfg.prepare_steps ||
         e.at_step >= cfg.training.end_step())
       return;
-    start_preparation(make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)"),
-                      e.at_step, true);
+    start_preparation(timeline_switch(e), e.at_step, true);
   }
 
   // Announces switch `sw`, to be made after `at_step` steps: rank 0 writes prepare-<g>, so the

@@ -95,6 +95,10 @@ TEST(TrainConfig, WrongTypesAndRangesAreRejected) {
   EXPECT_NE(msg.find("'model'"), std::string::npos) << msg;
   msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny}\n"));
   EXPECT_NE(msg.find("data.path"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(
+      dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\nelastic: {prepare_steps: -1}\n"));
+  EXPECT_NE(msg.find("prepare_steps"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(">= 0"), std::string::npos) << msg;
 }
 
 TEST(TrainConfig, MissingConfigFileIsAnIoError) {

@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <vector>
 
 #include "tessel/testing/gradcheck.h"
+#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
@@ -121,6 +124,101 @@ TEST(AdamW, FusedScaleAndZeroEqualSeparatePasses) {
       EXPECT_EQ(v, v2);
       EXPECT_EQ(g, std::vector<float>(n, 0.0f));
     }
+  }
+}
+
+// testing::adam_max_step is the largest |m_hat / sqrt(v_hat)| over gradient sequences: no random
+// sequence exceeds it, and the sequence that makes Cauchy-Schwarz an equality (g_s proportional
+// to (b1/b2)^(t-s), largest at the last step) reaches it.
+TEST(AdamDivergence, MaxStepBoundsEveryGradientSequence) {
+  const double b1 = 0.9, b2 = 0.95;
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> normal;
+  for (int64_t t = 1; t <= 12; ++t) {
+    const double bound = testing::adam_max_step(b1, b2, t);
+    auto step_of = [&](const std::vector<double>& g) {
+      double m = 0, v = 0;
+      for (double x : g) m = b1 * m + (1 - b1) * x, v = b2 * v + (1 - b2) * x * x;
+      return std::fabs(m / (1 - std::pow(b1, double(t)))) /
+             std::sqrt(v / (1 - std::pow(b2, double(t))));
+    };
+    for (int trial = 0; trial < 2000; ++trial) {
+      std::vector<double> g(static_cast<size_t>(t));
+      for (auto& x : g) x = normal(rng) * std::exp(3 * normal(rng));
+      EXPECT_LE(step_of(g), bound * (1 + 1e-12)) << "t " << t;
+    }
+    std::vector<double> worst(static_cast<size_t>(t));
+    for (int64_t s = 1; s <= t; ++s) worst[size_t(s - 1)] = std::pow(b1 / b2, double(t - s));
+    EXPECT_NEAR(step_of(worst), bound, 1e-12 * bound) << "t " << t;
+  }
+  EXPECT_DOUBLE_EQ(testing::adam_max_step(b1, b2, 1), 1.0);  // the first step is lr sign(g)
+}
+
+// AdamDivergence bounds two real AdamW runs (the float kernel against the double reference) whose
+// gradients differ by up to delta, over several steps with the gradients given: on elements with
+// every kind of gradient (large, near delta, exactly zero, changing sign), for adversarial
+// differences (+-delta) and random ones. And it is sharp where the gradient stands above delta.
+TEST(AdamDivergence, BoundsTwoRunsWhoseGradientsDiffer) {
+  const size_t n = 4000;
+  const int64_t steps = 6;
+  const double delta = 1e-5;  // the other run's gradients are within delta of this run's
+  AdamWConfig cfg;
+  cfg.lr = 0.01f;
+  cfg.weight_decay = 0.1f;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<double> unit(-1, 1);
+  // Magnitudes from 1e-9 (far below delta) to 1, a few exact zeros, signs flipping between steps.
+  std::vector<float> scale(n);
+  for (size_t i = 0; i < n; ++i)
+    scale[i] = i % 50 == 0 ? 0.0f : std::pow(10.0f, -9.0f * float(i % 97) / 96);
+  for (bool adversarial : {false, true}) {
+    SCOPED_TRACE(adversarial ? "adversarial differences" : "random differences");
+    std::vector<float> p = random_normal(n, 1, 0.05f), p2 = p;
+    std::vector<float> m(n, 0.0f), v(m), m2(m), v2(m);
+    testing::AdamDivergence bound(int64_t(n), cfg.beta1, cfg.beta2, cfg.eps);
+    std::vector<float> smallest(n, INFINITY);  // per element, its smallest |gradient|
+    for (int64_t step = 1; step <= steps; ++step) {
+      cfg.step = step;
+      std::vector<float> g(n), g2(n);
+      for (size_t i = 0; i < n; ++i) {
+        g[i] = scale[i] * normal(rng);
+        const double d =
+            adversarial ? ((int64_t(i) + step) % 2 ? delta : -delta) : delta * unit(rng);
+        g2[i] = float(double(g[i]) + d);
+        // float(g + d) may round past delta; the bound is for the difference as applied.
+        g2[i] = std::clamp(g2[i], std::nextafter(float(g[i] - delta), 0.0f),
+                           std::nextafter(float(g[i] + delta), 0.0f));
+      }
+      for (size_t i = 0; i < n; ++i) smallest[i] = std::min(smallest[i], std::fabs(g[i]));
+      std::vector<double> deltas(n);
+      for (size_t i = 0; i < n; ++i) deltas[i] = std::fabs(double(g2[i]) - g[i]);
+      bound.step(g, 1.0f, deltas, p, cfg.lr, cfg.weight_decay, step);
+      cpu::adamw_update(p.data(), g.data(), m.data(), v.data(), int64_t(n), cfg);
+      ref::adamw_update(p2.data(), g2.data(), m2.data(), v2.data(), int64_t(n), cfg);
+      int64_t beyond = 0;
+      for (size_t k = 0; k < n; ++k) {
+        if (std::fabs(double(p[k]) - p2[k]) > bound.bounds()[k] ||
+            std::fabs(double(m[k]) - m2[k]) > bound.m_bounds()[k] ||
+            std::fabs(double(v[k]) - v2[k]) > bound.v_bounds()[k]) {
+          if (beyond++ == 0)
+            ADD_FAILURE() << "step " << step << " element " << k << " (gradient " << g[k]
+                          << "): parameters " << p[k] << " vs " << p2[k] << ", bound "
+                          << bound.bounds()[k];
+        }
+      }
+      EXPECT_EQ(beyond, 0) << "step " << step;
+    }
+    // Sharp where it can be: where every gradient stood 100 times above delta the bound stays
+    // below a tenth of one step (lr) over the six steps, and where the gradient is below delta
+    // it allows about a step per step.
+    double above = 0, below = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (smallest[i] >= 100 * delta) above = std::max(above, bound.bounds()[i]);
+      if (scale[i] > 0 && scale[i] <= 1e-7f) below = std::max(below, bound.bounds()[i]);
+    }
+    EXPECT_LT(above, 0.1 * cfg.lr);
+    EXPECT_GT(below, 1.0 * cfg.lr);
   }
 }
 

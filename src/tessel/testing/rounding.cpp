@@ -36,11 +36,12 @@ AdamDivergence::AdamDivergence(int64_t n, double beta1, double beta2, double eps
       dv_(m_),
       d_(m_) {}
 
-double AdamDivergence::loss_drift(std::span<const float> grad) const {
-  if (grad.size() != d_.size()) throw std::invalid_argument("loss_drift: size mismatch");
-  double drift = 0;
-  for (size_t i = 0; i < d_.size(); ++i) drift += std::fabs(double(grad[i])) * d_[i];
-  return drift;
+AdamDivergence::AdamDivergence(std::span<const float> m, std::span<const float> v, double beta1,
+                               double beta2, double eps)
+    : AdamDivergence(int64_t(m.size()), beta1, beta2, eps) {
+  if (v.size() != m.size()) throw std::invalid_argument("AdamDivergence: size mismatch");
+  std::copy(m.begin(), m.end(), m_.begin());
+  std::copy(v.begin(), v.end(), v_.begin());
 }
 
 void AdamDivergence::step(std::span<const float> grad, float grad_scale,
@@ -62,10 +63,13 @@ void AdamDivergence::step(std::span<const float> grad, float grad_scale,
     m_[i] = b1 * m_prev + (1 - b1) * g;
     v_[i] = b2 * v_prev + (1 - b2) * g * g;
     // Each run rounds m = b1 m + (1-b1) g and v alike in at most three operations (two products
-    // and a sum, or an FMA): 3u of the terms' magnitudes per run, both runs.
-    dm_[i] = b1 * dm_[i] + (1 - b1) * dg + 6 * u * (b1 * std::fabs(m_prev) + (1 - b1) * std::fabs(g));
-    dv_[i] = b2 * dv_[i] + (1 - b2) * (2 * std::fabs(g) * dg + dg * dg) +
-             6 * u * (b2 * v_prev + (1 - b2) * g * g);
+    // and a sum, or an FMA): 3u of its terms' magnitudes, the other run's being at most this
+    // run's plus the differences.
+    const double m_terms = b1 * (std::fabs(m_prev) + dm_[i]) + (1 - b1) * (std::fabs(g) + dg);
+    const double v_terms =
+        b2 * (v_prev + dv_[i]) + (1 - b2) * (std::fabs(g) + dg) * (std::fabs(g) + dg);
+    dm_[i] = b1 * dm_[i] + (1 - b1) * dg + 6 * u * m_terms;
+    dv_[i] = b2 * dv_[i] + (1 - b2) * (2 * std::fabs(g) * dg + dg * dg) + 6 * u * v_terms;
     const double r = r_at(m_[i], v_[i]);
     const double m_lo = m_[i] - dm_[i], m_hi = m_[i] + dm_[i];
     const double v_lo = std::max(0.0, v_[i] - dv_[i]), v_hi = v_[i] + dv_[i];
@@ -74,7 +78,7 @@ void AdamDivergence::step(std::span<const float> grad, float grad_scale,
     const double r_lo = r_at(m_lo, m_lo < 0 ? v_lo : v_hi);
     double dr = std::min(std::max(r_hi - r, r - r_lo), std::fabs(r) + max_step);
     // Each run evaluates r in about six roundings (two bias corrections, sqrt, +eps, divide).
-    dr += 12 * u * std::fabs(r);
+    dr += 12 * u * (std::fabs(r) + dr);
     // theta -= lr (r + wd theta): the difference is scaled by 1 - lr wd <= 1; each run rounds
     // the update in four operations, of |theta| at most plus lr times the step's terms.
     const double theta = std::fabs(double(param[i]));

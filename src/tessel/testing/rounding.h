@@ -60,9 +60,9 @@ double chain_tolerance(std::span<const int64_t> reduction_lengths, double lambda
 // (1 at t = 1: the first step is sign(g) times lr.)
 double adam_max_step(double beta1, double beta2, int64_t t);
 
-// Follows two AdamW runs (kernels/optimizer.h) from the same parameters and zero moments, where
-// the other run's gradients differ from this run's by at most delta_i per element and step, and
-// bounds |theta'_i - theta_i| after each step. Per element:
+// Follows two AdamW runs (kernels/optimizer.h) from the same parameters and the same moments,
+// where the other run's gradients differ from this run's by at most delta_i per element and step,
+// and bounds |theta'_i - theta_i| (and the moments' differences) after each step. Per element:
 //   |dm_t| <= M_t = b1 M_{t-1} + (1-b1) delta_t              (+ float32 rounding of m, both runs)
 //   |dv_t| <= V_t = b2 V_{t-1} + (1-b2) (2 |g_t| delta_t + delta_t^2)          (+ rounding of v)
 //   the step r = m_hat / (sqrt(v_hat) + eps) is increasing in m and, for m > 0, decreasing in v:
@@ -70,18 +70,20 @@ double adam_max_step(double beta1, double beta2, int64_t t);
 //   |dr_t| <= min(corner range, |r_t| + R_t)                 (+ rounding of r, both runs)
 //   |dtheta_t| <= D_t = D_{t-1} + lr |dr_t|                  (+ rounding of the update)
 // (decoupled weight decay multiplies the difference by 1 - lr wd <= 1, which only shrinks it).
-// First order in the gradients' difference: how a parameter difference changes later gradients
-// (the Hessian term) is not followed. Where D is small (|g| >> delta) that term is of the order
-// lr |H| D, second order in the rounding; where D is large the element sits where the loss is
-// flat to first order (why its gradient is tiny), and D is capped by Adam's largest step anyway.
+// This is exact for one step from a shared state. Over several steps it leaves out how the
+// parameters' difference changes the later gradients (the Hessian term), which is NOT small:
+// where Adam amplified rounding (|g| <= delta) an element moves up to lr differently, and the
+// next gradients then differ by far more than rounding (10-40x the gradient bound after one step
+// of the tiny models). No bound of a free-running trajectory follows from the arithmetic; tests
+// compare runs one step at a time from a shared state, and use several steps only where the
+// gradients themselves are given (the optimizer's own test).
 class AdamDivergence {
  public:
+  // Both runs start from zero moments.
   AdamDivergence(int64_t n, double beta1, double beta2, double eps);
-
-  // The first-order change of a loss with gradient `grad` caused by the parameter differences so
-  // far: sum_i |grad_i| D_i. A loss compared between the runs may differ by this plus its own
-  // rounding.
-  double loss_drift(std::span<const float> grad) const;
+  // Both runs start from these moments (bit for bit).
+  AdamDivergence(std::span<const float> m, std::span<const float> v, double beta1, double beta2,
+                 double eps);
 
   // One AdamW step (1-based `step`): `grad` as this run's optimizer applies it (times
   // `grad_scale`, the clipping factor), `delta` the bound on the other run's difference of the
@@ -90,9 +92,10 @@ class AdamDivergence {
   void step(std::span<const float> grad, float grad_scale, std::span<const double> delta,
             std::span<const float> param, double lr, double weight_decay, int64_t step);
 
-  // The bound on |theta'_i - theta_i| after the steps so far.
-  double bound(int64_t i) const { return d_[size_t(i)]; }
+  // The bounds on |theta'_i - theta_i|, |m'_i - m_i| and |v'_i - v_i| after the steps so far.
   std::span<const double> bounds() const { return d_; }
+  std::span<const double> m_bounds() const { return dm_; }
+  std::span<const double> v_bounds() const { return dv_; }
   int64_t size() const { return int64_t(d_.size()); }
 
  private:

@@ -1,12 +1,15 @@
 // Live re-partitioning: a run whose config switches plans at step boundaries (`timeline:`) moves
-// the whole training state between the workers and continues; its per-step losses and final
-// parameters equal the single-process run's, like a run that never switched. Real processes:
+// the whole training state between the workers and continues; every step of it, the ones right
+// after a switch included, equals one single-process step from the state the run saved before it
+// (losses, parameters and Adam moments within the float32 bounds of step_check_test_util.h), like
+// a run that never switched. Real processes:
 // `tessel train CONFIG --nproc N`, N the largest world of the timeline (processes without a rank in
 // the current plan wait for the switch that gives them one, or leave).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -14,6 +17,7 @@
 #include "tessel/core/error.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/step_check_test_util.h"
 #include "tessel/runtime/trainer.h"
 
 namespace tessel::runtime {
@@ -62,11 +66,9 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
   SCOPED_TRACE(preset + "\n" + plans);
   TempDir dir;
   auto corpus = make_corpus(dir);
-  Trainer single(TrainConfig::load(write_config(dir, corpus, kTraining, "single.yaml", preset)));
-  const auto expected = single.run().losses;
-  std::filesystem::remove(dir / "metrics.jsonl");
-
-  auto cfg = write_config(dir, corpus, kTraining + plans, "live.yaml", preset);
+  const auto single_cfg = write_config(dir, corpus, kTraining, "single.yaml", preset);
+  auto cfg = write_config(dir, corpus, kTraining + plans + testing::every_step_checkpoints(kSteps),
+                          "live.yaml", preset);
   std::filesystem::create_directories(dir / "dump");
   auto bin = tessel::testing::tessel_binary();
   std::string out;
@@ -77,12 +79,13 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("switched from"), std::string::npos) << out;
   auto records = read_records(dir / "metrics.jsonl");
-  ASSERT_EQ(records.size(), expected.size()) << out;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const double loss = records[i].at("loss").get<double>();
-    EXPECT_NEAR(loss, expected[i], 1e-5 * expected[i]) << "step " << i;
+  ASSERT_EQ(int64_t(records.size()), kSteps) << out;
+  std::map<int64_t, double> losses;
+  for (size_t i = 0; i < records.size(); ++i) {
+    losses[records[i].at("step").get<int64_t>()] = records[i].at("loss").get<double>();
     EXPECT_EQ(records[i].value("cursor", int64_t(-1)), int64_t(12 * (i + 1))) << "step " << i;
   }
+  testing::expect_steps_match_one_process(single_cfg, dir / "steps", losses, 1, kSteps);
   // One event line per switch, with its costs.
   auto cfg_loaded = TrainConfig::load(cfg);
   auto events = read_records(dir / "events.jsonl");
@@ -104,20 +107,17 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
     EXPECT_GE(events[i].at("total_pause_s").get<double>(),
               events[i].at("transfer_s").get<double>());
   }
-  // The last plan is (1,1,1): rank 0 holds every tensor whole.
+  // The last plan is (1,1,1): rank 0 holds every tensor whole, as the final checkpoint has them.
   auto dump = read_whole_dump(dir / "dump" / "rank0.params");
-  const auto& m = single.model();
-  const float* ref = m.params().data<float>();
-  double max_err = 0;
-  for (const auto& v : m.param_views()) {
+  Trainer saved(TrainConfig::load(single_cfg));
+  saved.load_checkpoint((dir / "steps" / checkpoint_step_name(kSteps)).string());
+  const float* ref = saved.model().params().data<float>();
+  for (const auto& v : saved.model().param_views()) {
     ASSERT_TRUE(dump.count(v.name)) << v.name;
     ASSERT_EQ(int64_t(dump[v.name].size()), v.numel) << v.name;
-    for (int64_t i = 0; i < v.numel; ++i)
-      max_err = std::max(max_err, double(std::abs(dump[v.name][size_t(i)] - ref[v.offset + i])));
+    EXPECT_EQ(std::memcmp(dump[v.name].data(), ref + v.offset, size_t(v.numel) * sizeof(float)), 0)
+        << v.name << " differs from the final checkpoint";
   }
-  // The tolerance of equivalence_test.cpp's per-element bound.
-  EXPECT_LT(max_err, 1e-3);
-  std::printf("%s: final parameters max abs difference %.2g\n", preset.c_str(), max_err);
 }
 
 // The sequence: dp 2 -> (tp 2 x pp 2: two processes join) -> one process (three leave).

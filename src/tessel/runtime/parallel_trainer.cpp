@@ -179,7 +179,7 @@ struct World {
   // 0 params / 1 adam_m / 2 adam_v), so a failed switch can give it back (give_back).
   std::vector<std::tuple<int, int, int>> taken;
   int data_log_fd = -1;     // output.data_order, on the first tp and pp rank of each replica
-  int64_t saved_step = -1;  // of this world's last checkpoint save (-1: none yet)
+  bool cancelled_save_checked = false;  // see ParallelTrainer::run
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
   // chunks: initialised from the seed when `init_params`, else zero (state arrives by resharding).
@@ -375,7 +375,6 @@ struct World {
   // Saves the whole state as checkpoint.dir/step-N (sharded_checkpoint.h): every rank writes its
   // share, then rank 0 publishes it. Collective over the world.
   void save_checkpoint() {
-    saved_step = step;
     const auto& dir = cfg.checkpoint.dir;
     if (rank == 0) std::filesystem::create_directories(dir);
     groups.world->barrier();
@@ -1309,7 +1308,21 @@ TrainSummary ParallelTrainer::run() {
         if (!sw) break;  // overtaken by a failure recovery: not needed
         s.transition(*sw);
       }
+      // A checkpoint is due after a step that checkpoint.every divides, and after the last.
+      auto due = [&](int64_t step) {
+        const auto& ck = cfg.checkpoint;
+        return !ck.dir.empty() && step > 0 &&
+               ((ck.every > 0 && step % ck.every == 0) || step == cfg.training.end_step());
+      };
+      // A failure while a due checkpoint was being written cancels that save; the world its
+      // recovery made, standing at that step, writes it again. Once per world (a collective).
+      auto resave_cancelled = [&](World& w) {
+        if (w.cancelled_save_checked) return;
+        w.cancelled_save_checked = true;
+        if (due(w.step)) w.save_checkpoint_unless_published();
+      };
       while (s.world && s.world->step < cfg.training.end_step()) {
+        resave_cancelled(*s.world);
         // Here, not after a switch: every way into a world (a switch, joining, a recovery, a
         // resume) passes, so all ranks decide alike whether a preparation runs.
         s.maybe_prepare();
@@ -1324,10 +1337,7 @@ TrainSummary ParallelTrainer::run() {
         if (s.generation > 0) record["generation"] = s.generation;
         record["workers"] = w.plan.world();
         if (w.rank == 0) w.metrics.write(record);
-        const auto& ck = cfg.checkpoint;
-        if (!ck.dir.empty() &&
-            ((ck.every > 0 && w.step % ck.every == 0) || w.step == cfg.training.end_step()))
-          w.save_checkpoint();
+        if (due(w.step)) w.save_checkpoint();
         if (w.step >= cfg.training.end_step()) break;
         if (auto sw = s.next_switch()) {
           s.transition(*sw);
@@ -1339,10 +1349,7 @@ TrainSummary ParallelTrainer::run() {
       if (s.world) {
         World& w = *s.world;
         w.finish_checkpoint();
-        // A failure while the last step's checkpoint was being written cancels that save; the
-        // world its recovery made (at the last step) writes it again.
-        if (!cfg.checkpoint.dir.empty() && w.step == cfg.training.end_step() && w.saved_step < 0)
-          w.save_checkpoint_unless_published();
+        resave_cancelled(w);  // a world a recovery made at the last step
         if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
           w.dump_params(dir);
         // Nobody leaves before everyone is done with the last step's collectives.

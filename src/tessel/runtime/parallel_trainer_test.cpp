@@ -17,6 +17,7 @@
 #include "tessel/core/error.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/step_check_test_util.h"
 
 namespace tessel::runtime {
 namespace {
@@ -150,7 +151,7 @@ namespace tessel::runtime {
 namespace {
 
 // `tessel plan --out plan.json` then `parallel: {plan_file: plan.json}`: the runtime trains the
-// planner's layout, with the single process's losses.
+// planner's layout, each step equal to one single-process step (step_check_test_util.h).
 TEST(ParallelTrainer, TrainsThePlannersJsonPlan) {
   TempDir dir;
   auto corpus = make_corpus(dir);
@@ -164,23 +165,19 @@ TEST(ParallelTrainer, TrainsThePlannersJsonPlan) {
             0)
       << out;
   const auto plan = layout::plan_from_json(nlohmann::json::parse(std::ifstream(dir / "plan.json")));
-  auto single =
-      Trainer(TrainConfig::load(write_config(dir, corpus, kTraining, "single.yaml"))).run().losses;
   auto cfg = write_config(dir, corpus,
-                          kTraining +
+                          kTraining + testing::every_step_checkpoints(3) +
                               "parallel: {plan_file: plan.json}\n"
                               "output: {metrics: metrics.jsonl}\n");
   EXPECT_EQ(TrainConfig::load(cfg).plan.world(), plan.world());
   int rc = tessel::testing::run_command(
       tessel_command(fmt::format("train {} --nproc {}", cfg, plan.world())), &out);
   ASSERT_EQ(rc, 0) << out;
-  std::ifstream in(dir / "metrics.jsonl");
-  std::vector<double> losses;
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  ASSERT_EQ(losses.size(), single.size()) << out;
-  for (size_t i = 0; i < single.size(); ++i)
-    EXPECT_NEAR(losses[i], single[i], 1e-5 * single[i]) << plan.describe() << " step " << i;
+  SCOPED_TRACE(plan.describe());
+  const auto losses = testing::read_step_losses(dir / "metrics.jsonl");
+  ASSERT_EQ(losses.size(), 3u) << out;
+  testing::expect_steps_match_one_process(write_config(dir, corpus, kTraining, "single.yaml"),
+                                          dir / "steps", losses, 1, 3);
   // A missing or malformed plan file is named.
   auto missing =
       write_config(dir, corpus, kTraining + "parallel: {plan_file: none.json}\n", "missing.yaml");

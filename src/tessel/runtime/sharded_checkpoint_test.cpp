@@ -1,6 +1,7 @@
 // Checkpoints across layouts: a run saved under one plan resumes under another (more or fewer
-// workers, other dp/tp/pp, ZeRO on or off, or one process), and the losses continue exactly as
-// in one uninterrupted single-process run.
+// workers, other dp/tp/pp, ZeRO on or off, or one process), and continues as one process would:
+// every step equals one single-process step from the state saved before it
+// (step_check_test_util.h).
 #include "tessel/runtime/sharded_checkpoint.h"
 
 #include <fmt/format.h>
@@ -12,6 +13,7 @@
 #include "tessel/core/error.h"
 #include "tessel/model/model_spec.h"
 #include "tessel/runtime/runtime_test_util.h"
+#include "tessel/runtime/step_check_test_util.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/store/checkpoint_store.h"
 
@@ -22,23 +24,15 @@ using tessel::testing::TempDir;
 using testing::make_corpus;
 using testing::write_config;
 
-// 8 steps in all (the learning-rate schedule spans them); this run ends after `stop_at`.
-std::string training(int stop_at, int every = 0, bool async = false) {
+// 8 steps in all (the learning-rate schedule spans them); this run ends after `stop_at`, and
+// saves every step (all kept, for the step-by-step check).
+std::string training(int stop_at, bool async = false) {
   return fmt::format(
       "training: {{steps: 8, stop_at: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
       "optimizer: {{lr: 0.01, warmup_steps: 1}}\n"
       "output: {{metrics: metrics.jsonl}}\n"
-      "checkpoint: {{dir: ck, every: {}, async: {}}}\n",
-      stop_at, every > 0 ? every : stop_at, async);
-}
-
-std::vector<double> read_losses(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::vector<double> losses;
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return losses;
+      "checkpoint: {{dir: ck, every: 1, keep: 9, async: {}}}\n",
+      stop_at, async);
 }
 
 void run_workers(const std::string& cfg, int nproc) {
@@ -56,36 +50,28 @@ TEST(ShardedCheckpoint, SavedUnderOneLayoutResumesUnderAnother) {
     SCOPED_TRACE(preset);
     TempDir dir;
     auto corpus = make_corpus(dir);
-    // Reference: one process, 8 steps, no checkpoints.
-    auto ref_cfg = TrainConfig::load(write_config(dir, corpus, training(8), "ref.yaml", preset));
-    ref_cfg.checkpoint.dir.clear();
-    ref_cfg.metrics_path.clear();
-    const auto expected = Trainer(ref_cfg).run().losses;
-
     // Steps 1-3 on 4 workers (dp 2 x pp 2, ZeRO-1), 4-5 on 4 workers (tp 2 x pp 2), 6-8 in one
     // process: each run resumes from the checkpoint the previous one saved at its end (run a
-    // saves in the background, after every step).
-    run_workers(write_config(dir, corpus,
-                             training(3, 1, true) +
-                                 "parallel: {dp: 2, pp: 2, zero_stage: 1, micro_batch: 3}\n",
-                             "a.yaml", preset),
+    // saves in the background).
+    run_workers(write_config(
+                    dir, corpus,
+                    training(3, true) + "parallel: {dp: 2, pp: 2, zero_stage: 1, micro_batch: 3}\n",
+                    "a.yaml", preset),
                 4);
     run_workers(
         write_config(dir, corpus, training(5) + "parallel: {tp: 2, pp: 2}\n", "b.yaml", preset), 4);
     auto c = TrainConfig::load(write_config(dir, corpus, training(8), "c.yaml", preset));
     Trainer(c).run();
 
-    auto losses = read_losses(dir / "metrics.jsonl");
-    ASSERT_EQ(losses.size(), expected.size());
-    for (size_t i = 0; i < expected.size(); ++i)
-      EXPECT_NEAR(losses[i], expected[i], 1e-5 * expected[i]) << "step " << i;
+    const auto losses = testing::read_step_losses(dir / "metrics.jsonl");
+    ASSERT_EQ(losses.size(), 8u);
+    testing::expect_steps_match_one_process(
+        write_config(dir, corpus, training(8), "single.yaml", preset), dir / "ck", losses, 1, 8);
 
-    // The newest checkpoint is the single process's, at step 8; `latest` names it, and the two
-    // before it were pruned to checkpoint.keep (2).
+    // The newest checkpoint is the single process's, at step 8; `latest` names it.
     auto latest = latest_sharded_checkpoint((dir / "ck").string());
     ASSERT_TRUE(latest.has_value());
     EXPECT_EQ(std::filesystem::path(*latest).filename(), "step-00000008");
-    EXPECT_FALSE(std::filesystem::exists(dir / "ck" / "step-00000003"));
     // Every parameter and both Adam moments, whole (the store checks the pieces tile them).
     store::CheckpointReader reader(*latest);
     const auto spec = model::ModelSpec::from(c.model);
@@ -94,6 +80,21 @@ TEST(ShardedCheckpoint, SavedUnderOneLayoutResumesUnderAnother) {
         EXPECT_NE(reader.find(p.name + suffix), nullptr) << p.name + suffix;
     EXPECT_EQ(reader.meta().at("step").get<int64_t>(), 8);
   }
+}
+
+// Saving prunes the folder to the newest checkpoint.keep checkpoints; `latest` names the newest.
+TEST(ShardedCheckpoint, OldCheckpointsArePrunedToKeep) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  Trainer(TrainConfig::load(write_config(dir, corpus,
+                                         "training: {steps: 4, global_batch: 4, micro_batch: 2}\n"
+                                         "checkpoint: {dir: ck, every: 1, keep: 2}\n")))
+      .run();
+  EXPECT_FALSE(std::filesystem::exists(dir / "ck" / checkpoint_step_name(1)));
+  EXPECT_FALSE(std::filesystem::exists(dir / "ck" / checkpoint_step_name(2)));
+  EXPECT_TRUE(std::filesystem::exists(dir / "ck" / checkpoint_step_name(3)));
+  EXPECT_EQ(latest_sharded_checkpoint((dir / "ck").string()),
+            (dir / "ck" / checkpoint_step_name(4)).string());
 }
 
 TEST(ShardedCheckpoint, ResumingWithAnotherGlobalBatchIsRefused) {

@@ -31,6 +31,7 @@ struct Trainer::Impl {
   int64_t step = 0;    // optimizer steps taken
   int64_t cursor = 0;  // samples consumed from the training order
   MetricsWriter metrics;
+  GradientObserver observer;
 
   explicit Impl(TrainConfig c) : cfg(std::move(c)) {
     if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
@@ -75,14 +76,18 @@ struct Trainer::Impl {
     if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
     auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
     if (!path) return false;
-    store::CheckpointReader reader(*path);
+    load(*path);
+    return true;
+  }
+
+  void load(const std::string& path) {
+    store::CheckpointReader reader(path);
     const nlohmann::json& meta = reader.meta();
-    check_resumable(cfg, meta, *path);
+    check_resumable(cfg, meta, path);
     load_rank_state(reader, state_layout(), 0, state_buffers());
     step = meta.at("step").get<int64_t>();
     cursor = meta.at("cursor").get<int64_t>();
-    spdlog::info("resumed from {} at step {} (cursor {} samples)", *path, step, cursor);
-    return true;
+    spdlog::info("resumed from {} at step {} (cursor {} samples)", path, step, cursor);
   }
 
   void save() {
@@ -123,6 +128,7 @@ struct Trainer::Impl {
 
     kernels::AdamWConfig opt = cfg.optimizer.adamw_step(
         schedule.at(step), step, kernels::clip_factor(norm, float(cfg.training.grad_clip)));
+    if (observer) observer({grads, size_t(n)}, opt);
     float* params = model->params().data<float>();
     for (const auto& v : model->param_views()) {
       opt.weight_decay = v.weight_decay ? float(cfg.optimizer.weight_decay) : 0.0f;
@@ -159,6 +165,19 @@ struct Trainer::Impl {
 
 Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
 Trainer::~Trainer() = default;
+
+void Trainer::load_checkpoint(const std::string& dir) {
+  impl_->load(dir);
+}
+void Trainer::observe_gradients(GradientObserver observer) {
+  impl_->observer = std::move(observer);
+}
+std::span<const float> Trainer::adam_m() const {
+  return {impl_->adam_m.data<float>(), size_t(impl_->adam_m.numel())};
+}
+std::span<const float> Trainer::adam_v() const {
+  return {impl_->adam_v.data<float>(), size_t(impl_->adam_v.numel())};
+}
 
 int64_t Trainer::step() const {
   return impl_->step;

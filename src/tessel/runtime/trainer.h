@@ -11,8 +11,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
+#include <string>
 #include <vector>
+
+#include "tessel/kernels/optimizer.h"
 
 #include "tessel/runtime/run_tracker.h"
 #include "tessel/runtime/train_config.h"
@@ -37,9 +42,24 @@ class Trainer {
   // Takes one optimizer step (no eval, metrics or checkpoint) and returns its mean loss.
   double train_step();
 
+  // Continues from the checkpoint in `dir` (one saved by any number of workers under any plan):
+  // parameters, Adam moments, step and cursor. Throws like a resume does (sharded_checkpoint.h).
+  void load_checkpoint(const std::string& dir);
+
+  // Called in every step with the gradients the optimizer is about to apply (the global batch's,
+  // before clipping) and the step's AdamW settings (learning rate, step, and the clipping factor
+  // as grad_scale; weight decay is set per parameter after this call): lets a test follow the
+  // optimizer's arithmetic (testing/rounding.h).
+  using GradientObserver =
+      std::function<void(std::span<const float> grads, const kernels::AdamWConfig& step)>;
+  void observe_gradients(GradientObserver observer);
+
   int64_t step() const;
   int64_t cursor() const;
   const model::Transformer& model() const;
+  // AdamW's moments, laid out like model().params().
+  std::span<const float> adam_m() const;
+  std::span<const float> adam_v() const;
   // Mean loss over the first `training.eval_batches` micro-batches of the held-out samples.
   double evaluate();
 

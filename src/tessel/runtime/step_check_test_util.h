@@ -1,0 +1,182 @@
+// Checks a training run one step at a time against the single-process Trainer.
+//
+// A run under another layout (data, tensor, pipeline parallelism, ZeRO-1, switches between them,
+// recoveries) sums the same terms in other orders, so it differs from one process by rounding --
+// which AdamW amplifies where a gradient is tiny, and which the next gradients then carry further
+// (testing/rounding.h, AdamDivergence): whole trajectories have no bound that follows from the
+// arithmetic. One step from a shared state has an exact one. So for every step t of the run, the
+// state it saved after step t-1 (the seed's initial state for t = 1) is loaded into a
+// single-process Trainer, which takes step t, and
+//   * the run's logged loss of step t equals the Trainer's within the forward pass' rounding
+//     (model::test_util::step_tolerance, forward only), and
+//   * the run's saved state after step t (parameters, Adam moments, step, cursor) equals the
+//     Trainer's within AdamDivergence's bound for one step whose gradients differ by the rounding
+//     of a forward and backward pass (step_tolerance), the clipping factor by what that does to
+//     the gradient norm.
+// By induction the whole run is a chain of single-process steps, each exact to rounding.
+// The run must checkpoint every step: checkpoint: {dir: .., every: 1, keep: <at least steps>}.
+#pragma once
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tessel/model/rounding_test_util.h"
+#include "tessel/model/transformer.h"
+#include "tessel/runtime/sharded_checkpoint.h"
+#include "tessel/runtime/train_config.h"
+#include "tessel/runtime/trainer.h"
+#include "tessel/testing/rounding.h"
+
+namespace tessel::runtime::testing {
+
+// The checkpoint lines a config needs for expect_steps_match_one_process over `steps` steps.
+inline std::string every_step_checkpoints(int64_t steps, const std::string& dir = "steps") {
+  return fmt::format("checkpoint: {{dir: {}, every: 1, keep: {}}}\n", dir, steps + 1);
+}
+
+// The loss a metrics file (output.metrics) logged for each step; a step logged twice (redone after
+// a failure) keeps its last record.
+inline std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {
+  std::ifstream in(metrics);
+  EXPECT_TRUE(in) << metrics << " was not written";
+  std::map<int64_t, double> losses;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto record = nlohmann::json::parse(line);
+    losses[record.at("step").get<int64_t>()] = record.at("loss").get<double>();
+  }
+  return losses;
+}
+
+// The largest |got - want| / bound seen by a check (how much margin the bounds leave).
+struct StepCheckMargins {
+  int64_t steps = 0;
+  int64_t unlogged = 0;  // steps without a logged loss (only their state was checked)
+  double loss = 0, params = 0, moments = 0;
+};
+
+// `single_config`: the single-process run's config (same model, data, batch and optimizer as the
+// run). `checkpoints`: the run's checkpoint folder. `losses`: the run's logged loss per step.
+// Checks steps first..last: each must have its checkpoint saved (and the one before `first` too
+// unless first == 1); a step without a logged loss (a worker died while it was being reduced) has
+// only its state checked, and is counted in `unlogged`.
+inline StepCheckMargins expect_steps_match_one_process(const std::string& single_config,
+                                                       const std::filesystem::path& checkpoints,
+                                                       const std::map<int64_t, double>& losses,
+                                                       int64_t first, int64_t last) {
+  const auto start = std::chrono::steady_clock::now();
+  StepCheckMargins margins;
+  TrainConfig cfg = TrainConfig::load(single_config);
+  cfg.checkpoint = {};
+  cfg.checkpoint.resume = false;
+  cfg.metrics_path.clear();
+  cfg.events_path.clear();
+  cfg.data_order_path.clear();
+  const int64_t tokens = cfg.training.global_batch * cfg.data.seq_len;
+  const double grad_tol = model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len);
+  const double loss_tol =
+      model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len, /*backward=*/false);
+  auto saved = [&](int64_t step) { return (checkpoints / checkpoint_step_name(step)).string(); };
+  // `single` holds the state before step t: the seed's, or the run's saved one.
+  auto single = std::make_unique<Trainer>(cfg);
+  if (first > 1) single->load_checkpoint(saved(first - 1));
+  for (int64_t t = first; t <= last; ++t) {
+    SCOPED_TRACE(fmt::format("step {}", t));
+    if (single->step() != t - 1) {
+      ADD_FAILURE() << "the checkpoint before step " << t << " is at step " << single->step();
+      return margins;
+    }
+    const std::vector<float> m0(single->adam_m().begin(), single->adam_m().end());
+    const std::vector<float> v0(single->adam_v().begin(), single->adam_v().end());
+    const auto& views = single->model().param_views();
+    const std::span<const float> params(single->model().params().data<float>(),
+                                        size_t(single->model().num_params()));
+    tessel::testing::AdamDivergence bound(m0, v0, cfg.optimizer.beta1, cfg.optimizer.beta2,
+                                          cfg.optimizer.eps);
+    single->observe_gradients([&](std::span<const float> g, const kernels::AdamWConfig& opt) {
+      std::vector<double> delta = model::test_util::gradient_bounds(views, g, grad_tol);
+      // The clipping factor c = max_norm / (|g| + 1e-6) moves with the norm, and
+      // ||g'| - |g|| <= |g' - g| <= sqrt(sum delta^2) = rho |g|: c' is within c rho / (1 - rho)
+      // of c (plus its own float rounding), whether or not either run clips.
+      double norm2 = 0, delta2 = 0;
+      for (size_t i = 0; i < g.size(); ++i)
+        norm2 += double(g[i]) * g[i], delta2 += delta[i] * delta[i];
+      const double c = opt.grad_scale;
+      const double rho = norm2 > 0 ? std::sqrt(delta2 / norm2) : 0;
+      const double dc =
+          cfg.training.grad_clip > 0
+              ? c * (rho / std::max(1 - rho, 0.5) + 4 * tessel::testing::kUnitRoundoff)
+              : 0;
+      for (size_t i = 0; i < g.size(); ++i)
+        delta[i] = c * delta[i] + dc * (std::fabs(double(g[i])) + delta[i]);
+      bound.step(g, opt.grad_scale, delta, params, opt.lr, cfg.optimizer.weight_decay, opt.step);
+    });
+    const double loss = single->train_step();
+    if (losses.count(t)) {
+      const double loss_bound = loss_tol * std::fabs(loss);
+      EXPECT_NEAR(losses.at(t), loss, loss_bound);
+      margins.loss = std::max(margins.loss, std::fabs(losses.at(t) - loss) / loss_bound);
+    } else {
+      ++margins.unlogged;
+    }
+
+    auto run = std::make_unique<Trainer>(cfg);
+    run->load_checkpoint(saved(t));
+    EXPECT_EQ(run->step(), single->step());
+    EXPECT_EQ(run->cursor(), single->cursor());
+    const std::span<const float> got(run->model().params().data<float>(),
+                                     size_t(run->model().num_params()));
+    struct Compared {
+      const char* what;
+      std::span<const float> got, want;
+      std::span<const double> bound;
+      double* margin;
+    };
+    for (const Compared& c :
+         {Compared{"parameter", got, params, bound.bounds(), &margins.params},
+          Compared{"Adam m", run->adam_m(), single->adam_m(), bound.m_bounds(), &margins.moments},
+          Compared{"Adam v", run->adam_v(), single->adam_v(), bound.v_bounds(),
+                   &margins.moments}}) {
+      for (const model::ParamView& v : views) {
+        int64_t beyond = 0;
+        std::string first_beyond;
+        for (int64_t i = v.offset; i < v.offset + v.numel; ++i) {
+          const size_t k = size_t(i);
+          const double diff = std::fabs(double(c.got[k]) - c.want[k]);
+          if (diff > 0) *c.margin = std::max(*c.margin, diff / c.bound[k]);
+          if (diff <= c.bound[k]) continue;
+          if (beyond++ == 0)
+            first_beyond = fmt::format("element {}: {} vs one process {}, bound {:.3g}",
+                                       i - v.offset, c.got[k], c.want[k], c.bound[k]);
+        }
+        EXPECT_EQ(beyond, 0) << v.name << ": " << c.what << "s beyond the bound, first "
+                             << first_beyond;
+      }
+    }
+    ++margins.steps;
+    single = std::move(run);  // the state before the next step
+  }
+  std::printf(
+      "[steps] %lld steps each within one single-process step (%lld without a logged loss); worst "
+      "difference / bound: loss %.2g, parameters %.2g, Adam moments %.2g (checked in %.1f s)\n",
+      static_cast<long long>(margins.steps), static_cast<long long>(margins.unlogged), margins.loss,
+      margins.params, margins.moments,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return margins;
+}
+
+}  // namespace tessel::runtime::testing

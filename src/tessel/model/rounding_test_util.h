@@ -67,13 +67,14 @@ inline std::vector<int64_t> step_reductions(const ModelConfig& c, int64_t tokens
   return r;
 }
 
-// chain_tolerance of two evaluations of one step that sum in different orders.
+// chain_tolerance of two float32 evaluations of one step that sum in different orders (sides 2),
+// or of one against the exact value (sides 1: a float64 reference).
 inline double step_tolerance(const ModelConfig& c, int64_t tokens, int64_t seq_len,
-                             bool backward = true) {
+                             bool backward = true, int sides = 2) {
   const std::vector<int64_t> one = step_reductions(c, tokens, seq_len, backward);
-  std::vector<int64_t> both = one;
-  both.insert(both.end(), one.begin(), one.end());
-  return testing::chain_tolerance(both);
+  std::vector<int64_t> all;
+  for (int s = 0; s < sides; ++s) all.insert(all.end(), one.begin(), one.end());
+  return testing::chain_tolerance(all);
 }
 
 // How far another evaluation's gradient may be from `grads` (a model's flat gradient buffer,

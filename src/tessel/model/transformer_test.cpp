@@ -1,4 +1,5 @@
 #include "tessel/model/transformer.h"
+#include "tessel/model/rounding_test_util.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -123,8 +124,9 @@ INSTANTIATE_TEST_SUITE_P(Families, TransformerGradcheck,
 class TransformerBackends : public ::testing::TestWithParam<const char*> {};
 
 // Both backends run the same model from the same init; the cpu kernels sum in other orders
-// (GEMM blocking, threads), so results agree to float rounding: logits and every gradient to
-// 1e-4 of the tensor's largest magnitude, the loss to 1e-5 relative.
+// (GEMM blocking, SIMD lanes, threads), so results agree to float rounding (testing/rounding.h):
+// the loss and the logits within the forward pass' chain_tolerance of their scale, every gradient
+// element within the forward and backward pass' of its tensor's largest magnitude.
 TEST_P(TransformerBackends, CpuMatchesReference) {
   auto ref = kernels::make_backend("reference");
   auto cpu = kernels::make_backend("cpu");
@@ -135,26 +137,28 @@ TEST_P(TransformerBackends, CpuMatchesReference) {
   mc.init(7);
   Batch batch = random_batch(B, T, c.vocab_size, 3, 5);
 
+  const double forward_tol = test_util::step_tolerance(c, B * T, T, /*backward=*/false);
+  const double grad_tol = test_util::step_tolerance(c, B * T, T);
   auto lr = mr.forward(batch.tokens.data(), batch.targets.data());
   auto lc = mc.forward(batch.tokens.data(), batch.targets.data());
   EXPECT_EQ(lr.valid, batch.valid);
   EXPECT_EQ(lc.valid, batch.valid);
-  EXPECT_NEAR(lc.loss_sum, lr.loss_sum, 1e-5 * std::fabs(lr.loss_sum));
+  EXPECT_NEAR(lc.loss_sum, lr.loss_sum, forward_tol * std::fabs(lr.loss_sum));
   EXPECT_LE(testing::max_abs_error(span_of(mc.logits()), span_of(mr.logits())),
-            1e-4 * max_abs(span_of(mr.logits())));
+            forward_tol * max_abs(span_of(mr.logits())));
 
   const float scale = 1.0f / float(batch.valid);
   mr.zero_grad();
   mc.zero_grad();
   lr = mr.forward_backward(batch.tokens.data(), batch.targets.data(), scale);
   lc = mc.forward_backward(batch.tokens.data(), batch.targets.data(), scale);
-  EXPECT_NEAR(lc.loss_sum, lr.loss_sum, 1e-5 * std::fabs(lr.loss_sum));
+  EXPECT_NEAR(lc.loss_sum, lr.loss_sum, forward_tol * std::fabs(lr.loss_sum));
   for (const ParamView& v : mr.param_views()) {
     auto gr = span_of(mr.grad(v.name));
     auto gc = span_of(mc.grad(v.name));
     const double peak = max_abs(gr);
     EXPECT_GT(peak, 0.0) << v.name;
-    EXPECT_LE(testing::max_abs_error(gc, gr), 1e-4 * peak) << v.name;
+    EXPECT_LE(testing::max_abs_error(gc, gr), grad_tol * peak) << v.name;
   }
 }
 
@@ -173,7 +177,8 @@ INSTANTIATE_TEST_SUITE_P(Families, TransformerFamilies,
                          });
 
 // Two micro-batches of 2 sequences, each with grad_scale 1/(valid tokens of both), give the
-// gradient of one batch of all 4 sequences (up to summation order).
+// gradient of one batch of all 4 sequences, up to summation order: within the step's
+// chain_tolerance of each tensor's largest gradient (testing/rounding.h).
 TEST_P(TransformerFamilies, GradientAccumulationEqualsOneBigBatch) {
   auto backend = kernels::make_backend("reference");
   const int T = 6;
@@ -195,7 +200,8 @@ TEST_P(TransformerFamilies, GradientAccumulationEqualsOneBigBatch) {
   for (const ParamView& v : big.param_views()) {
     auto gb = span_of(big.grad(v.name));
     auto gm = span_of(micro.grad(v.name));
-    EXPECT_LE(testing::max_abs_error(gm, gb), 1e-5 * max_abs(gb) + 1e-12) << v.name;
+    EXPECT_LE(testing::max_abs_error(gm, gb), test_util::step_tolerance(c, 4 * T, T) * max_abs(gb))
+        << v.name;
   }
 }
 

@@ -2,26 +2,56 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include "tessel/testing/gradcheck.h"
+#include "tessel/testing/kernel_bounds.h"
+#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
 namespace {
 
-using testing::max_rel_error;
 using testing::random_normal;
 
 // Sizes: tiny, odd (vector tails), and above the kernels' parallel threshold.
 const int64_t kSizes[] = {1, 7, 33, 1000, 100003};
 
-// Local derivatives are sums of O(1) terms that cancel to zero at points (gelu' at x = -0.75,
-// silu' at -1.28), so gradients are compared against max(|ref|, 1): absolutely near zero.
-constexpr double kGradFloor = 1.0;
+using testing::gamma;
+using testing::gamma64;
+using testing::kFastExpError;
+using testing::within_bounds;
+constexpr double u = testing::kUnitRoundoff;
+constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2 / pi), as both kernels use it
+constexpr double kGeluCube = 0.044715;
 
-// N(0, 3) values followed by a dense grid over [-12, 12], which covers both saturated tails.
+// (1 + a)(1 + b)... - 1: relative errors composed exactly.
+double compose(std::initializer_list<double> rel) {
+  double p = 1;
+  for (double r : rel) p *= 1 + r;
+  return p - 1;
+}
+
+// The relative error of s = 1 / (1 + e) computed as fl(1 / fl(1 + fast_exp(m))) with fast_exp's
+// result off by rel_e (its own error and its argument's, exp_error): an error t of e moves s by
+// -w t / (1 + w t), w = e / (1 + e) = 1 - s, and the add and the divide round once each.
+double sigmoid_error(double w, double rel_e) {
+  return compose({w * rel_e / (1 - w * rel_e), (1 + u) / (1 - u) - 1});
+}
+
+// The float64 references evaluate each element in a few double operations and libm calls (glibc's
+// exp and tanh are within 2 ulp on x86-64: four double roundings each); each rounds at most
+// 2^-53 of an operand, so gamma64(ops) times the sum of the operands' magnitudes bounds the
+// reference's double error. It then rounds to float (u of its result, and 2^-150 if subnormal).
+double reference_error(double result, int ops, double operands) {
+  return u * std::fabs(result) + gamma64(ops) * operands + 0x1p-149;
+}
+
+// Inputs: N(0, 3) values followed by a dense grid over [-12, 12], which covers both saturated
+// tails.
 std::vector<float> activation_inputs(int64_t n, uint64_t seed) {
   auto x = random_normal(size_t(n), seed, 3.0f);
   if (n >= 1000) {
@@ -31,6 +61,30 @@ std::vector<float> activation_inputs(int64_t n, uint64_t seed) {
   return x;
 }
 
+// GELU as the cpu kernel evaluates it: gelu(x) = x s, gelu'(x) = s + T with s = 1 / (1 + e),
+// e = exp(m), m = -2 sqrt(2/pi) (x + 0.044715 x^3) formed in double and rounded to float once, and
+// T = 2 x du e s^2, du = sqrt(2/pi) (1 + 3 0.044715 x^2). All in double, exact to ~1e-15.
+struct Gelu {
+  double x, m, z, s, t, du, T;
+  explicit Gelu(float xf) : x(xf) {
+    z = kGeluScale * (x + kGeluCube * x * x * x);
+    m = -2 * z;
+    s = 1 / (1 + std::exp(m));
+    t = std::tanh(z);  // 0.5 (1 + t) = s
+    du = kGeluScale * (1 + 3 * kGeluCube * x * x);
+    T = 2 * x * du * s * (1 - s);
+  }
+  // |m_float - m|: the rounding to float (u) and the five double operations before it.
+  double m_error() const { return (u + gamma64(5)) * std::fabs(m); }
+  // fast_exp(m) relative to exp(m), valid for -87.33 <= m <= 88 (no clamping).
+  double e_error() const { return testing::exp_error(m_error(), kFastExpError); }
+  // fast_exp clamps m above 88 (to exp(88)) and returns 0 below -87.33: then s and T are within
+  // a few exp(-87.3) of both exact values, all of one sign; these thresholds leave room for m's
+  // rounding.
+  bool clamped_high() const { return m > 87.99; }
+  bool clamped_low() const { return m < -87.3; }
+};
+
 TEST(Gelu, CpuMatchesReference) {
   for (int64_t n : kSizes) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
@@ -38,15 +92,59 @@ TEST(Gelu, CpuMatchesReference) {
     std::vector<float> out_r(n), out_c(n);
     ref::gelu_forward(out_r.data(), x.data(), n);
     cpu::gelu_forward(out_c.data(), x.data(), n);
-    // The fast path (x * sigmoid(2u), polynomial exp, u formed in double) stays within ~6e-7
-    // relative even in the negative tail, where gelu amplifies errors in u ~15-fold.
-    EXPECT_LE(max_rel_error(out_c, out_r, 1e-6), 1e-6);
-
     auto dout = random_normal(n, 2);
     std::vector<float> dinp_r(n, 0.0f), dinp_c(n, 0.0f);
     ref::gelu_backward(dinp_r.data(), x.data(), dout.data(), n);
     cpu::gelu_backward(dinp_c.data(), x.data(), dout.data(), n);
-    EXPECT_LE(max_rel_error(dinp_c, dinp_r, kGradFloor), 1e-6);
+
+    std::vector<double> out_bound(n), dinp_bound(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const Gelu g(x[i]);
+      const double ax = std::fabs(g.x), d = std::fabs(dout[i]);
+      const double gelu = g.x * g.s;
+      // Forward: out = fl(x / fl(1 + e)). Unclamped, s carries sigmoid_error; clamped high, out
+      // and gelu both lie between 0 and x exp(-87.99); clamped low (e = 0), out = x and
+      // |gelu - x| <= |x| exp(-87.3). The reference rounds 0.5 x (1 + tanh z): twelve
+      // roundings (tanh counted as four) of operands 0.5 |x| (1 + |t|) and |gelu|, and z's error
+      // moves 1 + t by (1 - t^2) dz, at most 2 |z| dz of gelu relatively.
+      double cpu_err = g.clamped_high()
+                           ? 2 * ax * std::exp(-87.99)
+                           : std::fabs(gelu) * sigmoid_error(1 - g.s, g.e_error()) + 0x1p-149;
+      if (g.clamped_low()) cpu_err += ax * std::exp(-87.3);
+      out_bound[i] = cpu_err + reference_error(gelu, 12,
+                                               0.5 * ax * (1 + std::fabs(g.t)) +
+                                                   (1 + 2 * std::fabs(g.z)) * std::fabs(gelu));
+
+      // Backward: dinp = fl(fl(s + T) dout) (into zeros). s carries sigmoid_error; T =
+      // fl(fl(2x du) fl(e s s)): du rounds seven times (the constants, 3c x x, 1 + ., the
+      // product), all of positive terms; e s^2 = s (1 - s) moves by at most the error of e (its
+      // dependence through s cancels half of it) plus s's roundings twice and two products.
+      double inner_err;  // |fl(s + T) - (s + T)|
+      if (g.clamped_high() || g.clamped_low()) {
+        // s, T and their computed values all within (1 + 2|x| du) 2 exp(-87.3) of the exact s
+        // and T, plus the rounding of the sum.
+        inner_err = u * std::fabs(g.s + g.T) + 2 * (1 + 2 * ax * g.du) * std::exp(-87.3);
+      } else {
+        const double rel_e = g.e_error();
+        const double rel_s = sigmoid_error(1 - g.s, rel_e);
+        const double r2 = (1 + u) / (1 - u) - 1;  // s's own two roundings
+        const double rel_es2 = compose({rel_e / (1 - rel_e), r2, r2, gamma(2)});
+        const double rel_T = compose({gamma(7), rel_es2, gamma(2)});
+        const double terms_err = g.s * rel_s + std::fabs(g.T) * rel_T;
+        inner_err = terms_err + u * (std::fabs(g.s + g.T) + terms_err);
+      }
+      const double grad = g.s + g.T;
+      // The reference: (0.5 (1 + t) + 0.5 x (1 - t t) du) dout in double, 24 roundings (tanh
+      // counted as four) of operands 0.5 (1 + |t|), 0.5 |x| (1 + t^2) du, |s| + |T|; z's error
+      // moves s and T by at most 2 |z| dz relatively.
+      const double ref_operands =
+          d * (0.5 * (1 + std::fabs(g.t)) + 0.5 * ax * (1 + g.t * g.t) * g.du +
+               (1 + 2 * std::fabs(g.z)) * (g.s + std::fabs(g.T)));
+      dinp_bound[i] = d * inner_err + u * d * (std::fabs(grad) + inner_err) +
+                      reference_error(grad * dout[i], 24, ref_operands);
+    }
+    EXPECT_TRUE(within_bounds(out_c, out_r, out_bound, "gelu out"));
+    EXPECT_TRUE(within_bounds(dinp_c, dinp_r, dinp_bound, "gelu dinp"));
   }
 }
 
@@ -58,14 +156,47 @@ TEST(Swiglu, CpuMatchesReference) {
     std::vector<float> out_r(n), out_c(n);
     ref::swiglu_forward(out_r.data(), gate.data(), up.data(), n);
     cpu::swiglu_forward(out_c.data(), gate.data(), up.data(), n);
-    EXPECT_LE(max_rel_error(out_c, out_r, 1e-6), 1e-6);
 
     auto dout = random_normal(n, 13);
     std::vector<float> dgate_r(n, 0.0f), dup_r(n, 0.0f), dgate_c(n, 0.0f), dup_c(n, 0.0f);
     ref::swiglu_backward(dgate_r.data(), dup_r.data(), dout.data(), gate.data(), up.data(), n);
     cpu::swiglu_backward(dgate_c.data(), dup_c.data(), dout.data(), gate.data(), up.data(), n);
-    EXPECT_LE(max_rel_error(dgate_c, dgate_r, kGradFloor), 1e-6);
-    EXPECT_LE(max_rel_error(dup_c, dup_r, kGradFloor), 1e-6);
+
+    std::vector<double> out_bound(n), dgate_bound(n), dup_bound(n);
+    for (int64_t i = 0; i < n; ++i) {
+      // s = fast_sigmoid(g) = fl(1 / fl(1 + fast_exp(-g))): -g is exact and fast_exp is never
+      // clamped for these inputs, so s carries sigmoid_error with fast_exp's own error only.
+      const double g = gate[i], ag = std::fabs(g), up_i = up[i], d = dout[i];
+      ASSERT_LT(ag, 87.0) << "the bound assumes fast_exp(-g) unclamped";
+      const double s = 1 / (1 + std::exp(-g));
+      const double rel_s = sigmoid_error(1 - s, kFastExpError);
+      // out = fl(fl(g s) up): two more roundings. The reference: exp (four roundings) and four
+      // operations, all relative to out (no cancellation).
+      const double out = g * s * up_i;
+      out_bound[i] =
+          std::fabs(out) * compose({rel_s, gamma(2)}) + reference_error(out, 8, std::fabs(out));
+      // dgate = fl(fl(fl(d up) s) F) with F = fl(1 + fl(g fl(1 - s))), which cancels near
+      // g = -1.28: absolute errors through 1 - s (s's error, one rounding), times g (one), plus 1
+      // (one; an FMA fuses two of these).
+      const double one_minus_s_err = s * rel_s + u * (1 - s + s * rel_s);
+      const double g_term_err = ag * one_minus_s_err + u * ag * (1 - s + one_minus_s_err);
+      const double F = 1 + g * (1 - s);
+      const double F_err = g_term_err + u * (std::fabs(F) + g_term_err);
+      const double P = std::fabs(d * up_i * s);  // d up s, off by rel_P relatively
+      const double rel_P = compose({rel_s, gamma(2)});
+      const double dgate_err = P * (std::fabs(F) * rel_P + (1 + rel_P) * F_err);
+      const double dgate = d * up_i * s * F;
+      // The reference: twelve roundings in double (exp as four), operands P (1 + |g| + |F|).
+      dgate_bound[i] = dgate_err + u * (std::fabs(dgate) + dgate_err) +
+                       reference_error(dgate, 12, P * (1 + ag + std::fabs(F)));
+      // dup = fl(fl(d g) s); the reference: eight roundings relative to dup.
+      const double dup = d * g * s;
+      dup_bound[i] =
+          std::fabs(dup) * compose({rel_s, gamma(2)}) + reference_error(dup, 8, std::fabs(dup));
+    }
+    EXPECT_TRUE(within_bounds(out_c, out_r, out_bound, "swiglu out"));
+    EXPECT_TRUE(within_bounds(dgate_c, dgate_r, dgate_bound, "swiglu dgate"));
+    EXPECT_TRUE(within_bounds(dup_c, dup_r, dup_bound, "swiglu dup"));
   }
 }
 
@@ -115,11 +246,18 @@ TEST(Activations, BackwardAccumulatesIntoGradients) {
     backward(z1.data(), z2.data());
     auto a1 = pre1, a2 = pre2;
     backward(a1.data(), a2.data());
+    // Not bit-exact: the kernel may fuse its last product into the add (FMA); the test's
+    // pre + z is one float add.
+    std::vector<float> e1(n), e2(n);
+    std::vector<double> b1(n), b2(n);
     for (int64_t i = 0; i < n; ++i) {
-      // Not bit-exact: the kernel may fuse its product into the add (FMA).
-      EXPECT_NEAR(a1[i], pre1[i] + z1[i], 1e-6) << name;
-      EXPECT_NEAR(a2[i], pre2[i] + z2[i], 1e-6) << name;
+      e1[i] = pre1[i] + z1[i];
+      e2[i] = pre2[i] + z2[i];
+      b1[i] = testing::accumulate_bound(pre1[i], z1[i]);
+      b2[i] = testing::accumulate_bound(pre2[i], z2[i]);
     }
+    EXPECT_TRUE(within_bounds(a1, e1, b1, "gradient 1")) << name;
+    EXPECT_TRUE(within_bounds(a2, e2, b2, "gradient 2")) << name;
   }
 }
 

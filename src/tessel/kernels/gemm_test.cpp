@@ -13,12 +13,12 @@
 
 #include "tessel/core/error.h"
 #include "tessel/testing/gradcheck.h"
+#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
 namespace {
 
-using testing::max_rel_error_rms;
 using testing::random_normal;
 
 // Restores the process-wide provider when a test changes it.
@@ -53,11 +53,26 @@ void expect_matches_reference(bool ta, bool tb, Shape s, float alpha, float beta
   auto expected = C;
   ref::sgemm(ta, tb, s.M, s.N, s.K, alpha, A.data(), lda, B.data(), ldb, beta, expected.data(),
              ldc);
+  // The magnitudes |alpha| sum_k |a_k b_k| + |beta c| of each element's terms: the reference on
+  // absolute values.
+  auto magnitude = testing::absolute(C);
+  ref::sgemm(ta, tb, s.M, s.N, s.K, std::fabs(alpha), testing::absolute(A).data(), lda,
+             testing::absolute(B).data(), ldb, std::fabs(beta), magnitude.data(), ldc);
   sgemm(ta, tb, s.M, s.N, s.K, alpha, A.data(), lda, B.data(), ldb, beta, C.data(), ldc);
   for (int m = 0; m < s.M; ++m) {
     for (int n = s.N; n < ldc; ++n) EXPECT_EQ(C[m * ldc + n], expected[m * ldc + n]) << "padding";
   }
-  EXPECT_LT(max_rel_error_rms(C, expected), 1e-5)
+  // Each element is a sum of K + 1 terms (K products and beta c), each term rounded at most
+  // K + 2 times in any order, blocking or FMA use (its product, the alpha or beta scaling, K
+  // additions): gamma(K + 2) times the magnitude. The reference adds its rounding to float (u)
+  // and its double sum (below u); the magnitudes are themselves rounded to float (u): gamma(K + 5).
+  // The padding columns must be untouched: a zero bound.
+  std::vector<double> bound(C.size(), 0.0);
+  for (int m = 0; m < s.M; ++m) {
+    for (int n = 0; n < s.N; ++n)
+      bound[m * ldc + n] = testing::gamma(s.K + 5) * magnitude[m * ldc + n];
+  }
+  EXPECT_TRUE(testing::within_bounds(C, expected, bound, "C"))
       << gemm_provider() << " ta=" << ta << " tb=" << tb << " M=" << s.M << " N=" << s.N
       << " K=" << s.K << " beta=" << beta;
 }

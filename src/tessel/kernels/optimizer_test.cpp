@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "tessel/testing/adam_divergence.h"
 #include "tessel/testing/gradcheck.h"
-#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {

@@ -10,6 +10,8 @@
 #include "tessel/kernels/cross_entropy.h"
 #include "tessel/kernels/cross_entropy_test_data.h"
 #include "tessel/testing/gradcheck.h"
+#include "tessel/testing/kernel_bounds.h"
+#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
@@ -17,7 +19,7 @@ namespace {
 
 using test_data::kIgnore;
 using test_data::make_logits;
-using testing::max_rel_error;
+constexpr double u = testing::kUnitRoundoff;
 using testing::random_normal;
 
 // The shared targets, with one of them the last real class, so that the shard holding the
@@ -126,10 +128,34 @@ TEST(VocabParallelCe, ShardsReproduceUnshardedCrossEntropy) {
             EXPECT_EQ(s.results[size_t(r)].loss_sum, s.results[0].loss_sum);
             EXPECT_EQ(s.losses[size_t(r)], s.losses[0]);
           }
-          EXPECT_NEAR(s.results[0].loss_sum, res_ref.loss_sum,
-                      1e-6 * std::max(1.0, res_ref.loss_sum));
-          EXPECT_LE(max_rel_error(s.losses[0], loss_ref), 1e-6);
-          EXPECT_LE(max_rel_error(s.dlogits, dl_ref, 1e-3 * grad_scale), 2e-6);
+          // Each side against the exact values of the float logits
+          // (testing::cross_entropy_row_bound): the sharded steps with fast_exp (cpu::) or libm
+          // (ref::) and their row sums rounded to float per shard and added in float (tp
+          // roundings); the unsharded reference with libm, in double.
+          std::vector<double> dl_bound(dl_ref.size(), 0.0), loss_bound(size_t(d.N), 0.0);
+          double sum_bound = 0, loss_magnitude = 0;
+          for (int n = 0; n < d.N; ++n) {
+            if (targets[size_t(n)] == kIgnore) continue;
+            const float* x = logits.data() + size_t(n) * d.Vp;
+            const auto sharded = testing::cross_entropy_row_bound(x, d.V, targets[size_t(n)],
+                                                                  grad_scale, use_cpu, tp);
+            const auto unsharded =
+                testing::cross_entropy_row_bound(x, d.V, targets[size_t(n)], grad_scale, false, 0);
+            for (int v = 0; v < d.V; ++v) {
+              dl_bound[size_t(n) * d.Vp + v] =
+                  sharded.dlogit_error[size_t(v)] + unsharded.dlogit_error[size_t(v)];
+            }
+            const double both = sharded.loss_error + unsharded.loss_error;
+            loss_bound[size_t(n)] = both + u * (2 * std::fabs(sharded.loss) + both);
+            sum_bound += both;
+            loss_magnitude += std::fabs(sharded.loss) + both;
+          }
+          // Both add the rows' double losses in row order: gamma64(N) each.
+          sum_bound += 2 * testing::gamma64(d.N) * loss_magnitude;
+          EXPECT_TRUE(testing::within_bound(s.results[0].loss_sum, res_ref.loss_sum, sum_bound,
+                                            "loss_sum"));
+          EXPECT_TRUE(testing::within_bounds(s.losses[0], loss_ref, loss_bound, "losses"));
+          EXPECT_TRUE(testing::within_bounds(s.dlogits, dl_ref, dl_bound, "dlogits"));
         }
       }
     }
@@ -160,8 +186,13 @@ TEST(VocabParallelCe, PaddingOnlyShardAndIgnoredRows) {
     for (int v = 0; v < d.V; ++v) mx = std::max(mx, double(logits[size_t(v)]));
     for (int v = 0; v < d.V; ++v) z += std::exp(logits[size_t(v)] - mx);
     p4 = std::exp(logits[4] - mx) / z;
-    EXPECT_NEAR(s.dlogits[4], p4 - 1.0, 1e-6);
-    EXPECT_NEAR(s.losses[0][0], -std::log(p4), 1e-5);
+    // The steps' bound for this row (four shards: four float roundings of the sum), plus this
+    // double evaluation's own error: gamma64(V + 6) of the terms' sizes.
+    const auto b = testing::cross_entropy_row_bound(logits.data(), d.V, 4, 1.0f, use_cpu, 4);
+    const double here = testing::gamma64(d.V + 6) * (1 + std::log(z) + std::fabs(std::log(p4)));
+    EXPECT_TRUE(testing::within_bound(s.dlogits[4], p4 - 1.0, b.dlogit_error[4] + here, "dlogit"));
+    EXPECT_TRUE(testing::within_bound(s.losses[0][0], -std::log(p4),
+                                      b.loss_error + u * (b.loss + b.loss_error) + here, "loss"));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
+#include <string>
 
 namespace tessel::testing {
 
@@ -75,6 +76,71 @@ double max_abs_error(std::span<const float> a, std::span<const float> b) {
     if (!(d <= worst)) worst = std::isnan(d) ? INFINITY : d;
   }
   return worst;
+}
+
+std::vector<float> absolute(std::span<const float> x) {
+  std::vector<float> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = std::fabs(x[i]);
+  return r;
+}
+
+namespace {
+
+void report_margin(double worst, size_t index, size_t count, const char* what) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("TESSEL_REPORT_MARGINS");
+    return env != nullptr && *env == '1';
+  }();
+  if (!enabled) return;
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::fprintf(
+      stderr, "margin %-50s %-16s worst |diff|/bound %.3g (element %zu of %zu)\n",
+      test != nullptr ? (std::string(test->test_suite_name()) + "." + test->name()).c_str() : "?",
+      what, worst, index, count);
+}
+
+}  // namespace
+
+::testing::AssertionResult within_bounds(std::span<const float> actual,
+                                         std::span<const float> expected,
+                                         std::span<const double> bound, const char* what) {
+  if (actual.size() != expected.size() || bound.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << what << ": sizes differ (" << actual.size() << " values, " << expected.size()
+           << " expected, " << bound.size() << " bounds)";
+  }
+  size_t beyond = 0, worst_index = 0;
+  double worst = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double diff = std::fabs(double(actual[i]) - double(expected[i]));
+    double ratio = 0;
+    if (std::isnan(diff)) {
+      ratio = INFINITY;
+    } else if (diff > 0) {
+      ratio = bound[i] > 0 ? diff / bound[i] : INFINITY;
+    }
+    if (ratio > 1) ++beyond;
+    if (ratio > worst) worst = ratio, worst_index = i;
+  }
+  report_margin(worst, worst_index, actual.size(), what);
+  if (beyond == 0) return ::testing::AssertionSuccess();
+  const size_t i = worst_index;
+  return ::testing::AssertionFailure()
+         << what << ": " << beyond << " of " << actual.size()
+         << " elements exceed their bound; worst is element " << i << ": " << actual[i] << " vs "
+         << expected[i] << ", |difference| " << std::fabs(double(actual[i]) - double(expected[i]))
+         << " = " << worst << " times its bound " << bound[i];
+}
+
+::testing::AssertionResult within_bound(double actual, double expected, double bound,
+                                        const char* what) {
+  const double diff = std::fabs(actual - expected);
+  const double ratio = diff == 0 ? 0.0 : (bound > 0 ? diff / bound : INFINITY);
+  report_margin(std::isnan(diff) ? INFINITY : ratio, 0, 1, what);
+  if (diff <= bound) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": " << actual << " vs " << expected << ", |difference| " << diff << " = "
+         << ratio << " times its bound " << bound;
 }
 
 int run_command(const std::string& command, std::string* output) {

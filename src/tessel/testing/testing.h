@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace tessel::testing {
 
@@ -38,6 +39,22 @@ double max_abs_error(std::span<const float> a, std::span<const float> b);
 // Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
 // against the typical magnitude of the result, which is what their rounding error scales with.
 double max_rel_error_rms(std::span<const float> a, std::span<const float> b);
+
+// |x| element by element: run a reference kernel on absolute values to get, for each result, the
+// sum of the magnitudes of the terms it adds up (what its rounding error scales with).
+std::vector<float> absolute(std::span<const float> x);
+
+// Compares element by element against bounds derived from the arithmetic (rounding.h): succeeds
+// when every |actual_i - expected_i| <= bound_i (equal elements pass a zero bound; a NaN on either
+// side fails), else names the worst element, its values, and how many elements exceed. With
+// TESSEL_REPORT_MARGINS=1 in the environment it prints every comparison's worst |diff| / bound to
+// stderr (labelled with the test and `what`): how close another CPU's rounding came.
+::testing::AssertionResult within_bounds(std::span<const float> actual,
+                                         std::span<const float> expected,
+                                         std::span<const double> bound, const char* what = "");
+// The same for one value.
+::testing::AssertionResult within_bound(double actual, double expected, double bound,
+                                        const char* what = "");
 
 // The message of the E that f() throws. Another exception, or none, is a test failure (and "").
 template <typename E, typename F>

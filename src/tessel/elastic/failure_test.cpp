@@ -129,11 +129,11 @@ int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::s
 // the final checkpoint is at the last step.
 void expect_like_one_process(const TempDir& dir, const std::string& corpus, const Job& job,
                              int64_t unlogged) {
-  const auto margins = runtime::testing::expect_steps_match_one_process(
+  const auto checked = runtime::testing::expect_steps_match_one_process(
       runtime::testing::write_config(dir, corpus, job.training(), "single.yaml"), dir / "ck",
       runtime::testing::read_step_losses(dir / "metrics.jsonl"), 1, job.steps);
-  EXPECT_EQ(margins.steps, job.steps);
-  EXPECT_LE(margins.unlogged, unlogged);
+  EXPECT_EQ(checked.steps, job.steps);
+  EXPECT_LE(checked.unlogged, unlogged);
   expect_exact_data_order(dir / "order.jsonl", job.steps, 12);
   EXPECT_EQ(runtime::latest_sharded_checkpoint((dir / "ck").string()),
             (dir / "ck" / runtime::checkpoint_step_name(job.steps)).string());

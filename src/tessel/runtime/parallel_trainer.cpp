@@ -420,8 +420,10 @@ struct World {
   void finish_checkpoint() { saver.wait(); }
 
   // Saves this step's checkpoint unless checkpoint.dir already has it published (rank 0 looks;
-  // collective over the world).
+  // collective over the world). The barrier first: a member may still be finishing the previous
+  // world's background save of this very step.
   void save_checkpoint_unless_published() {
+    groups.world->barrier();
     int64_t published = -1;
     if (rank == 0)
       if (const auto latest = latest_sharded_checkpoint(cfg.checkpoint.dir))

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "tessel/testing/testing.h"
+
 namespace tessel::testing {
 
 double gamma64(int64_t terms) {
@@ -82,6 +84,21 @@ CrossEntropyRowBound cross_entropy_row_bound(const float* x, int V, int target, 
 double accumulate_bound(double prefill, double increment) {
   return kUnitRoundoff * (2 * std::fabs(prefill) + (3 + kUnitRoundoff) * std::fabs(increment)) +
          0x1p-149;
+}
+
+::testing::AssertionResult accumulated_within_bound(std::span<const float> accumulated,
+                                                    std::span<const float> prefill,
+                                                    std::span<const float> into_zeros,
+                                                    const char* what) {
+  if (prefill.size() != accumulated.size() || into_zeros.size() != accumulated.size())
+    return ::testing::AssertionFailure() << what << ": sizes differ";
+  std::vector<float> expected(accumulated.size());
+  std::vector<double> bound(accumulated.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    expected[i] = prefill[i] + into_zeros[i];
+    bound[i] = accumulate_bound(prefill[i], into_zeros[i]);
+  }
+  return within_bounds(accumulated, expected, bound, what);
 }
 
 }  // namespace tessel::testing

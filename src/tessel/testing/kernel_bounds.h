@@ -14,6 +14,8 @@
 #include <span>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "tessel/testing/rounding.h"
 
 namespace tessel::testing {
@@ -79,7 +81,12 @@ CrossEntropyRowBound cross_entropy_row_bound(const float* x, int V, int target, 
 // (one float add), z the kernel's result into zeros. If the kernel's last step is a plain add the
 // two are equal; if it fuses its last product x y into the add (FMA) it rounds p + x y once:
 //   |fl(p + x y) - fl(p + z)| <= u |p + x y| + |x y - z| + u |p + z| <= 2u |p| + (3u + u^2) |z|,
-// plus 2^-149 if the product underflowed.
+// plus 2^-149 if the product underflowed. accumulated_within_bound compares element by element
+// (testing::within_bounds) the kernel's result on the pre-filled buffer with prefill + into_zeros.
 double accumulate_bound(double prefill, double increment);
+::testing::AssertionResult accumulated_within_bound(std::span<const float> accumulated,
+                                                    std::span<const float> prefill,
+                                                    std::span<const float> into_zeros,
+                                                    const char* what = "");
 
 }  // namespace tessel::testing

@@ -248,7 +248,8 @@ void Coordinator::recover(const std::string& store_dir) {
   while (fs::exists(runtime::switch_marker_path(store_dir, job_id_, g)) ||
          fs::exists(runtime::prepare_marker_path(store_dir, job_id_, g)))
     ++g;
-  for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
+  // A switch every rank agreed on has no marker; a survivor that began it says so.
+  for (const auto& r : in.reports) g = std::max({g, r.generation + 1, r.entered_generation + 1});
   in.generation = g;
   in.next_process_id = next_process_id_;
   in.replace_failed = cfg_.replace_failed;

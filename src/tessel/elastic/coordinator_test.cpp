@@ -141,6 +141,45 @@ TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
   unsetenv("TESSEL_CTL_DIR");
 }
 
+// Every rank decides a switch alike, so one that its rank 0 never began has no marker: when it
+// fails, the survivors that began it have already registered under its generation's store prefix.
+// The recovery must go to a later generation (reusing it made the new world's rendezvous fail
+// with "rank 1 is already registered").
+TEST(Coordinator, ARecoveryGoesPastAGenerationSurvivorsBeganToEnter) {
+  TempDir dir;
+  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
+  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
+  Coordinator c(cfg, "job4", 2);
+  runtime::LaunchResult job;
+  job.store_dir = dir.path().string();
+  job.job_id = "job4";
+  auto spawn = [](int, const std::map<std::string, std::string>&) {};
+  for (int process : {0, 1}) {
+    runtime::FailureReport r;
+    r.process = process;
+    r.valid = true;
+    r.generation = 0;
+    r.entered_generation = process == 1 ? 1 : 0;  // process 1 was connecting generation 1
+    r.plan = cfg.plan;
+    r.rank = process;
+    r.step = 4;
+    r.cursor = 48;
+    r.error = "connect on group 'reshard' timed out";
+    runtime::write_json_file(runtime::failure_report_path(job.store_dir, "job4", 1, process),
+                             r.to_json());
+  }
+  c.tick(spawn, job);
+  c.tick(spawn, job);
+  const auto path = runtime::recovery_path(job.store_dir, "job4", 1);
+  ASSERT_TRUE(std::filesystem::exists(path));
+  const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+  EXPECT_EQ(m.generation, 2);
+  EXPECT_TRUE(std::filesystem::exists(runtime::switch_marker_path(job.store_dir, "job4", 2)));
+  EXPECT_FALSE(std::filesystem::exists(runtime::switch_marker_path(job.store_dir, "job4", 1)));
+  unsetenv("TESSEL_CTL_DIR");
+}
+
 // A running job scaled 2 -> 3 -> 1 workers by `tessel ctl`: every step equals one single-process
 // step (step_check_test_util.h), and each scale is one event line, prepared before it was made.
 TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {

@@ -178,7 +178,7 @@ struct World {
   // Chunk state taken over from the donor world of a switch: (chunk, donor chunk, buffer kind
   // 0 params / 1 adam_m / 2 adam_v), so a failed switch can give it back (give_back).
   std::vector<std::tuple<int, int, int>> taken;
-  int data_log_fd = -1;     // output.data_order, on the first tp and pp rank of each replica
+  int data_log_fd = -1;  // output.data_order, on the first tp and pp rank of each replica
   bool cancelled_save_checked = false;  // see ParallelTrainer::run
 
   // Joins generation `generation` (store prefix) as `rank` of `p`'s world and builds this rank's
@@ -715,6 +715,10 @@ struct ParallelTrainer::Impl {
   WorkerEnv env;  // env.rank: this process's id (switch_marker.h), fixed for its lifetime
   // Switches so far: the current world lives under store generation env.generation + generation.
   int generation = 0;
+  // The newest generation this process began to enter. A switch all ranks agree on needs no
+  // marker, so when it fails only the survivors' reports tell the coordinator that its store
+  // prefix is taken.
+  int entered = 0;
   layout::Plan plan;             // in force now (also known while this process has no rank)
   std::vector<int> members;      // the process of each rank of `plan`
   int next_process_id = 0;       // the id the next process a switch adds gets
@@ -1045,6 +1049,7 @@ struct ParallelTrainer::Impl {
     const int new_rank = index_of(sw.to_members, me);
     const int old_rank = world != nullptr ? index_of(sw.from_members, me) : -1;
     const auto t0 = std::chrono::steady_clock::now();
+    entered = std::max(entered, sw.generation);
     if (!sw.recovery && world != nullptr && world->rank == 0) {
       // Tells the coordinator (which starts the processes this switch adds) and those processes
       // what it is.
@@ -1235,6 +1240,7 @@ struct ParallelTrainer::Impl {
     r.error = what;
     r.applied_request = applied_request;
     r.generation = generation;
+    r.entered_generation = std::max(entered, generation);
     r.plan = plan;
     r.members = members;
     if (world) {

@@ -54,6 +54,7 @@ nlohmann::json FailureReport::to_json() const {
   return {{"process", process},
           {"valid", valid},
           {"generation", generation},
+          {"entered_generation", entered_generation},
           {"plan", layout::to_json(plan)},
           {"members", members},
           {"rank", rank},
@@ -69,6 +70,7 @@ FailureReport FailureReport::from_json(const nlohmann::json& d, const std::strin
     r.process = d.at("process").get<int>();
     r.valid = d.at("valid").get<bool>();
     r.generation = d.at("generation").get<int>();
+    r.entered_generation = d.at("entered_generation").get<int>();
     r.plan = layout::plan_from_json(d.at("plan"));
     r.members = d.at("members").get<std::vector<int>>();
     r.rank = d.at("rank").get<int>();

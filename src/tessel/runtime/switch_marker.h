@@ -66,7 +66,10 @@ struct FailureReport {
   int process = 0;
   bool valid = false;  // holds a consistent copy of its rank's state at `step`
   int generation = 0;  // of the world whose state it holds
-  layout::Plan plan;   // that world's plan
+  // The newest generation it began to enter (>= generation): a switch that failed may have
+  // registered ranks under that generation's store prefix, so a recovery must use a later one.
+  int entered_generation = 0;
+  layout::Plan plan;  // that world's plan
   std::vector<int> members;
   int rank = -1;  // its rank there (-1: none)
   int64_t step = 0, cursor = 0;

@@ -50,24 +50,6 @@ std::filesystem::path tessel_binary() {
 #endif
 }
 
-double max_rel_error(std::span<const float> a, std::span<const float> b, double floor) {
-  if (a.size() != b.size()) throw std::invalid_argument("max_rel_error: size mismatch");
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    double d = std::fabs(double(a[i]) - double(b[i]));
-    double scale = std::max(std::fabs(double(b[i])), floor);
-    if (!(d / scale <= worst)) worst = std::isnan(d) ? INFINITY : d / scale;
-  }
-  return worst;
-}
-
-double max_rel_error_rms(std::span<const float> a, std::span<const float> b) {
-  double ss = 0;
-  for (float x : b) ss += double(x) * x;
-  const double rms = b.empty() ? 0.0 : std::sqrt(ss / double(b.size()));
-  return max_rel_error(a, b, std::max(rms, 1e-30));
-}
-
 double max_abs_error(std::span<const float> a, std::span<const float> b) {
   if (a.size() != b.size()) throw std::invalid_argument("max_abs_error: size mismatch");
   double worst = 0;

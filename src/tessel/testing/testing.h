@@ -32,13 +32,8 @@ std::filesystem::path source_path(const std::string& relative);
 // Path of the built `tessel` executable: $TESSEL_BIN when set, else the one in the build tree.
 std::filesystem::path tessel_binary();
 
-// Largest |a-b| / max(|b|, floor) over the two arrays; the floor keeps near-zero entries from
-// dominating. Sizes must match.
-double max_rel_error(std::span<const float> a, std::span<const float> b, double floor = 1e-3);
+// Largest |a - b| over the two arrays (sizes must match).
 double max_abs_error(std::span<const float> a, std::span<const float> b);
-// Largest |a - b| relative to max(|b|, rms(b)): float sums that cancel to nearly zero are judged
-// against the typical magnitude of the result, which is what their rounding error scales with.
-double max_rel_error_rms(std::span<const float> a, std::span<const float> b);
 
 // |x| element by element: run a reference kernel on absolute values to get, for each result, the
 // sum of the magnitudes of the terms it adds up (what its rounding error scales with).

@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/profile_command.h"
@@ -19,9 +20,8 @@
 #include "tessel/data/tokenizer.h"
 #include "tessel/elastic/coordinator.h"
 #include "tessel/model/model_config.h"
-#include "tessel/runtime/launcher.h"
+#include "tessel/process/launcher.h"
 #include "tessel/runtime/parallel_trainer.h"
-#include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/store/checkpoint_store.h"
 
@@ -45,8 +45,8 @@ struct Args {
   std::string job_id;
 };
 
-runtime::TrainConfig load_train_config(const Args& args) {
-  auto cfg = runtime::TrainConfig::load(args.config);
+config::TrainConfig load_train_config(const Args& args) {
+  auto cfg = config::TrainConfig::load(args.config);
   if (args.steps > 0) cfg.training.steps = args.steps;
   return cfg;
 }
@@ -61,7 +61,7 @@ std::string random_job_id() {
 int launch_training(const Args& args) {
   auto cfg = load_train_config(args);
   cfg.validate_for_workers(args.nproc);
-  runtime::LaunchOptions opt;
+  process::LaunchOptions opt;
   opt.nproc = args.nproc;
   opt.command = {std::filesystem::read_symlink("/proc/self/exe").string(), "--log-level",
                  args.log_level, "worker", args.config};
@@ -79,7 +79,7 @@ int launch_training(const Args& args) {
   // resumed run starts in the plan in force at its checkpoint's step.
   int64_t resume_step = 0;
   if (!cfg.checkpoint.dir.empty() && cfg.checkpoint.resume) {
-    if (auto path = runtime::latest_sharded_checkpoint(cfg.checkpoint.dir))
+    if (auto path = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
       resume_step = store::CheckpointReader(*path).meta().at("step").get<int64_t>();
   }
   opt.nproc = cfg.plan_at(resume_step).world();
@@ -88,13 +88,13 @@ int launch_training(const Args& args) {
   opt.tick = std::chrono::milliseconds(50);
   opt.extra_env["TESSEL_ELASTIC"] = "1";
   auto coordinator = std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc);
-  opt.on_tick = [coordinator](const runtime::LaunchOptions::Spawn& spawn,
-                              const runtime::LaunchResult& job) { coordinator->tick(spawn, job); };
+  opt.on_tick = [coordinator](const process::LaunchOptions::Spawn& spawn,
+                              const process::LaunchResult& job) { coordinator->tick(spawn, job); };
   // A worker killed by a signal is recovered from; the others keep running.
-  opt.on_exit = [coordinator](const runtime::WorkerExit& e) { return coordinator->on_exit(e); };
+  opt.on_exit = [coordinator](const process::WorkerExit& e) { return coordinator->on_exit(e); };
   spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
-  auto result = runtime::launch(opt);
+  auto result = process::launch(opt);
   if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);
   return result.exit_code;
 }
@@ -169,14 +169,14 @@ void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   cmd->add_option("command", args.worker_command, "worker command (after --)")->required();
   cmd->callback([&] {
     action = [&] {
-      runtime::LaunchOptions opt;
+      process::LaunchOptions opt;
       opt.peer_grace = std::chrono::milliseconds(int64_t(args.peer_grace_s * 1000));
       opt.nproc = args.nproc;
       opt.command = args.worker_command;
       opt.log_dir = args.log_dir;
       opt.stop_timeout = std::chrono::milliseconds(int64_t(args.stop_timeout_s * 1000));
       std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
-      auto result = runtime::launch(opt);
+      auto result = process::launch(opt);
       if (result.exit_code != 0) fmt::print(stderr, "tessel: launch failed: {}\n", result.failure);
       return result.exit_code;
     };

@@ -7,9 +7,9 @@
 #include <memory>
 #include <string>
 
+#include "tessel/checkpoint/hf_convert.h"
 #include "tessel/core/check.h"
 #include "tessel/model/model_config.h"
-#include "tessel/runtime/hf_convert.h"
 
 namespace tessel::cli {
 
@@ -25,9 +25,9 @@ struct ConvertArgs {
 int convert_to_hf(const ConvertArgs& a) {
   TESSEL_CHECK(a.model.empty(), ConfigError,
                "--model applies to --from hf only: an export takes the model from the checkpoint");
-  runtime::HfExportOptions opt;
+  checkpoint::HfExportOptions opt;
   if (!a.dtype.empty()) opt.dtype = parse_dtype(a.dtype);
-  const auto r = runtime::export_hf(a.input, a.output, opt);
+  const auto r = checkpoint::export_hf(a.input, a.output, opt);
   fmt::print("wrote {}/model.safetensors ({} tensors, {}, {} bytes) and {}/config.json: {} '{}'",
              a.output, r.tensors, dtype_name(opt.dtype), r.bytes, a.output, r.architecture,
              r.model.name);
@@ -40,9 +40,9 @@ int convert_to_hf(const ConvertArgs& a) {
 int convert_from_hf(const ConvertArgs& a) {
   TESSEL_CHECK(a.dtype.empty(), ConfigError,
                "--dtype applies to --to hf only: tessel checkpoints hold f32 parameters");
-  runtime::HfImportOptions opt;
+  checkpoint::HfImportOptions opt;
   if (!a.model.empty()) opt.model = model::ModelConfig::preset(a.model);
-  const auto r = runtime::import_hf(a.input, a.output, opt);
+  const auto r = checkpoint::import_hf(a.input, a.output, opt);
   fmt::print(
       "wrote tessel checkpoint {}: {} model '{}', {} parameter tensors (f32) from {} "
       "weights in {}",

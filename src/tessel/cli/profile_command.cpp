@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "tessel/config/train_config.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/planner/profiler.h"
-#include "tessel/runtime/train_config.h"
 
 namespace tessel::cli {
 
@@ -88,7 +88,7 @@ int run_profile(const ProfileArgs& a) {
   planner::ProfileOptions o;
   int workers = a.workers;
   if (!a.config.empty()) {
-    const auto cfg = runtime::TrainConfig::load(a.config);
+    const auto cfg = config::TrainConfig::load(a.config);
     o.model = cfg.model;
     o.seq = cfg.data.seq_len;
     if (workers == 0) workers = cfg.max_workers();

@@ -10,11 +10,11 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "tessel/config/train_config.h"
 #include "tessel/core/check.h"
 #include "tessel/planner/memory_model.h"
 #include "tessel/planner/search.h"
 #include "tessel/planner/trace.h"
-#include "tessel/runtime/train_config.h"
 #include "tessel/schedule/bubble.h"
 #include "tessel/schedule/generators.h"
 #include "tessel/schedule/zero_bubble.h"
@@ -490,7 +490,7 @@ int run_simulate(const SimArgs& a) {
   SimulateRequest rq;
   bool from_config = false;
   if (!a.config.empty()) {
-    const auto cfg = runtime::TrainConfig::load(a.config);
+    const auto cfg = config::TrainConfig::load(a.config);
     TESSEL_CHECK(a.model.empty(), ConfigError,
                  "--model conflicts with --config (the config names its model)");
     rq.model = cfg.model;

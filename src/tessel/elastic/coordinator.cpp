@@ -16,12 +16,11 @@
 #include <sstream>
 #include <vector>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/recovery.h"
-#include "tessel/runtime/auto_plan.h"
-#include "tessel/runtime/sharded_checkpoint.h"
-#include "tessel/runtime/switch_marker.h"
+#include "tessel/elastic/switch_marker.h"
 
 namespace tessel::elastic {
 
@@ -69,7 +68,7 @@ void write_all(int fd, const std::string& s) {
 
 }  // namespace
 
-Coordinator::Coordinator(runtime::TrainConfig cfg, std::string job_id, int initial_workers)
+Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initial_workers)
     : cfg_(std::move(cfg)),
       job_id_(std::move(job_id)),
       workers_(initial_workers),
@@ -112,13 +111,13 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
   if (!(in >> n) || n < 1) return "refused: scale needs a worker count >= 1 (scale N)";
   layout::Plan plan;
   try {
-    plan = runtime::plan_for_workers(cfg_, n);
+    plan = cfg_.plan_for_workers(n);
   } catch (const Error& e) {
     return fmt::format("refused: {}", e.what());
   }
   const int64_t r = ++requests_;
   const nlohmann::json req = {{"request", r}, {"workers", n}, {"plan", layout::to_json(plan)}};
-  runtime::write_json_file(runtime::scale_request_path(store_dir, job_id_, r), req);
+  write_json_file(scale_request_path(store_dir, job_id_, r), req);
   const std::string when =
       cfg_.prepare_steps > 0
           ? fmt::format("prepared from the next step boundary on, switched {} steps later",
@@ -128,29 +127,29 @@ std::string Coordinator::handle(const std::string& line, const std::string& stor
   return fmt::format("ok: request {}: {} workers ({}) {}", r, n, plan.describe(), when);
 }
 
-void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
+void Coordinator::start_joiners(const process::LaunchOptions::Spawn& spawn,
                                 const std::string& store_dir) {
   if (pending_) return;  // a failure is being recovered from: its decision says who starts
-  auto start = [&](const runtime::SwitchMarker& m) {
+  auto start = [&](const SwitchMarker& m) {
     for (int p : m.spawn) {
       spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
       running_.insert(p);
     }
   };
   for (;;) {
-    const auto path = runtime::switch_marker_path(store_dir, job_id_, next_generation_);
+    const auto path = switch_marker_path(store_dir, job_id_, next_generation_);
     if (!fs::exists(path)) {
       // Announced ahead: its processes start now and prepare while the job trains.
-      const auto early = runtime::prepare_marker_path(store_dir, job_id_, next_generation_);
+      const auto early = prepare_marker_path(store_dir, job_id_, next_generation_);
       if (prepared_generation_ == next_generation_ || !fs::exists(early)) return;
-      const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(early), early);
+      const auto m = SwitchMarker::from_json(read_json_file(early), early);
       start(m);
       preparing_.insert(m.spawn.begin(), m.spawn.end());
       prepared_generation_ = next_generation_;
       next_process_id_ = std::max(next_process_id_, m.next_process_id);
       return;
     }
-    const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+    const auto m = SwitchMarker::from_json(read_json_file(path), path);
     if (prepared_generation_ != next_generation_) start(m);  // else started from its announcement
     preparing_.clear();
     next_process_id_ = std::max(next_process_id_, m.next_process_id);
@@ -159,7 +158,7 @@ void Coordinator::start_joiners(const runtime::LaunchOptions::Spawn& spawn,
   }
 }
 
-bool Coordinator::on_exit(const runtime::WorkerExit& e) {
+bool Coordinator::on_exit(const process::WorkerExit& e) {
   const int process = e.rank;
   running_.erase(process);
   preparing_.erase(process);
@@ -194,7 +193,7 @@ void Coordinator::start_recovery(const std::string& cause) {
   pending_.emplace();
   pending_->cause = cause;
   pending_->detected = std::chrono::steady_clock::now();
-  pending_->deadline = pending_->detected + runtime::recovery_deadline(cfg_.comm_timeout_s);
+  pending_->deadline = pending_->detected + recovery_deadline(cfg_.comm_timeout_s);
   pending_->expected = state_holders();
   spdlog::warn("{}: recovering (failure {})", cause, failures_);
 }
@@ -204,9 +203,9 @@ void Coordinator::notice_reported_failures(const std::string& store_dir) {
   // Workers that met a failure nobody died of (a collective timed out, a connection reset) report
   // it as the next failure; recover from it the same way, with every process surviving.
   for (int process : running_) {
-    const auto path = runtime::failure_report_path(store_dir, job_id_, failures_ + 1, process);
+    const auto path = failure_report_path(store_dir, job_id_, failures_ + 1, process);
     if (!fs::exists(path)) continue;
-    const auto r = runtime::FailureReport::from_json(runtime::read_json_file(path), path);
+    const auto r = FailureReport::from_json(read_json_file(path), path);
     start_recovery(fmt::format("process {} met: {}", process, r.error));
     return;
   }
@@ -214,15 +213,15 @@ void Coordinator::notice_reported_failures(const std::string& store_dir) {
 
 void Coordinator::recover(const std::string& store_dir) {
   auto& p = *pending_;
-  std::vector<runtime::FailureReport> reports;
+  std::vector<FailureReport> reports;
   std::vector<int> missing;
   for (int process : p.expected) {
-    const auto path = runtime::failure_report_path(store_dir, job_id_, failures_, process);
+    const auto path = failure_report_path(store_dir, job_id_, failures_, process);
     if (!fs::exists(path)) {
       missing.push_back(process);
       continue;
     }
-    reports.push_back(runtime::FailureReport::from_json(runtime::read_json_file(path), path));
+    reports.push_back(FailureReport::from_json(read_json_file(path), path));
   }
   if (!missing.empty()) {
     std::string list;
@@ -243,24 +242,28 @@ void Coordinator::recover(const std::string& store_dir) {
   in.dead.assign(p.dead.begin(), p.dead.end());
   in.cause = p.cause;
   in.failures = failures_;
-  // Above every generation used so far, including switch markers not yet read.
+  // Above every generation used so far, including switch markers not yet read...
   int g = next_generation_;
-  while (fs::exists(runtime::switch_marker_path(store_dir, job_id_, g)) ||
-         fs::exists(runtime::prepare_marker_path(store_dir, job_id_, g)))
+  while (fs::exists(switch_marker_path(store_dir, job_id_, g)) ||
+         fs::exists(prepare_marker_path(store_dir, job_id_, g)))
     ++g;
-  // A switch every rank agreed on has no marker; a survivor that began it says so.
-  for (const auto& r : in.reports) g = std::max({g, r.generation + 1, r.entered_generation + 1});
+  for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
+  // ...and above the one after them: a switch every rank agrees on is begun without waiting for
+  // its marker, so processes (dead ones too, which report nothing) may have registered in that
+  // generation's store prefix already. None can be further on: finishing that switch needs the old
+  // rank 0, which writes the marker first.
+  ++g;
   in.generation = g;
   in.next_process_id = next_process_id_;
   in.replace_failed = cfg_.replace_failed;
   if (!cfg_.checkpoint.dir.empty())
-    in.checkpoint = runtime::latest_sharded_checkpoint(cfg_.checkpoint.dir);
+    in.checkpoint = checkpoint::latest_sharded_checkpoint(cfg_.checkpoint.dir);
   auto m = decide_recovery(cfg_, in);
   const auto now = std::chrono::steady_clock::now();
   m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
   m.record["planning_s_coordinator"] = std::chrono::duration<double>(now - t0).count();
-  runtime::write_json_file(runtime::switch_marker_path(store_dir, job_id_, g), m.to_json());
-  runtime::write_json_file(runtime::recovery_path(store_dir, job_id_, failures_), m.to_json());
+  write_json_file(switch_marker_path(store_dir, job_id_, g), m.to_json());
+  write_json_file(recovery_path(store_dir, job_id_, failures_), m.to_json());
   spdlog::warn(
       "failure {}: continuing at step {} with {} workers ({}) {}{}", failures_, m.step,
       m.to.world(), m.to.describe(),
@@ -296,8 +299,8 @@ void Coordinator::watch_hosts_file(const std::string& store_dir) {
   spdlog::info("{} lists {} worker slots: {}", cfg_.hosts_file, slots, reply);
 }
 
-void Coordinator::tick(const runtime::LaunchOptions::Spawn& spawn,
-                       const runtime::LaunchResult& job) {
+void Coordinator::tick(const process::LaunchOptions::Spawn& spawn,
+                       const process::LaunchResult& job) {
   watch_hosts_file(job.store_dir);
   for (;;) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);

@@ -22,7 +22,7 @@
 //  * Failures. A worker killed by a signal (SIGKILL, the OOM killer, a preempted machine's
 //    SIGTERM) does not end the job: the launcher hands its exit to on_exit(). Its peers notice
 //    (PeerLostError / TimeoutError), break their communicators so everyone notices, and write a
-//    failure report (runtime/switch_marker.h). Once every surviving process has reported, the
+//    failure report (elastic/switch_marker.h). Once every surviving process has reported, the
 //    coordinator decides (recovery.h: live from survivors when every piece has a surviving copy,
 //    else from the newest checkpoint), writes <store>/<job>.recovery-<e>.json and the switch
 //    marker, and starts the processes it adds. A failure report that no death explains (a
@@ -43,8 +43,8 @@
 #include <string>
 #include <vector>
 
-#include "tessel/runtime/launcher.h"
-#include "tessel/runtime/train_config.h"
+#include "tessel/config/train_config.h"
+#include "tessel/process/launcher.h"
 
 namespace tessel::elastic {
 
@@ -54,7 +54,7 @@ std::string control_dir();
 class Coordinator {
  public:
   // Listens on <control_dir()>/<job_id>.sock. Throws IoError when the socket cannot be created.
-  Coordinator(runtime::TrainConfig cfg, std::string job_id, int initial_workers);
+  Coordinator(config::TrainConfig cfg, std::string job_id, int initial_workers);
   ~Coordinator();  // removes the socket
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -63,16 +63,16 @@ class Coordinator {
 
   // One round: answers pending control connections and starts the ranks of announced switches.
   // `job` holds the store directory and job id the workers see.
-  void tick(const runtime::LaunchOptions::Spawn& spawn, const runtime::LaunchResult& job);
+  void tick(const process::LaunchOptions::Spawn& spawn, const process::LaunchResult& job);
 
   // A worker ended (the launcher's on_exit). Returns true when the job goes on without it.
-  bool on_exit(const runtime::WorkerExit& e);
+  bool on_exit(const process::WorkerExit& e);
 
   // The reply to one command line (exposed for tests).
   std::string handle(const std::string& line, const std::string& store_dir);
 
  private:
-  void start_joiners(const runtime::LaunchOptions::Spawn& spawn, const std::string& store_dir);
+  void start_joiners(const process::LaunchOptions::Spawn& spawn, const std::string& store_dir);
   // Opens failure number failures_ + 1: every running process is to report.
   void start_recovery(const std::string& cause);
   // The running processes a failure recovery waits for: all but those still preparing.
@@ -85,7 +85,7 @@ class Coordinator {
   // elastic.hosts_file: scales the job when the number of worker slots listed changes.
   void watch_hosts_file(const std::string& store_dir);
 
-  runtime::TrainConfig cfg_;
+  config::TrainConfig cfg_;
   int64_t hosts_mtime_ = -1;  // of the hosts file when last read
   int hosts_slots_ = -1;      // worker slots it listed then
   std::string job_id_;

@@ -13,10 +13,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
-#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/elastic/switch_marker.h"
 #include "tessel/runtime/step_check_test_util.h"
-#include "tessel/runtime/switch_marker.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/testing/testing.h"
 
@@ -34,7 +34,7 @@ const std::string kTraining =
 TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndWrittenForTheWorkers) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+  auto cfg = config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
   Coordinator c(cfg, "job1", 2);
   EXPECT_TRUE(std::filesystem::exists(c.socket_path()));
@@ -62,12 +62,12 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndWrittenForTheWorkers) {
 TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+  auto cfg = config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(),
       kTraining + "parallel: {dp: 2}\nelastic: {hosts_file: hosts.txt}\n"));
   EXPECT_EQ(cfg.hosts_file, (dir / "hosts.txt").string());
   Coordinator c(cfg, "job2", 2);
-  runtime::LaunchResult job;
+  process::LaunchResult job;
   job.store_dir = dir.path().string();
   job.job_id = "job2";
   auto spawn = [](int, const std::map<std::string, std::string>&) {};
@@ -103,16 +103,16 @@ TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
 TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+  auto cfg = config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
   Coordinator c(cfg, "job3", 2);
-  runtime::LaunchResult job;
+  process::LaunchResult job;
   job.store_dir = dir.path().string();
   job.job_id = "job3";
   std::vector<int> spawned;
   auto spawn = [&](int p, const std::map<std::string, std::string>&) { spawned.push_back(p); };
   auto report = [&](int process) {
-    runtime::FailureReport r;
+    elastic::FailureReport r;
     r.process = process;
     r.valid = true;
     r.plan = cfg.plan;
@@ -120,17 +120,16 @@ TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
     r.step = 9;
     r.cursor = 108;
     r.error = "all_reduce_sum on group 'dp.0' timed out";
-    runtime::write_json_file(runtime::failure_report_path(job.store_dir, "job3", 1, process),
-                             r.to_json());
+    write_json_file(elastic::failure_report_path(job.store_dir, "job3", 1, process), r.to_json());
   };
   report(1);
   c.tick(spawn, job);  // a recovery starts; process 0 has not reported yet
-  EXPECT_FALSE(std::filesystem::exists(runtime::recovery_path(job.store_dir, "job3", 1)));
+  EXPECT_FALSE(std::filesystem::exists(elastic::recovery_path(job.store_dir, "job3", 1)));
   report(0);
   c.tick(spawn, job);
-  const auto path = runtime::recovery_path(job.store_dir, "job3", 1);
+  const auto path = elastic::recovery_path(job.store_dir, "job3", 1);
   ASSERT_TRUE(std::filesystem::exists(path));
-  const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+  const auto m = elastic::SwitchMarker::from_json(read_json_file(path), path);
   EXPECT_TRUE(m.recovery);
   EXPECT_TRUE(m.checkpoint.empty());
   EXPECT_EQ(m.step, 9);
@@ -141,42 +140,40 @@ TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
   unsetenv("TESSEL_CTL_DIR");
 }
 
-// Every rank decides a switch alike, so one that its rank 0 never began has no marker: when it
-// fails, the survivors that began it have already registered under its generation's store prefix.
-// The recovery must go to a later generation (reusing it made the new world's rendezvous fail
-// with "rank 1 is already registered").
-TEST(Coordinator, ARecoveryGoesPastAGenerationSurvivorsBeganToEnter) {
+// Every rank decides a switch alike and begins it without waiting for rank 0's marker, so when
+// one fails, processes may already have registered under its generation's store prefix; dead ones
+// cannot say so. A recovery goes one generation further (reusing it made the new world's
+// rendezvous fail with "rank 2 is already registered").
+TEST(Coordinator, ARecoveryGoesPastTheGenerationASwitchMayHaveBegun) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = runtime::TrainConfig::load(runtime::testing::write_config(
+  auto cfg = config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
   Coordinator c(cfg, "job4", 2);
-  runtime::LaunchResult job;
+  process::LaunchResult job;
   job.store_dir = dir.path().string();
   job.job_id = "job4";
   auto spawn = [](int, const std::map<std::string, std::string>&) {};
   for (int process : {0, 1}) {
-    runtime::FailureReport r;
+    elastic::FailureReport r;
     r.process = process;
     r.valid = true;
     r.generation = 0;
-    r.entered_generation = process == 1 ? 1 : 0;  // process 1 was connecting generation 1
     r.plan = cfg.plan;
     r.rank = process;
     r.step = 4;
     r.cursor = 48;
     r.error = "connect on group 'reshard' timed out";
-    runtime::write_json_file(runtime::failure_report_path(job.store_dir, "job4", 1, process),
-                             r.to_json());
+    write_json_file(elastic::failure_report_path(job.store_dir, "job4", 1, process), r.to_json());
   }
   c.tick(spawn, job);
   c.tick(spawn, job);
-  const auto path = runtime::recovery_path(job.store_dir, "job4", 1);
+  const auto path = elastic::recovery_path(job.store_dir, "job4", 1);
   ASSERT_TRUE(std::filesystem::exists(path));
-  const auto m = runtime::SwitchMarker::from_json(runtime::read_json_file(path), path);
+  const auto m = elastic::SwitchMarker::from_json(read_json_file(path), path);
   EXPECT_EQ(m.generation, 2);
-  EXPECT_TRUE(std::filesystem::exists(runtime::switch_marker_path(job.store_dir, "job4", 2)));
-  EXPECT_FALSE(std::filesystem::exists(runtime::switch_marker_path(job.store_dir, "job4", 1)));
+  EXPECT_TRUE(std::filesystem::exists(elastic::switch_marker_path(job.store_dir, "job4", 2)));
+  EXPECT_FALSE(std::filesystem::exists(elastic::switch_marker_path(job.store_dir, "job4", 1)));
   unsetenv("TESSEL_CTL_DIR");
 }
 
@@ -184,9 +181,9 @@ TEST(Coordinator, ARecoveryGoesPastAGenerationSurvivorsBeganToEnter) {
 // step (step_check_test_util.h), and each scale is one event line, prepared before it was made.
 TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {
   TempDir dir;
-  auto corpus = runtime::testing::make_corpus(dir);
-  const auto single_cfg = runtime::testing::write_config(dir, corpus, kTraining, "single.yaml");
-  auto cfg = runtime::testing::write_config(
+  auto corpus = config::testing::make_corpus(dir);
+  const auto single_cfg = config::testing::write_config(dir, corpus, kTraining, "single.yaml");
+  auto cfg = config::testing::write_config(
       dir, corpus,
       kTraining + "parallel: {dp: 2}\n" + runtime::testing::every_step_checkpoints(kSteps));
   const auto bin = tessel::testing::tessel_binary().string();

@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "tessel/runtime/runtime_test_util.h"
-#include "tessel/runtime/sharded_checkpoint.h"
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/config/config_test_util.h"
 #include "tessel/runtime/step_check_test_util.h"
 #include "tessel/testing/testing.h"
 
@@ -130,13 +130,13 @@ int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::s
 void expect_like_one_process(const TempDir& dir, const std::string& corpus, const Job& job,
                              int64_t unlogged) {
   const auto checked = runtime::testing::expect_steps_match_one_process(
-      runtime::testing::write_config(dir, corpus, job.training(), "single.yaml"), dir / "ck",
+      config::testing::write_config(dir, corpus, job.training(), "single.yaml"), dir / "ck",
       runtime::testing::read_step_losses(dir / "metrics.jsonl"), 1, job.steps);
   EXPECT_EQ(checked.steps, job.steps);
   EXPECT_LE(checked.unlogged, unlogged);
   expect_exact_data_order(dir / "order.jsonl", job.steps, 12);
-  EXPECT_EQ(runtime::latest_sharded_checkpoint((dir / "ck").string()),
-            (dir / "ck" / runtime::checkpoint_step_name(job.steps)).string());
+  EXPECT_EQ(checkpoint::latest_sharded_checkpoint((dir / "ck").string()),
+            (dir / "ck" / checkpoint::checkpoint_step_name(job.steps)).string());
 }
 
 // 20 random workers of a dp job killed at random moments, each replaced by a new process: the
@@ -144,9 +144,9 @@ void expect_like_one_process(const TempDir& dir, const std::string& corpus, cons
 // its per-step losses, data order and final state are those of the uninterrupted run.
 TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
   TempDir dir;
-  const auto corpus = runtime::testing::make_corpus(dir);
+  const auto corpus = config::testing::make_corpus(dir);
   const Job job{150};
-  const auto cfg = runtime::testing::write_config(
+  const auto cfg = config::testing::write_config(
       dir, corpus,
       job.config() + "parallel: {dp: 4, timeout_s: 20}\nelastic: {replace_failed: true}\n");
   std::string out;
@@ -180,9 +180,9 @@ TEST(Failures, TwentyRandomKillsOfReplicatedWorkers) {
 // of the uninterrupted run (replicas or, when a failure leaves none, the checkpoint).
 TEST(Failures, KillsDuringSwitchesAndRecoveries) {
   TempDir dir;
-  const auto corpus = runtime::testing::make_corpus(dir);
+  const auto corpus = config::testing::make_corpus(dir);
   const Job job{120};
-  const auto cfg = runtime::testing::write_config(
+  const auto cfg = config::testing::write_config(
       dir, corpus,
       job.config() +
           "parallel: {dp: 4, timeout_s: 10}\nelastic: {replace_failed: true}\n"
@@ -215,9 +215,9 @@ TEST(Failures, KillsDuringSwitchesAndRecoveries) {
 // is prepared again from the survivors' new world and happens at its step.
 TEST(Failures, AFailureDuringAPreparedSwitch) {
   TempDir dir;
-  const auto corpus = runtime::testing::make_corpus(dir);
+  const auto corpus = config::testing::make_corpus(dir);
   const Job job{80};
-  const auto cfg = runtime::testing::write_config(
+  const auto cfg = config::testing::write_config(
       dir, corpus,
       job.config() +
           "parallel: {dp: 2, timeout_s: 20}\nelastic: {prepare_steps: 50}\n"
@@ -260,9 +260,9 @@ TEST(Failures, AFailureDuringAPreparedSwitch) {
 // the uninterrupted run ends.
 TEST(Failures, LostOptimizerShardsAreRestoredFromTheCheckpoint) {
   TempDir dir;
-  const auto corpus = runtime::testing::make_corpus(dir);
+  const auto corpus = config::testing::make_corpus(dir);
   const Job job{60};
-  const auto cfg = runtime::testing::write_config(
+  const auto cfg = config::testing::write_config(
       dir, corpus, job.config() + "parallel: {dp: 3, zero_stage: 1, timeout_s: 20}\n");
   std::string out;
   // After the first checkpoints: before them a lost shard ends the job (next test).
@@ -287,12 +287,12 @@ TEST(Failures, LostOptimizerShardsAreRestoredFromTheCheckpoint) {
 // names what was lost and the fix.
 TEST(Failures, LostStateWithoutACheckpointIsAClearError) {
   TempDir dir;
-  const auto corpus = runtime::testing::make_corpus(dir);
-  const auto cfg = runtime::testing::write_config(
-      dir, corpus,
-      Job{150}.training() +
-          "parallel: {dp: 2, zero_stage: 1, timeout_s: 20}\n"
-          "output: {metrics: metrics.jsonl, events: events.jsonl}\n");
+  const auto corpus = config::testing::make_corpus(dir);
+  const auto cfg =
+      config::testing::write_config(dir, corpus,
+                                    Job{150}.training() +
+                                        "parallel: {dp: 2, zero_stage: 1, timeout_s: 20}\n"
+                                        "output: {metrics: metrics.jsonl, events: events.jsonl}\n");
   std::string out;
   train_and_kill(dir, cfg, 1, &out);
   const std::string log = read_text(dir / "train.out");

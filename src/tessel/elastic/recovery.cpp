@@ -9,15 +9,11 @@
 #include "tessel/core/check.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/reshard/transfer_plan.h"
-#include "tessel/runtime/auto_plan.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::elastic {
 
-using runtime::FailureReport;
-using runtime::SwitchMarker;
-
-runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const RecoveryInput& in) {
+SwitchMarker decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in) {
   SwitchMarker m;
   m.recovery = true;
   m.generation = in.generation;
@@ -77,7 +73,7 @@ runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const Rec
   int workers = wanted;
   for (; workers >= 1; --workers) {
     try {
-      m.to = runtime::plan_for_workers(cfg, workers);
+      m.to = cfg.plan_for_workers(workers);
       break;
     } catch (const ConfigError& e) {
       if (why_not.empty()) why_not = e.what();
@@ -100,7 +96,7 @@ runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const Rec
   if (source != nullptr) {
     const FailureReport& any = *source->front();
     m.from = any.plan;
-    m.from_members.assign(size_t(any.plan.world()), runtime::kLostProcess);
+    m.from_members.assign(size_t(any.plan.world()), kLostProcess);
     for (const auto* r : *source) m.from_members[size_t(r->rank)] = r->process;
     m.step = any.step;
     m.cursor = any.cursor;

@@ -1,7 +1,7 @@
 // The coordinator's decision after workers died: which state to continue from, with which
 // processes, in which plan.
 //
-// Input: the failure reports of every surviving process (runtime/switch_marker.h: the state each
+// Input: the failure reports of every surviving process (elastic/switch_marker.h: the state each
 // holds -- plan, rank, step, and whether it is consistent) and the processes that died.
 // Decision:
 //  1. State. Valid reports are grouped by (step, generation) -- after a failure inside a step's
@@ -24,18 +24,18 @@
 #include <string>
 #include <vector>
 
-#include "tessel/runtime/switch_marker.h"
-#include "tessel/runtime/train_config.h"
+#include "tessel/config/train_config.h"
+#include "tessel/elastic/switch_marker.h"
 
 namespace tessel::elastic {
 
 struct RecoveryInput {
-  std::vector<runtime::FailureReport> reports;  // of the surviving processes
-  std::vector<int> dead;                        // processes that died
-  std::string cause;                            // "worker 2 was killed by signal 9 (SIGKILL)"
-  int64_t failures = 0;                         // this failure's number (1, 2, ...)
-  int generation = 0;                           // the generation to create
-  int next_process_id = 0;                      // the first id free for new processes
+  std::vector<FailureReport> reports;  // of the surviving processes
+  std::vector<int> dead;               // processes that died
+  std::string cause;                   // "worker 2 was killed by signal 9 (SIGKILL)"
+  int64_t failures = 0;                // this failure's number (1, 2, ...)
+  int generation = 0;                  // the generation to create
+  int next_process_id = 0;             // the first id free for new processes
   bool replace_failed = false;
   std::optional<std::string> checkpoint;  // the newest published checkpoint (a step-N directory)
 };
@@ -44,6 +44,6 @@ struct RecoveryInput {
 // steps_lost, dead and survivors). Throws Error naming the lost state and the fix (set
 // checkpoint.every) when state was lost and there is no checkpoint, and ConfigError when no
 // worker count from the survivors' down to 1 has a plan.
-runtime::SwitchMarker decide_recovery(const runtime::TrainConfig& cfg, const RecoveryInput& in);
+SwitchMarker decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in);
 
 }  // namespace tessel::elastic

@@ -6,25 +6,25 @@
 
 #include <filesystem>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
-#include "tessel/runtime/runtime_test_util.h"
-#include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::elastic {
 namespace {
 
-using runtime::FailureReport;
+using elastic::FailureReport;
 using tessel::testing::TempDir;
 
-runtime::TrainConfig config(const TempDir& dir, const std::string& parallel) {
-  return runtime::TrainConfig::load(runtime::testing::write_config(
+config::TrainConfig config(const TempDir& dir, const std::string& parallel) {
+  return config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(),
       "training: {steps: 20, global_batch: 12, micro_batch: 2}\n" + parallel));
 }
 
-FailureReport report(const runtime::TrainConfig& cfg, const layout::Plan& plan, int process,
+FailureReport report(const config::TrainConfig& cfg, const layout::Plan& plan, int process,
                      int rank, int64_t step, bool valid = true, int generation = 0) {
   FailureReport r;
   r.process = process;
@@ -99,14 +99,14 @@ TEST(Recovery, LostOptimizerShardsRollBackToTheCheckpoint) {
   auto cfg = config(dir, "parallel: {dp: 2, zero_stage: 1}\ncheckpoint: {dir: ck, every: 2}\n");
   // A real checkpoint at step 4 from the single-process trainer (any plan's checkpoint will do).
   {
-    auto single = runtime::TrainConfig::load(runtime::testing::write_config(
-        dir, runtime::testing::make_corpus(dir),
+    auto single = config::TrainConfig::load(config::testing::write_config(
+        dir, config::testing::make_corpus(dir),
         "training: {steps: 4, global_batch: 12, micro_batch: 2}\ncheckpoint: {dir: ck}\n",
         "single.yaml"));
     single.metrics_path.clear();
     runtime::Trainer(single).run();
   }
-  const auto ck = runtime::latest_sharded_checkpoint((dir / "ck").string());
+  const auto ck = checkpoint::latest_sharded_checkpoint((dir / "ck").string());
   ASSERT_TRUE(ck.has_value());
   RecoveryInput in;
   in.reports = {report(cfg, cfg.plan, 0, 0, 6)};
@@ -128,11 +128,11 @@ TEST(Recovery, AFailedSwitchLeavesTheOldGenerationAsTheSource) {
   TempDir dir;
   const auto cfg = config(dir, "parallel: {dp: 2}\n");
   const auto pp2 =
-      runtime::TrainConfig::load(
-          runtime::testing::write_config(dir, (dir / "none.tok").string(),
-                                         "training: {steps: 20, global_batch: 12, micro_batch: 2}\n"
-                                         "parallel: {pp: 2}\n",
-                                         "pp.yaml"))
+      config::TrainConfig::load(
+          config::testing::write_config(dir, (dir / "none.tok").string(),
+                                        "training: {steps: 20, global_batch: 12, micro_batch: 2}\n"
+                                        "parallel: {pp: 2}\n",
+                                        "pp.yaml"))
           .plan;
   RecoveryInput in;
   // Generation 1 (pp 2) was entered by process 0 only; process 1 still holds generation 0's dp

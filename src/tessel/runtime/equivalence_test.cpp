@@ -20,20 +20,23 @@
 #include <map>
 #include <sstream>
 
+#include "tessel/config/config_test_util.h"
 #include "tessel/model/model_spec.h"
 #include "tessel/model/tp_shard.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/runtime_test_util.h"
 #include "tessel/runtime/step_check_test_util.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/tensor/box_copy.h"
 
 namespace tessel::runtime {
+
+using checkpoint::checkpoint_step_name;
+using config::TrainConfig;
 namespace {
 
+using config::testing::make_corpus;
+using config::testing::write_config;
 using tessel::testing::TempDir;
-using testing::make_corpus;
-using testing::write_config;
 
 constexpr int kSteps = 6;
 

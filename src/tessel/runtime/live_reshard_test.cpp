@@ -14,18 +14,21 @@
 #include <fstream>
 #include <sstream>
 
+#include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/runtime_test_util.h"
 #include "tessel/runtime/step_check_test_util.h"
 #include "tessel/runtime/trainer.h"
 
 namespace tessel::runtime {
+
+using checkpoint::checkpoint_step_name;
+using config::TrainConfig;
 namespace {
 
+using config::testing::make_corpus;
+using config::testing::write_config;
 using tessel::testing::TempDir;
-using testing::make_corpus;
-using testing::write_config;
 
 constexpr int kSteps = 8;
 

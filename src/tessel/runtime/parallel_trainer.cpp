@@ -18,11 +18,15 @@
 #include <span>
 #include <thread>
 
+#include "tessel/checkpoint/model_json.h"
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/comm/bucketed_all_reduce.h"
 #include "tessel/comm/process_groups.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/data/batch_loader.h"
 #include "tessel/data/token_source.h"
+#include "tessel/elastic/switch_marker.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/layout/training_state.h"
@@ -30,19 +34,34 @@
 #include "tessel/model/transformer.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/reshard/transfer_plan.h"
-#include "tessel/runtime/bucketed_all_reduce.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
-#include "tessel/runtime/model_json.h"
 #include "tessel/runtime/prepared_chunks.h"
-#include "tessel/runtime/sharded_checkpoint.h"
-#include "tessel/runtime/switch_marker.h"
 #include "tessel/runtime/tp_comm_group.h"
 #include "tessel/store/async_saver.h"
 #include "tessel/store/checkpoint_store.h"
 #include "tessel/tensor/allocator.h"
 
 namespace tessel::runtime {
+
+using checkpoint::add_rank_state;
+using checkpoint::check_resumable;
+using checkpoint::checkpoint_meta;
+using checkpoint::checkpoint_step_name;
+using checkpoint::latest_sharded_checkpoint;
+using checkpoint::load_rank_state;
+using checkpoint::publish_checkpoint;
+using comm::BucketedAllReduce;
+using config::PlanSwitch;
+using config::TrainConfig;
+using elastic::failure_report_path;
+using elastic::FailureReport;
+using elastic::prepare_marker_path;
+using elastic::recovery_deadline;
+using elastic::recovery_path;
+using elastic::scale_request_path;
+using elastic::switch_marker_path;
+using elastic::SwitchMarker;
 
 namespace {
 
@@ -434,7 +453,7 @@ struct World {
   }
 
   nlohmann::json checkpoint_meta() const {
-    return runtime::checkpoint_meta(cfg, plan, step, cursor);
+    return checkpoint::checkpoint_meta(cfg, plan, step, cursor);
   }
 
   // This rank's training state in StateLayout order (layout/state_layout.h): per chunk, its
@@ -715,10 +734,6 @@ struct ParallelTrainer::Impl {
   WorkerEnv env;  // env.rank: this process's id (switch_marker.h), fixed for its lifetime
   // Switches so far: the current world lives under store generation env.generation + generation.
   int generation = 0;
-  // The newest generation this process began to enter. A switch all ranks agree on needs no
-  // marker, so when it fails only the survivors' reports tell the coordinator that its store
-  // prefix is taken.
-  int entered = 0;
   layout::Plan plan;             // in force now (also known while this process has no rank)
   std::vector<int> members;      // the process of each rank of `plan`
   int next_process_id = 0;       // the id the next process a switch adds gets
@@ -1049,7 +1064,6 @@ struct ParallelTrainer::Impl {
     const int new_rank = index_of(sw.to_members, me);
     const int old_rank = world != nullptr ? index_of(sw.from_members, me) : -1;
     const auto t0 = std::chrono::steady_clock::now();
-    entered = std::max(entered, sw.generation);
     if (!sw.recovery && world != nullptr && world->rank == 0) {
       // Tells the coordinator (which starts the processes this switch adds) and those processes
       // what it is.
@@ -1240,7 +1254,6 @@ struct ParallelTrainer::Impl {
     r.error = what;
     r.applied_request = applied_request;
     r.generation = generation;
-    r.entered_generation = std::max(entered, generation);
     r.plan = plan;
     r.members = members;
     if (world) {

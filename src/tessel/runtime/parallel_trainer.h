@@ -30,7 +30,7 @@
 //     sums), so the losses equal the single-process Trainer's up to float summation order.
 // Rank 0 prints progress and writes the metrics and event files; every rank writes its share of
 // checkpoints (sharded_checkpoint.h). Evaluation and ZeRO stages above 1 are not supported here
-// (TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
+// (config::TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
 // timeline or by scale requests (a live switch: Impl::transition).
 // With TESSEL_DUMP_PARAMS=DIR in the environment, every rank writes its local parameters to
 // DIR/rank<R>.params at the end of run() (format: Impl::dump_params; used by the tests).
@@ -46,7 +46,7 @@
 #include <memory>
 #include <string>
 
-#include "tessel/runtime/train_config.h"
+#include "tessel/config/train_config.h"
 #include "tessel/runtime/trainer.h"
 
 namespace tessel::runtime {
@@ -68,7 +68,7 @@ class ParallelTrainer {
  public:
   // Validates the config for env.world_size workers, connects the process groups and builds this
   // rank's model chunks. Blocks until every peer has connected (bounded by the store timeout).
-  ParallelTrainer(TrainConfig config, const WorkerEnv& env);
+  ParallelTrainer(config::TrainConfig config, const WorkerEnv& env);
   ~ParallelTrainer();
   ParallelTrainer(const ParallelTrainer&) = delete;
   ParallelTrainer& operator=(const ParallelTrainer&) = delete;

@@ -14,17 +14,19 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/runtime_test_util.h"
 #include "tessel/runtime/step_check_test_util.h"
 
 namespace tessel::runtime {
+
+using config::TrainConfig;
 namespace {
 
+using config::testing::make_corpus;
+using config::testing::write_config;
 using tessel::testing::TempDir;
-using testing::make_corpus;
-using testing::write_config;
 
 std::string tessel_command(const std::string& args) {
   auto bin = tessel::testing::tessel_binary();

@@ -9,6 +9,8 @@
 
 namespace tessel::runtime {
 
+using config::TrainConfig;
+
 namespace {
 
 // Stands in for a tensor-parallel group that does not exist yet: it has the rank and size the

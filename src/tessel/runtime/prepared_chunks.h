@@ -15,11 +15,11 @@
 #include <memory>
 #include <vector>
 
+#include "tessel/config/train_config.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/layout/plan.h"
 #include "tessel/model/tp_group.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/train_config.h"
 #include "tessel/schedule/instruction.h"
 #include "tessel/tensor/tensor.h"
 
@@ -47,7 +47,7 @@ struct PreparedChunks {
 // !skip[c] (skip may be empty: nothing skipped) gets its Transformer (parameters zero, every buffer
 // touched) and its zeroed Adam moments (ZeRO-1: the owned range only). Throws what the
 // Transformer constructor throws (ConfigError, UnsupportedError).
-PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& plan, int rank,
+PreparedChunks prepare_chunks(const config::TrainConfig& cfg, const layout::Plan& plan, int rank,
                               std::shared_ptr<kernels::Backend> backend,
                               const std::vector<bool>& skip);
 

@@ -12,6 +12,8 @@
 #include "tessel/model/tp_group.h"
 
 namespace tessel::runtime {
+
+using config::TrainConfig;
 namespace {
 
 TrainConfig tiny_config() {

@@ -6,9 +6,11 @@
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
-#include "tessel/runtime/runtime_test_util.h"
+#include "tessel/config/config_test_util.h"
 
 namespace tessel::runtime {
+
+using config::TrainConfig;
 namespace {
 
 using tessel::testing::TempDir;
@@ -16,15 +18,16 @@ using tessel::testing::TempDir;
 // How many failures checking `run_extra`'s run against `single_extra`'s config reports.
 size_t failures_of_check(const std::string& run_extra, const std::string& single_extra) {
   TempDir dir;
-  const auto corpus = testing::make_corpus(dir);
+  const auto corpus = config::testing::make_corpus(dir);
   const std::string training = "training: {steps: 3, global_batch: 4, micro_batch: 2}\n";
-  Trainer(TrainConfig::load(testing::write_config(
-              dir, corpus,
-              training + run_extra + "output: {metrics: m.jsonl}\n" +
-                  testing::every_step_checkpoints(3),
-              "run.yaml")))
+  Trainer(TrainConfig::load(config::testing::write_config(dir, corpus,
+                                                          training + run_extra +
+                                                              "output: {metrics: m.jsonl}\n" +
+                                                              testing::every_step_checkpoints(3),
+                                                          "run.yaml")))
       .run();
-  const auto single = testing::write_config(dir, corpus, training + single_extra, "single.yaml");
+  const auto single =
+      config::testing::write_config(dir, corpus, training + single_extra, "single.yaml");
   ::testing::TestPartResultArray failures;
   {
     ::testing::ScopedFakeTestPartResultReporter intercept(

@@ -34,10 +34,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/config/train_config.h"
 #include "tessel/model/rounding_test_util.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/sharded_checkpoint.h"
-#include "tessel/runtime/train_config.h"
 #include "tessel/runtime/trainer.h"
 #include "tessel/testing/adam_divergence.h"
 #include "tessel/testing/rounding.h"
@@ -82,7 +82,7 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
                                                 int64_t first, int64_t last) {
   const auto start = std::chrono::steady_clock::now();
   StepCheck checked;
-  TrainConfig cfg = TrainConfig::load(single_config);
+  config::TrainConfig cfg = config::TrainConfig::load(single_config);
   cfg.checkpoint = {};
   cfg.checkpoint.resume = false;
   cfg.metrics_path.clear();
@@ -92,7 +92,9 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
   const double grad_tol = model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len);
   const double loss_tol =
       model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len, /*backward=*/false);
-  auto saved = [&](int64_t step) { return (checkpoints / checkpoint_step_name(step)).string(); };
+  auto saved = [&](int64_t step) {
+    return (checkpoints / checkpoint::checkpoint_step_name(step)).string();
+  };
   // `single` holds the state before step t: the seed's, or the run's saved one.
   auto single = std::make_unique<Trainer>(cfg);
   if (first > 1) single->load_checkpoint(saved(first - 1));

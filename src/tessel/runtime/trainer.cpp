@@ -5,6 +5,8 @@
 #include <cmath>
 #include <filesystem>
 
+#include "tessel/checkpoint/model_json.h"
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/data/batch_loader.h"
@@ -13,11 +15,18 @@
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
-#include "tessel/runtime/model_json.h"
-#include "tessel/runtime/sharded_checkpoint.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
+
+using checkpoint::add_rank_state;
+using checkpoint::check_resumable;
+using checkpoint::checkpoint_meta;
+using checkpoint::checkpoint_step_name;
+using checkpoint::latest_sharded_checkpoint;
+using checkpoint::load_rank_state;
+using checkpoint::publish_checkpoint;
+using config::TrainConfig;
 
 struct Trainer::Impl {
   TrainConfig cfg;
@@ -67,7 +76,7 @@ struct Trainer::Impl {
   }
 
   nlohmann::json checkpoint_meta() const {
-    return runtime::checkpoint_meta(cfg, layout::Plan{}.with_defaults(cfg.model), step, cursor);
+    return checkpoint::checkpoint_meta(cfg, layout::Plan{}.with_defaults(cfg.model), step, cursor);
   }
 
   // Continues from the newest checkpoint in checkpoint.dir, which may have been saved by any

@@ -19,8 +19,8 @@
 
 #include "tessel/kernels/optimizer.h"
 
+#include "tessel/config/train_config.h"
 #include "tessel/runtime/run_tracker.h"
-#include "tessel/runtime/train_config.h"
 
 namespace tessel::model {
 class Transformer;
@@ -32,7 +32,7 @@ class Trainer {
  public:
   // Opens the data, builds the model and optimizer state, and resumes from the latest checkpoint
   // when the config asks for it. Throws ConfigError / IoError / CorruptDataError on bad input.
-  explicit Trainer(TrainConfig config);
+  explicit Trainer(config::TrainConfig config);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;

@@ -6,19 +6,21 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/data/token_dataset.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/runtime_test_util.h"
 #include "tessel/runtime/step_check_test_util.h"
 #include "tessel/tensor/allocator.h"
 
 namespace tessel::runtime {
+
+using config::TrainConfig;
 namespace {
 
+using config::testing::make_corpus;
+using config::testing::write_config;
 using tessel::testing::TempDir;
-using testing::make_corpus;
-using testing::write_config;
 
 TEST(Trainer, LossFallsOnASmallCorpus) {
   TempDir dir;

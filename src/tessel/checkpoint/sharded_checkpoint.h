@@ -1,0 +1,66 @@
+// Training checkpoints of any plan, in the tensor store's format (store/checkpoint_store.h).
+//
+// checkpoint.dir holds one store checkpoint per saved step, `step-00000100/`, and a file `latest`
+// naming the newest complete one (replaced atomically after the checkpoint was published; a crash
+// leaves it naming the previous one). The newest checkpoint.keep are kept.
+//
+// What is saved is the whole training state of the plan (layout/state_layout.h): every parameter
+// under its Hugging Face name and Adam's moments as "<name>/adam_m" and "<name>/adam_v", each
+// element written by exactly one rank: replicas are skipped (only dp rank 0 writes what dp
+// replicates -- with ZeRO-1 every dp rank writes its own optimizer ranges -- only the primary tp
+// copy of a tensor tp replicates, and not the head stage's copy of a tied embedding). The
+// manifest's "meta" carries the model config, the plan, the step, the data cursor and position
+// in the learning-rate schedule, and the seeds. Loading reads into any plan's layout: each rank
+// reads only the boxes it holds, so a checkpoint saved under one layout resumes under another.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessel/config/train_config.h"
+#include "tessel/layout/state_layout.h"
+#include "tessel/layout/training_state.h"
+#include "tessel/store/checkpoint_store.h"
+
+namespace tessel::checkpoint {
+
+// "step-00000100"
+std::string checkpoint_step_name(int64_t step);
+
+// The newest complete checkpoint under `dir` (the one `latest` names), if any. Throws
+// CorruptDataError when `latest` names something that is not there.
+std::optional<std::string> latest_sharded_checkpoint(const std::string& dir);
+
+// Adds rank `rank`'s share of the state (see above) to `writer`, gathered from `buffers` (the
+// rank's buffers in layout order) into copies the writer owns, so the buffers may change as soon
+// as this returns.
+void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& layout, int rank,
+                    const std::vector<std::span<const float>>& buffers);
+
+// On one rank, after every rank's write_rank_file(): commits the checkpoint of `step` (written by
+// `writer` into dir/step-N), points `latest` at it and removes all but the newest `keep`.
+void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nlohmann::json& meta,
+                        const std::string& dir, int keep);
+
+// The manifest's "meta" of a checkpoint of `cfg`'s model trained under `plan` at `step` (data
+// cursor `cursor`).
+nlohmann::json checkpoint_meta(const config::TrainConfig& cfg, const layout::Plan& plan,
+                               int64_t step, int64_t cursor);
+// Throws ConfigError (naming the checkpoint at `path`) unless a run of `cfg` may continue from a
+// checkpoint with `meta`: the same model, and the same data seed, sequence length and global
+// batch (else samples would repeat or be skipped).
+void check_resumable(const config::TrainConfig& cfg, const nlohmann::json& meta,
+                     const std::string& path);
+
+// Fills rank `rank`'s buffers (layout order) from a checkpoint saved under any plan of the same
+// model. Throws CorruptDataError naming the tensor (and file) when a piece is missing, damaged or
+// of another shape.
+void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,
+                     int rank, const std::vector<std::span<float>>& buffers);
+
+}  // namespace tessel::checkpoint

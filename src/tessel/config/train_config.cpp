@@ -1,0 +1,375 @@
+#include "tessel/config/train_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "tessel/config/yaml_reader.h"
+#include "tessel/core/log.h"
+#include "tessel/planner/local_plan.h"
+
+namespace tessel::config {
+
+namespace {
+
+std::string resolve(const std::string& path, const std::filesystem::path& base) {
+  if (path.empty() || std::filesystem::path(path).is_absolute()) return path;
+  return (base / path).lexically_normal().string();
+}
+
+model::ModelConfig read_model(YamlSection s) {
+  std::string preset;
+  s.read("preset", preset);
+  model::ModelConfig m;
+  if (!preset.empty()) {
+    m = model::ModelConfig::preset(preset);
+  } else {
+    TESSEL_CHECK(s.has("family"), ConfigError,
+                 "{}: give either 'preset' (one of the named models) or 'family' (gpt2 or llama) "
+                 "with the sizes",
+                 s.where("preset"));
+  }
+  if (s.has("family")) {
+    std::string family;
+    s.read("family", family);
+    m.family = model::parse_family(family);
+  }
+  s.read("name", m.name);
+  s.read("n_layer", m.n_layer);
+  s.read("n_embd", m.n_embd);
+  s.read("n_head", m.n_head);
+  s.read("n_kv_head", m.n_kv_head);
+  s.read("ffn_hidden", m.ffn_hidden);
+  s.read("vocab_size", m.vocab_size);
+  s.read("max_seq_len", m.max_seq_len);
+  s.read("norm_eps", m.norm_eps);
+  s.read("rope_theta", m.rope_theta);
+  s.read("tie_embeddings", m.tie_embeddings);
+  s.read("bias", m.bias);
+  // A preset's kv heads follow its heads unless set: changing n_head alone keeps MHA models MHA.
+  if (s.has("n_head") && !s.has("n_kv_head") && m.family == model::Family::gpt2)
+    m.n_kv_head = m.n_head;
+  if (m.name.empty()) m.name = preset.empty() ? "custom" : preset;
+  s.reject_unknown_keys();
+  return m;
+}
+
+// Reads the plan keys of a `parallel:` section into `p` (micro-batching derived from training,
+// see train_config.h); returns the plan's micro_batch.
+void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) {
+  s.read("dp", p.dp);
+  s.read("tp", p.tp);
+  s.read("pp", p.pp);
+  s.read("virtual_stages", p.virtual_stages);
+  s.read("zero_stage", p.zero_stage);
+  s.read("layers_per_stage", p.layers_per_stage);
+  std::string schedule = std::string(layout::schedule_name(p.schedule));
+  s.read("schedule", schedule);
+  p.schedule = layout::parse_schedule(schedule);
+  std::string order = std::string(layout::rank_order_name(p.order));
+  s.read("rank_order", order);
+  p.order = layout::parse_rank_order(order);
+  TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
+  const int64_t G = training.global_batch;
+  const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
+  if (s.has("micro_batch")) {
+    s.read("micro_batch", p.micro_batch);
+  } else if (p.dp == 1) {
+    p.micro_batch = training.micro_batch;  // validate() explains a micro_batch that does not divide
+  } else if (per_replica > 0) {
+    int64_t mb = std::min(std::max<int64_t>(training.micro_batch, 1), per_replica);
+    while (per_replica % mb != 0) --mb;
+    p.micro_batch = mb;
+  } else {
+    p.micro_batch = std::max<int64_t>(training.micro_batch, 1);
+  }
+  // When the sizes do not divide, the floor still makes validate() explain which one to change.
+  p.micro_batches = p.micro_batch >= 1 ? std::max<int64_t>(1, per_replica / p.micro_batch) : 1;
+}
+
+// Reads the optional `parallel:` section into c.plan (after `training`, whose batch sizes it uses).
+void read_parallel(YamlSection s, TrainConfig& c, const std::filesystem::path& base) {
+  if (s.has("plan_file")) {
+    // A plan from `tessel plan --out plan.json` (or its whole --json document): the layout keys
+    // come from it, so they may not be given here as well.
+    std::string file;
+    s.read("plan_file", file);
+    file = resolve(file, base);
+    for (const char* key : {"dp", "tp", "pp", "virtual_stages", "micro_batch", "schedule",
+                            "zero_stage", "layers_per_stage", "rank_order"})
+      TESSEL_CHECK(!s.has(key), ConfigError,
+                   "{}: 'plan_file' gives the whole layout; remove '{}' or the plan file",
+                   s.where(key), key);
+    std::ifstream in(file);
+    TESSEL_CHECK(in.good(), IoError, "{}: cannot read plan file '{}'", s.where("plan_file"), file);
+    nlohmann::json doc;
+    try {
+      doc = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      TESSEL_THROW(ConfigError, "{}: plan file '{}' is not JSON: {}", s.where("plan_file"), file,
+                   e.what());
+    }
+    try {
+      c.plan = layout::plan_from_json(doc.is_object() && doc.contains("plan") ? doc["plan"] : doc);
+    } catch (const Error& e) {
+      TESSEL_THROW(ConfigError, "{}: plan file '{}': {}", s.where("plan_file"), file, e.what());
+    }
+    if (c.plan.recompute)
+      spdlog::warn(
+          "{}: the plan asks for activation recompute, which the runtime does not do yet: "
+          "activations are kept (same results, more memory)",
+          file);
+  } else {
+    read_plan(s, c.training, c.plan);
+  }
+  s.read("timeout_s", c.comm_timeout_s);
+  TESSEL_CHECK(c.comm_timeout_s > 0, ConfigError, "{}: must be > 0 seconds, got {}",
+               s.where("timeout_s"), c.comm_timeout_s);
+  s.read("bucket_mb", c.bucket_mb);
+  TESSEL_CHECK(c.bucket_mb > 0, ConfigError, "{}: must be > 0 MiB, got {}", s.where("bucket_mb"),
+               c.bucket_mb);
+  if (c.plan.micro_batch >= 1) c.training.micro_batch = c.plan.micro_batch;
+  s.reject_unknown_keys();
+}
+
+// The optional `timeline:` list (after `parallel`).
+void read_timeline(YamlSection& top, TrainConfig& c) {
+  for (auto& entry : top.list("timeline")) {
+    PlanSwitch sw;
+    TESSEL_CHECK(entry.has("at_step"), ConfigError,
+                 "{}: every timeline entry needs 'at_step' (e.g. {{at_step: 100, parallel: {{dp: "
+                 "2}}}})",
+                 entry.where("at_step"));
+    entry.read("at_step", sw.at_step);
+    TESSEL_CHECK(entry.has("parallel") != entry.has("workers"), ConfigError,
+                 "{}: every timeline entry needs either the plan to switch to (parallel: {{dp: .., "
+                 "tp: .., pp: ..}}) or a worker count for the planner (workers: N)",
+                 entry.where("parallel"));
+    if (entry.has("workers")) {
+      entry.read("workers", sw.workers);
+      TESSEL_CHECK(sw.workers >= 1, ConfigError, "{}: must be >= 1, got {}", entry.where("workers"),
+                   sw.workers);
+    } else {
+      auto par = entry.section("parallel");
+      read_plan(par, c.training, sw.plan);
+      par.reject_unknown_keys();
+    }
+    entry.reject_unknown_keys();
+    const int64_t prev = c.timeline.empty() ? 0 : c.timeline.back().at_step;
+    TESSEL_CHECK(sw.at_step > prev && sw.at_step < c.training.steps, ConfigError,
+                 "{}: is {} but timeline steps must increase and lie in ({}, {}) (after the "
+                 "previous switch, before training.steps)",
+                 entry.where("at_step"), sw.at_step, prev, c.training.steps);
+    c.timeline.push_back(std::move(sw));
+  }
+}
+}  // namespace
+
+TrainConfig TrainConfig::load(const std::string& path) {
+  YAML::Node root = load_yaml_file(path);
+  auto base = std::filesystem::absolute(path).parent_path();
+  TrainConfig c;
+  c.source = path;
+  YamlSection top(root, "", path);
+  TESSEL_CHECK(top.has("model"), ConfigError,
+               "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}})", path);
+  c.model = read_model(top.section("model"));
+
+  auto data = top.section("data");
+  data.read("path", c.data.path);
+  data.read("seq_len", c.data.seq_len);
+  data.read("eval_fraction", c.data.eval_fraction);
+  data.read("seed", c.data.seed);
+  data.reject_unknown_keys();
+  c.data.path = resolve(c.data.path, base);
+
+  auto t = top.section("training");
+  t.read("steps", c.training.steps);
+  t.read("global_batch", c.training.global_batch);
+  t.read("micro_batch", c.training.micro_batch);
+  if (!t.has("micro_batch")) c.training.micro_batch = c.training.global_batch;
+  t.read("seed", c.training.seed);
+  t.read("grad_clip", c.training.grad_clip);
+  t.read("eval_every", c.training.eval_every);
+  t.read("eval_batches", c.training.eval_batches);
+  t.read("log_every", c.training.log_every);
+  t.read("backend", c.training.backend);
+  t.read("threads", c.training.threads);
+  t.read("stop_at", c.training.stop_at);
+  t.reject_unknown_keys();
+
+  auto o = top.section("optimizer");
+  o.read("lr", c.optimizer.lr);
+  c.optimizer.min_lr = c.optimizer.lr * 0.1;
+  o.read("min_lr", c.optimizer.min_lr);
+  o.read("warmup_steps", c.optimizer.warmup_steps);
+  o.read("beta1", c.optimizer.beta1);
+  o.read("beta2", c.optimizer.beta2);
+  o.read("eps", c.optimizer.eps);
+  o.read("weight_decay", c.optimizer.weight_decay);
+  o.reject_unknown_keys();
+
+  auto ck = top.section("checkpoint");
+  ck.read("dir", c.checkpoint.dir);
+  ck.read("every", c.checkpoint.every);
+  ck.read("resume", c.checkpoint.resume);
+  ck.read("keep", c.checkpoint.keep);
+  ck.read("async", c.checkpoint.async);
+  ck.reject_unknown_keys();
+  c.checkpoint.dir = resolve(c.checkpoint.dir, base);
+
+  auto out = top.section("output");
+  out.read("metrics", c.metrics_path);
+  out.read("events", c.events_path);
+  out.read("data_order", c.data_order_path);
+  out.reject_unknown_keys();
+  c.metrics_path = resolve(c.metrics_path, base);
+  c.events_path = resolve(c.events_path, base);
+  c.data_order_path = resolve(c.data_order_path, base);
+
+  read_parallel(top.section("parallel"), c, base);
+  read_timeline(top, c);
+  auto el = top.section("elastic");
+  el.read("hosts_file", c.hosts_file);
+  el.read("replace_failed", c.replace_failed);
+  el.read("prepare_steps", c.prepare_steps);
+  TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
+               el.where("prepare_steps"), c.prepare_steps);
+  el.reject_unknown_keys();
+  c.hosts_file = resolve(c.hosts_file, base);
+
+  top.reject_unknown_keys();
+  // Worker counts become the planner's plans (deterministic: every worker gets the same).
+  for (auto& sw : c.timeline)
+    if (sw.workers > 0) sw.plan = c.plan_for_workers(sw.workers);
+  c.validate();
+  c.plan = c.plan.with_defaults(c.model);
+  for (auto& sw : c.timeline) sw.plan = sw.plan.with_defaults(c.model);
+  return c;
+}
+
+void TrainConfig::validate() const {
+  const std::string& f = source;
+  model.validate();
+  TESSEL_CHECK(!data.path.empty(), ConfigError,
+               "{}: 'data.path' is required (a token file from `tessel data prepare`)", f);
+  TESSEL_CHECK(data.seq_len >= 1 && data.seq_len <= model.max_seq_len, ConfigError,
+               "{}: 'data.seq_len' is {} but must be in 1..{} (the model's max_seq_len)", f,
+               data.seq_len, model.max_seq_len);
+  TESSEL_CHECK(data.eval_fraction >= 0 && data.eval_fraction < 1, ConfigError,
+               "{}: 'data.eval_fraction' must be in [0, 1), got {}", f, data.eval_fraction);
+  TESSEL_CHECK(training.steps >= 1, ConfigError, "{}: 'training.steps' must be >= 1", f);
+  TESSEL_CHECK(training.global_batch >= 1 && training.micro_batch >= 1, ConfigError,
+               "{}: 'training.global_batch' and 'training.micro_batch' must be >= 1", f);
+  TESSEL_CHECK(training.global_batch % training.micro_batch == 0, ConfigError,
+               "{}: 'training.micro_batch' ({}) must divide 'training.global_batch' ({}); e.g. "
+               "micro_batch {}",
+               f, training.micro_batch, training.global_batch,
+               std::gcd(training.micro_batch, training.global_batch));
+  TESSEL_CHECK(training.eval_every >= 0 && training.eval_batches >= 1, ConfigError,
+               "{}: 'training.eval_every' must be >= 0 and 'training.eval_batches' >= 1", f);
+  TESSEL_CHECK(training.eval_every == 0 || data.eval_fraction > 0, ConfigError,
+               "{}: 'training.eval_every' is set but 'data.eval_fraction' is 0: nothing to "
+               "evaluate on",
+               f);
+  TESSEL_CHECK(training.threads >= 0, ConfigError, "{}: 'training.threads' must be >= 0", f);
+  TESSEL_CHECK(training.stop_at >= 0, ConfigError, "{}: 'training.stop_at' must be >= 0", f);
+  TESSEL_CHECK(optimizer.lr > 0 && optimizer.min_lr >= 0 && optimizer.min_lr <= optimizer.lr,
+               ConfigError, "{}: need 0 <= 'optimizer.min_lr' <= 'optimizer.lr' and lr > 0", f);
+  TESSEL_CHECK(optimizer.warmup_steps >= 0, ConfigError,
+               "{}: 'optimizer.warmup_steps' must be >= 0", f);
+  TESSEL_CHECK(
+      optimizer.beta1 >= 0 && optimizer.beta1 < 1 && optimizer.beta2 >= 0 && optimizer.beta2 < 1,
+      ConfigError, "{}: 'optimizer.beta1' and 'optimizer.beta2' must be in [0, 1)", f);
+  TESSEL_CHECK(optimizer.eps > 0 && optimizer.weight_decay >= 0, ConfigError,
+               "{}: 'optimizer.eps' must be > 0 and 'optimizer.weight_decay' >= 0", f);
+  TESSEL_CHECK(checkpoint.every >= 0 && checkpoint.keep >= 1, ConfigError,
+               "{}: 'checkpoint.every' must be >= 0 and 'checkpoint.keep' >= 1", f);
+  validate_plan(plan.world());
+}
+
+void TrainConfig::validate_plan(int workers) const {
+  try {
+    plan.validate(model, training.global_batch, workers);
+  } catch (const ConfigError& e) {
+    // Adds the config file to the plan's message; its location already names where it failed.
+    throw ConfigError(fmt::format("{}: parallel: {}", source, e.what()));
+  }
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    const auto& p = timeline[i].plan;
+    try {
+      p.validate(model, training.global_batch, p.world());
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}: timeline[{}].parallel: {}", source, i, e.what()));
+    }
+  }
+}
+
+const layout::Plan& TrainConfig::plan_of_generation(int generation) const {
+  TESSEL_CHECK(generation >= 0 && generation <= int(timeline.size()), InvalidArgumentError,
+               "generation {} is outside the config's 0..{}", generation, timeline.size());
+  return generation == 0 ? plan : timeline[size_t(generation - 1)].plan;
+}
+
+int TrainConfig::generation_at(int64_t step) const {
+  int g = 0;
+  while (g < int(timeline.size()) && timeline[size_t(g)].at_step <= step) ++g;
+  return g;
+}
+
+const layout::Plan& TrainConfig::plan_at(int64_t step) const {
+  return plan_of_generation(generation_at(step));
+}
+
+layout::Plan TrainConfig::plan_for_workers(int workers) const {
+  return planner::plan_for_workers({model, training.global_batch, data.seq_len, workers, source});
+}
+
+int TrainConfig::max_workers() const {
+  int n = plan.world();
+  for (const auto& sw : timeline) n = std::max(n, sw.plan.world());
+  return n;
+}
+
+void TrainConfig::validate_for_workers(int workers) const {
+  validate();
+  if (timeline.empty()) {
+    validate_plan(workers);
+  } else {
+    TESSEL_CHECK(workers == max_workers(), ConfigError,
+                 "{}: the timeline's largest plan needs {} workers but {} were started; run "
+                 "with --nproc {}",
+                 source, max_workers(), workers, max_workers());
+  }
+  if (workers > 1) {
+    TESSEL_CHECK(training.eval_every == 0, ConfigError,
+                 "{}: 'training.eval_every' is {} but evaluation is not supported with more than "
+                 "one worker yet; set it to 0 or train with one worker",
+                 source, training.eval_every);
+    for (int g = 0; g < generations(); ++g) {
+      const auto& p = plan_of_generation(g);
+      TESSEL_CHECK(p.zero_stage == 0 || p.zero_stage == 1, ConfigError,
+                   "{}: '{}zero_stage' is {} but the multi-worker trainer supports only 0 "
+                   "and 1 yet; set it to 0 or 1",
+                   source,
+                   g == 0 ? std::string("parallel.") : fmt::format("timeline[{}].parallel.", g - 1),
+                   p.zero_stage);
+    }
+  }
+}
+
+kernels::AdamWConfig OptimizerConfig::adamw_step(double lr, int64_t step, float clip_factor) const {
+  kernels::AdamWConfig opt;
+  opt.lr = float(lr);
+  opt.beta1 = float(beta1);
+  opt.beta2 = float(beta2);
+  opt.eps = float(eps);
+  opt.step = step + 1;
+  opt.grad_scale = clip_factor;
+  opt.zero_grad = true;
+  return opt;
+}
+
+}  // namespace tessel::config

@@ -1,0 +1,109 @@
+#include "tessel/config/train_config.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "tessel/config/config_test_util.h"
+#include "tessel/core/error.h"
+
+namespace tessel::config {
+namespace {
+
+using tessel::testing::TempDir;
+
+std::string write(const TempDir& dir, const std::string& text) {
+  std::string path = (dir / "c.yaml").string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+// Loads the config and returns the error message (empty when it loads).
+template <typename E>
+std::string error_of(const std::string& path) {
+  try {
+    TrainConfig::load(path);
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TrainConfig, ReadsSectionsAndResolvesPathsAgainstTheConfigFile) {
+  TempDir dir;
+  auto cfg = TrainConfig::load(write(dir,
+                                     "model: {preset: llama-tiny, n_layer: 2}\n"
+                                     "data: {path: data/x.tok, seq_len: 32}\n"
+                                     "training: {steps: 7, global_batch: 8, micro_batch: 4}\n"
+                                     "optimizer: {lr: 0.01}\n"
+                                     "checkpoint: {dir: ck, every: 3}\n"));
+  EXPECT_EQ(cfg.model.n_layer, 2);
+  EXPECT_EQ(cfg.model.family, model::Family::llama);
+  EXPECT_EQ(cfg.data.path, (dir.path() / "data/x.tok").string());
+  EXPECT_EQ(cfg.checkpoint.dir, (dir.path() / "ck").string());
+  EXPECT_EQ(cfg.micro_steps(), 2);
+  EXPECT_DOUBLE_EQ(cfg.optimizer.min_lr, 0.001);  // defaults to lr / 10
+}
+
+TEST(TrainConfig, MalformedYamlNamesFileAndLine) {
+  TempDir dir;
+  auto msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny\ndata: [1, 2\n"));
+  EXPECT_NE(msg.find("malformed YAML"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("c.yaml"), std::string::npos) << msg;
+}
+
+TEST(TrainConfig, UnknownKeyIsNamedWithItsSection) {
+  TempDir dir;
+  auto msg = error_of<ConfigError>(write(dir,
+                                         "model: {preset: gpt2-tiny}\n"
+                                         "data: {path: x.tok}\n"
+                                         "training: {stepz: 10}\n"));
+  EXPECT_NE(msg.find("unknown key 'training.stepz'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("steps"), std::string::npos) << msg;  // lists the allowed keys
+  msg =
+      error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x}\nextra: 1\n"));
+  EXPECT_NE(msg.find("unknown key 'extra'"), std::string::npos) << msg;
+}
+
+TEST(TrainConfig, HeadsThatDoNotDivideHiddenAreRejected) {
+  TempDir dir;
+  auto msg = error_of<ConfigError>(
+      write(dir, "model: {preset: gpt2-tiny, n_head: 5}\ndata: {path: x.tok}\n"));
+  EXPECT_NE(msg.find("n_head"), std::string::npos) << msg;
+}
+
+TEST(TrainConfig, MicroBatchMustDivideGlobalBatch) {
+  TempDir dir;
+  auto msg = error_of<ConfigError>(write(dir,
+                                         "model: {preset: gpt2-tiny}\ndata: {path: "
+                                         "x.tok}\ntraining: {global_batch: 10, micro_batch: 4}\n"));
+  EXPECT_NE(msg.find("micro_batch"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("global_batch"), std::string::npos) << msg;
+}
+
+TEST(TrainConfig, WrongTypesAndRangesAreRejected) {
+  TempDir dir;
+  auto msg = error_of<ConfigError>(
+      write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {steps: many}\n"));
+  EXPECT_NE(msg.find("'training.steps'"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(
+      write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok, seq_len: 100000}\n"));
+  EXPECT_NE(msg.find("seq_len"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, "model: {preset: gpt-17}\ndata: {path: x.tok}\n"));
+  EXPECT_NE(msg.find("gpt-17"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, "data: {path: x.tok}\n"));
+  EXPECT_NE(msg.find("'model'"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny}\n"));
+  EXPECT_NE(msg.find("data.path"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(
+      dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\nelastic: {prepare_steps: -1}\n"));
+  EXPECT_NE(msg.find("prepare_steps"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(">= 0"), std::string::npos) << msg;
+}
+
+TEST(TrainConfig, MissingConfigFileIsAnIoError) {
+  EXPECT_THROW(TrainConfig::load("/nonexistent/tessel.yaml"), IoError);
+}
+
+}  // namespace
+}  // namespace tessel::config

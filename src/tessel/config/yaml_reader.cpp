@@ -1,0 +1,68 @@
+#include "tessel/config/yaml_reader.h"
+
+#include <filesystem>
+
+namespace tessel::config {
+
+YamlSection::YamlSection(YAML::Node node, std::string path, std::string file)
+    : node_(std::move(node)), path_(std::move(path)), file_(std::move(file)) {
+  TESSEL_CHECK(!node_ || node_.IsNull() || node_.IsMap(), ConfigError,
+               "{}: section '{}' must be a mapping of keys to values (line {})", file_, path_,
+               node_.Mark().line + 1);
+}
+
+bool YamlSection::has(const std::string& key) const {
+  return node_ && node_.IsMap() && node_[key];
+}
+
+YamlSection YamlSection::section(const std::string& key) {
+  known_.insert(key);
+  YAML::Node child = has(key) ? node_[key] : YAML::Node();
+  return YamlSection(child, path_.empty() ? key : path_ + "." + key, file_);
+}
+
+std::vector<YamlSection> YamlSection::list(const std::string& key) {
+  known_.insert(key);
+  std::vector<YamlSection> out;
+  if (!has(key)) return out;
+  const YAML::Node items = node_[key];
+  const std::string name = path_.empty() ? key : path_ + "." + key;
+  TESSEL_CHECK(items.IsSequence(), ConfigError, "{}: '{}' must be a list (line {})", file_, name,
+               items.Mark().line + 1);
+  for (size_t i = 0; i < items.size(); ++i)
+    out.emplace_back(items[i], fmt::format("{}[{}]", name, i), file_);
+  return out;
+}
+
+std::string YamlSection::where(const std::string& key) const {
+  return fmt::format("{}: '{}'", file_, path_.empty() ? key : path_ + "." + key);
+}
+
+void YamlSection::reject_unknown_keys() const {
+  if (!node_ || !node_.IsMap()) return;
+  for (const auto& kv : node_) {
+    auto key = kv.first.as<std::string>();
+    if (known_.count(key)) continue;
+    std::string allowed;
+    for (const auto& k : known_) allowed += (allowed.empty() ? "" : ", ") + k;
+    TESSEL_THROW(ConfigError, "{}: unknown key '{}' (line {}); allowed here: {}", file_,
+                 path_.empty() ? key : path_ + "." + key, kv.first.Mark().line + 1, allowed);
+  }
+}
+
+YAML::Node load_yaml_file(const std::string& path) {
+  TESSEL_CHECK(std::filesystem::exists(path), IoError, "config file '{}' does not exist", path);
+  try {
+    YAML::Node node = YAML::LoadFile(path);
+    TESSEL_CHECK(node.IsMap(), ConfigError, "{}: the config must be a YAML mapping (key: value)",
+                 path);
+    return node;
+  } catch (const YAML::ParserException& e) {
+    TESSEL_THROW(ConfigError, "{}: malformed YAML at line {}, column {}: {}", path, e.mark.line + 1,
+                 e.mark.column + 1, e.msg);
+  } catch (const YAML::BadFile&) {
+    TESSEL_THROW(IoError, "cannot read config file '{}'", path);
+  }
+}
+
+}  // namespace tessel::config

@@ -31,15 +31,15 @@
 // Rank 0 prints progress and writes the metrics and event files; every rank writes its share of
 // checkpoints (sharded_checkpoint.h). Evaluation and ZeRO stages above 1 are not supported here
 // (config::TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
-// timeline or by scale requests (a live switch: Impl::transition).
+// timeline or by scale requests (a live switch: elastic_worker.h).
 // With TESSEL_DUMP_PARAMS=DIR in the environment, every rank writes its local parameters to
-// DIR/rank<R>.params at the end of run() (format: Impl::dump_params; used by the tests).
+// DIR/rank<R>.params at the end of run() (format: Stage::dump_params; used by the tests).
 //
 // Failures of peers surface as PeerLostError / TimeoutError from the communicators (bounded by
 // parallel.timeout_s, default 60 s); config problems as ConfigError. In an elastic job
 // (TESSEL_ELASTIC=1, set by `tessel train`) a process that meets such a failure does not end:
 // it breaks its communicators, reports its state to the coordinator and carries out the
-// coordinator's recovery (Impl::recover; docs/architecture.md, "Failures").
+// coordinator's recovery (ElasticWorker::recover; docs/architecture.md, "Failures").
 #pragma once
 
 #include <cstdint>
@@ -48,21 +48,9 @@
 
 #include "tessel/config/train_config.h"
 #include "tessel/runtime/trainer.h"
+#include "tessel/runtime/worker_env.h"
 
 namespace tessel::runtime {
-
-// What the launcher tells a worker (launcher.h).
-struct WorkerEnv {
-  int rank = 0;
-  int world_size = 1;
-  std::string store_dir;
-  std::string job_id;
-  int64_t generation = 0;
-
-  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_STORE_DIR, TESSEL_JOB_ID and TESSEL_GENERATION
-  // (0 when unset). Throws ConfigError naming the missing or malformed variable.
-  static WorkerEnv from_environment();
-};
 
 class ParallelTrainer {
  public:

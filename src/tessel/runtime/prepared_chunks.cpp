@@ -5,7 +5,7 @@
 
 #include "tessel/core/check.h"
 #include "tessel/layout/zero_split.h"
-#include "tessel/schedule/generators.h"
+#include "tessel/runtime/pipeline_executor.h"
 
 namespace tessel::runtime {
 
@@ -33,36 +33,6 @@ class UnboundTpGroup final : public model::TpGroup {
 };
 
 }  // namespace
-
-std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
-  schedule::Schedule s;
-  const int M = int(plan.micro_batches);
-  switch (plan.schedule) {
-    case layout::ScheduleKind::gpipe:
-      s = schedule::gpipe(plan.pp, M);
-      break;
-    case layout::ScheduleKind::one_f_one_b:
-      s = schedule::one_f_one_b(plan.pp, M);
-      break;
-    case layout::ScheduleKind::interleaved_one_f_one_b:
-      s = schedule::interleaved_one_f_one_b(plan.pp, M, plan.virtual_stages);
-      break;
-  }
-  return s.per_stage[size_t(pp)];
-}
-
-std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks) {
-  std::vector<int> peak(size_t(chunks), 1), live(peak.size(), 0);
-  for (const auto& ins : program) {
-    if (ins.op == schedule::Op::forward) {
-      int& n = live[size_t(ins.chunk)];
-      peak[size_t(ins.chunk)] = std::max(peak[size_t(ins.chunk)], ++n);
-    } else if (ins.op == schedule::Op::backward) {
-      --live[size_t(ins.chunk)];
-    }
-  }
-  return peak;
-}
 
 PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int rank,
                               std::shared_ptr<kernels::Backend> backend,

@@ -20,17 +20,9 @@
 #include "tessel/layout/plan.h"
 #include "tessel/model/tp_group.h"
 #include "tessel/model/transformer.h"
-#include "tessel/schedule/instruction.h"
 #include "tessel/tensor/tensor.h"
 
 namespace tessel::runtime {
-
-// The instruction list of pipeline rank `pp` of `plan` (its schedule over plan.micro_batches).
-std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp);
-
-// Per chunk of `program` (chunks of them), the most micro-batches in flight at once (forward
-// run, backward not yet): the activation slots it needs. 1F1B needs at most pp, GPipe M.
-std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks);
 
 // The model chunks and Adam moments of one rank of a plan, built before that rank's world
 // exists. Tensor-parallel models are built against a stand-in group of the right rank and size

@@ -1,0 +1,161 @@
+// This process across the generations of an elastic job: the plan in force and its members,
+// the RankTrainer of its rank in it (rank_trainer.h, none while the plan has no place for it), and
+// the plan switches -- from the config's timeline, from scale requests (`tessel ctl scale`), and
+// from failure recoveries the coordinator decides (elastic/coordinator.h). A switch known ahead
+// is prepared while training goes on (prepared_chunks.h); a switch moves the training state
+// between the two plans' layouts directly between processes (reshard/).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessel/config/train_config.h"
+#include "tessel/elastic/switch_marker.h"
+#include "tessel/layout/plan.h"
+#include "tessel/layout/state_layout.h"
+#include "tessel/reshard/transfer_plan.h"
+#include "tessel/runtime/metrics.h"
+#include "tessel/runtime/prepared_chunks.h"
+#include "tessel/runtime/rank_trainer.h"
+#include "tessel/runtime/worker_env.h"
+
+namespace tessel::runtime {
+
+// A switch's two layouts and the transfer of the state between them.
+struct PlannedSwitch {
+  std::shared_ptr<const layout::StateLayout> from, to;
+  reshard::TransferPlan transfer;
+
+  // Per chunk of new rank `new_rank`: whether the same process keeps its parameters in place.
+  std::vector<bool> kept_chunks(int new_rank) const;
+  // Per chunk of old rank `old_rank`: whether new rank `new_rank` (the same process) keeps it.
+  std::vector<bool> kept_old_chunks(int old_rank, int new_rank) const;
+};
+
+struct ElasticWorker {
+  config::TrainConfig cfg;
+  WorkerEnv env;  // env.rank: this process's id (switch_marker.h), fixed for its lifetime
+  // Switches so far: the current world lives under store generation env.generation + generation.
+  int generation = 0;
+  layout::Plan plan;            // in force now (also known while this process has no rank)
+  std::vector<int> members;     // the process of each rank of `plan`
+  int next_process_id = 0;      // the id the next process a switch adds gets
+  int64_t failures = 0;         // failures of the job recovered from (or being recovered from)
+  size_t next_static = 0;       // the next timeline entry
+  int64_t applied_request = 0;  // the newest scale request applied
+  std::unique_ptr<RankTrainer> world;  // null while this process has no rank in the plan
+  std::optional<elastic::SwitchMarker>
+      joining;                 // started to join this switch (TESSEL_JOIN_GENERATION)
+  bool joining_early = false;  // ... from its announcement (prepare-<g>): wait for the switch
+  // A switch announced ahead (a timeline entry or a scale request, elastic.prepare_steps): made
+  // after `at_step` steps; until then this process builds its buffers in the new plan in the
+  // background.
+  struct Preparation {
+    elastic::SwitchMarker sw;
+    int64_t at_step = 0;
+    bool timeline = false;               // the next timeline entry (else a scale request)
+    std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
+  };
+  std::optional<Preparation> preparing;
+  std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
+  bool fatal = false;  // a failure recovery cannot help (the coordinator gave no answer)
+
+  // Joins the job: as a receiver of the switch it was started for (env.join_generation), or from
+  // the newest checkpoint (checkpoint.resume), or as rank env.rank of the config's plan.
+  ElasticWorker(config::TrainConfig c, const WorkerEnv& e);
+
+  // Whether the launcher takes scale requests for this job (`tessel ctl scale`) and recovers
+  // from failed workers; read once, not at every step boundary.
+  bool elastic() const { return env.elastic; }
+
+  // The process reporting progress, metrics and events: rank 0 of the current world.
+  bool lead() const { return world != nullptr && world->rank == 0; }
+
+  void skip_timeline_through(int64_t step);
+
+  // Continues from the newest checkpoint in checkpoint.dir, saved under any plan: this process
+  // joins the plan the config has in force at the saved step and reads its share. Returns false
+  // when there is none (or resume is off).
+  bool resume();
+
+  // The switch to make after the step just finished, if any (collective over the world when the
+  // job takes scale requests: every rank must decide alike, and every rank computes the same
+  // new members).
+  std::optional<elastic::SwitchMarker> next_switch();
+
+  // The switch from the current world to plan `to` (the next generation). The first ranks keep
+  // their processes; ranks beyond the old world get new processes, whose ids it takes.
+  elastic::SwitchMarker make_switch(layout::Plan to, const std::string& cause);
+
+  elastic::SwitchMarker timeline_switch(const config::PlanSwitch& e);
+
+  // Prepares the next timeline switch once it is elastic.prepare_steps or fewer steps away
+  // (every rank decides alike, from the config).
+  void maybe_prepare();
+
+  // Announces switch `sw`, to be made after `at_step` steps: rank 0 writes prepare-<g>, so the
+  // coordinator starts the processes it adds now, and this process starts building, on a
+  // background thread, the chunks it will hold in the new plan and cannot take over from its
+  // current world.
+  void start_preparation(elastic::SwitchMarker sw, int64_t at_step, bool timeline);
+
+  // Drops a preparation (its switch will not happen: a failure came first), after its
+  // background build ended.
+  void drop_preparation() noexcept;
+
+  // The buffers prepared for switch `sw`, if it is the prepared one, after their build ended;
+  // `record` gets when it was announced and how long the switch waited for the build.
+  std::optional<PreparedChunks> take_prepared(const elastic::SwitchMarker& sw,
+                                              nlohmann::json& record);
+
+  // The layouts of both plans and the transfer between them. One host: every process is local.
+  PlannedSwitch plan_switch(const elastic::SwitchMarker& sw) const;
+
+  // A process started for a switch announced ahead (joining_early): builds its chunks while the
+  // job still trains, then waits for the switch itself (switch-<g>, with the step it happens
+  // at) and returns it. Returns nothing when a failure recovery overtook the switch (its
+  // decision for the failure after sw.failures appeared first): this process is not needed.
+  // Throws TimeoutError when neither comes within the bound.
+  std::optional<elastic::SwitchMarker> await_switch(const elastic::SwitchMarker& announced);
+
+  void write_event(const nlohmann::json& record);
+
+  // The event line of a switch this process measured for `total_s`, with what the switch's
+  // author recorded (the coordinator's detection and planning times, steps lost, ...). The pause
+  // of a recovery runs from the failure's detection.
+  void write_switch_event(nlohmann::json record, const elastic::SwitchMarker& sw, double total_s);
+
+  // Enters generation sw.generation: every process of the old or the new world joins one
+  // transition world, the training state moves by the TransferPlan (each piece from the nearest
+  // holder; nothing a process keeps moves), the new world's members build their chunks in the
+  // new generation and continue with the old world's step, data cursor and learning-rate
+  // position. Processes without a rank in the new plan drop their state and leave. A recovery
+  // (sw.recovery) takes its sources from sw.from_members only (the others' ranks are lost), or
+  // reads the whole state from sw.checkpoint. If the switch fails, this process keeps its old
+  // world and state (chunks a successor took over are given back), so it can report them.
+  void transition(const elastic::SwitchMarker& sw);
+
+  // Before the successor is built: the gradients and activations of old chunks the successor
+  // will not take over are not state, so they are freed and handed back to the OS. The
+  // successor's new buffers then reuse those pages instead of touching fresh memory, which on a
+  // VM whose host backs memory lazily costs seconds per GiB (bench/README.md, elastic).
+  void release_unkept_buffers(const PlannedSwitch& ps, int new_rank);
+
+  // A recovery from a checkpoint: the new world's members read their share of it (each only
+  // what its rank holds) and continue from its step and data cursor.
+  void restore_from_checkpoint(const elastic::SwitchMarker& sw, int new_rank,
+                               int64_t store_generation, std::chrono::steady_clock::time_point t0);
+
+  // After a peer failed (`what`): breaks this process's communicators (so every peer notices),
+  // reports what state it holds to the coordinator, waits for the coordinator's decision and
+  // carries it out (transition). Throws TimeoutError when no decision comes.
+  void recover(const std::string& what);
+};
+
+}  // namespace tessel::runtime

@@ -1,0 +1,236 @@
+#include "tessel/runtime/rank_trainer.h"
+
+#include <fcntl.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/core/check.h"
+#include "tessel/core/log.h"
+#include "tessel/store/checkpoint_store.h"
+
+namespace tessel::runtime {
+
+namespace {
+
+comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env,
+                            const layout::Plan& plan, int rank, int64_t store_generation) {
+  if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
+  comm::GridLayout grid;
+  grid.dp = plan.dp;
+  grid.tp = plan.tp;
+  grid.pp = plan.pp;
+  if (plan.order == layout::RankOrder::dp_tp_pp)
+    grid.order = {comm::Axis::kDp, comm::Axis::kTp, comm::Axis::kPp};
+  comm::StoreOptions store;
+  store.path = env.store_dir;
+  store.job_id = env.job_id;
+  store.generation = store_generation;
+  const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+  store.timeout = timeout;
+  return comm::connect_process_groups(store, grid, rank, plan.world(), timeout);
+}
+
+std::shared_ptr<const data::TokenSource> open_data(const config::TrainConfig& cfg) {
+  auto source = data::open_token_source(cfg.data.path);
+  TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,
+               "{}: the data {} has token ids up to {} but model '{}' has vocab_size {}",
+               cfg.source, source->describe(), source->vocab_size() - 1, cfg.model.name,
+               cfg.model.vocab_size);
+  return source;
+}
+
+// Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
+// renamed into place), bounded by `timeout`. `cancelled` (set when a peer failed) ends the wait
+// at once with PeerLostError.
+void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout,
+                         const std::atomic<bool>& cancelled) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int r = 0; r < n; ++r) {
+    const auto path = std::filesystem::path(staging) / store::rank_file_name(r);
+    while (!std::filesystem::exists(path)) {
+      TESSEL_CHECK(!cancelled.load(), PeerLostError,
+                   "checkpoint: a peer failed before rank {}'s file {} was written", r,
+                   path.string());
+      TESSEL_CHECK(std::chrono::steady_clock::now() < deadline, TimeoutError,
+                   "checkpoint: rank {}'s file {} did not appear within {} ms", r, path.string(),
+                   timeout.count());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+}
+
+}  // namespace
+
+RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const layout::Plan& p,
+                         int rank_in_plan, int64_t store_generation, bool init_params,
+                         std::shared_ptr<const layout::StateLayout> layout, RankTrainer* donor,
+                         const reshard::TransferPlan* transfer, PreparedChunks* prepared)
+    : cfg(c),
+      env(e),
+      plan(p.with_defaults(c.model)),
+      rank(rank_in_plan),
+      groups(connect(cfg, env, plan, rank, store_generation)),
+      tp_group(plan.tp > 1 ? std::make_unique<CommTpGroup>(*groups.tp) : nullptr),
+      backend(donor != nullptr ? donor->backend
+              : prepared != nullptr
+                  ? prepared->backend
+                  : std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend))),
+      source(open_data(cfg)),
+      executor(std::make_unique<PipelineExecutor>(plan, groups.coord.pp, cfg.data.seq_len,
+                                                  cfg.model.n_embd)),
+      stage(cfg,
+            layout ? std::move(layout)
+                   : std::make_shared<const layout::StateLayout>(
+                         layout::StateLayout::build(cfg.model, plan)),
+            rank, int(plan.micro_batch), *backend, tp_group.get(), executor->activation_slots(),
+            init_params,
+            StageSources{donor != nullptr ? &donor->stage : nullptr, transfer, prepared}),
+      optimizer(std::make_unique<OptimizerStep>(stage, plan, groups, *backend, cfg.bucket_mb)),
+      lr_schedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
+                  cfg.training.steps} {
+  loader_ = std::make_unique<data::BatchLoader>(source, cfg.data.seq_len, cfg.data.seed,
+                                                cfg.data.eval_fraction);
+  inputs_.resize(size_t(plan.micro_batch * plan.micro_batches * cfg.data.seq_len));
+  targets_.resize(inputs_.size());
+  if (rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+  if (!cfg.data_order_path.empty() && groups.coord.tp == 0 && groups.coord.pp == 0) {
+    data_log_fd_ =
+        ::open(cfg.data_order_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    TESSEL_CHECK(data_log_fd_ >= 0, IoError, "cannot open output.data_order file {}",
+                 cfg.data_order_path);
+  }
+}
+
+RankTrainer::~RankTrainer() {
+  if (data_log_fd_ >= 0) ::close(data_log_fd_);
+}
+
+void RankTrainer::abort(const std::string& why) noexcept {
+  groups.abort(why);
+  save_cancelled_ = true;
+  executor->abort();
+}
+
+void RankTrainer::give_back(RankTrainer& donor) {
+  stage.give_back(donor.stage, donor.tp_group.get());
+}
+
+bool RankTrainer::release_unkept(const std::vector<bool>& kept) {
+  optimizer->release();  // it points at the gradients
+  return stage.release_unkept(kept);
+}
+
+// O_APPEND: lines of different processes do not mix. Written before any collective of the step,
+// so a step that commits anywhere has every replica's line in its generation; a step that is
+// redone after a failure appears again in a later generation, which then counts.
+void RankTrainer::log_data_order(int64_t first, int64_t count) const {
+  if (data_log_fd_ < 0) return;
+  const std::string line = nlohmann::json({{"step", step + 1},
+                                           {"generation", generation},
+                                           {"process", env.rank},
+                                           {"dp_rank", groups.coord.dp},
+                                           {"first", first},
+                                           {"count", count}})
+                               .dump() +
+                           "\n";
+  TESSEL_CHECK(::write(data_log_fd_, line.data(), line.size()) == ssize_t(line.size()), IoError,
+               "writing {} failed", cfg.data_order_path);
+}
+
+double RankTrainer::train_step(double* grad_norm) {
+  const int64_t per_replica = plan.micro_batch * plan.micro_batches;
+  const int64_t first = cursor + groups.coord.dp * per_replica;
+  loader_->load(cursor, groups.coord.dp * per_replica, per_replica, inputs_.data(),
+                targets_.data());
+  log_data_order(first, per_replica);
+  int64_t valid = 0;
+  for (int32_t t : targets_) valid += t != model::Transformer::kIgnoreIndex;
+  groups.dp->all_reduce_sum(&valid, 1);
+  const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
+
+  const auto pipe = executor->run(stage, *groups.pp, inputs_.data(), targets_.data(), grad_scale,
+                                  [this](int c) { return optimizer->on_last_backward(c); });
+  const double norm = optimizer->reduce_gradients();
+  *grad_norm = norm;
+  optimizer->apply(
+      cfg.optimizer.adamw_step(lr_schedule.at(step), step,
+                               kernels::clip_factor(norm, float(cfg.training.grad_clip))),
+      float(cfg.optimizer.weight_decay));
+  // The step is committed here: this rank's state is consistent at step + 1 whatever happens to
+  // the loss's reduction below (a failure then loses no work of this rank).
+  ++step;
+  cursor += plan.global_batch();
+
+  // The head stages hold the loss; one tp rank of each dp replica contributes it. The idle and
+  // pipeline times ride along to give the world's idle share.
+  double sums[3] = {groups.tp->rank() == 0 ? pipe.loss_sum : 0.0, pipe.idle_s, pipe.pipeline_s};
+  groups.world->all_reduce_sum(sums, 3);
+  pipeline_idle = sums[2] > 0 ? sums[1] / sums[2] : 0.0;
+  return valid > 0 ? sums[0] / double(valid) : 0.0;
+}
+
+void RankTrainer::save_checkpoint() {
+  const auto& dir = cfg.checkpoint.dir;
+  if (rank == 0) std::filesystem::create_directories(dir);
+  groups.world->barrier();
+  store::CheckpointWriterOptions opt;
+  opt.save_id = fmt::format("{}-{}", env.job_id, step);
+  store::CheckpointWriter writer(
+      (std::filesystem::path(dir) / checkpoint::checkpoint_step_name(step)).string(), rank, opt);
+  std::vector<std::span<const float>> buffers;
+  for (auto b : state_buffers()) buffers.emplace_back(b.data(), b.size());
+  checkpoint::add_rank_state(writer, layout(), rank, buffers);
+  const auto meta = checkpoint::checkpoint_meta(cfg, plan, step, cursor);
+  if (cfg.checkpoint.async) {
+    // The state is already copied (add_rank_state): write in the background. Rank 0 then waits
+    // for every rank's file and publishes; a save that fails is reported and leaves the previous
+    // checkpoint in place, training goes on.
+    const int world_size = plan.world();
+    const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+    const int keep = cfg.checkpoint.keep;
+    const int r = rank;
+    const std::atomic<bool>* cancelled = &save_cancelled_;
+    saver_.save(std::move(writer),
+                [world_size, meta, timeout, keep, r, dir, cancelled](store::CheckpointWriter& w) {
+                  if (r != 0) return;
+                  wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
+                  checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+                  spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)",
+                               w.dir(), double(w.bytes()) / 1e6);
+                });
+    return;
+  }
+  writer.write_rank_file();
+  groups.world->barrier();
+  if (rank == 0) {
+    checkpoint::publish_checkpoint(writer, plan.world(), meta, dir, cfg.checkpoint.keep);
+    spdlog::info("saved checkpoint {} ({:.1f} MB)", writer.dir(), double(writer.bytes()) / 1e6);
+  }
+  // Nobody runs ahead (and could die) before the checkpoint is published.
+  groups.world->barrier();
+}
+
+void RankTrainer::finish_checkpoint() {
+  saver_.wait();
+}
+
+// The barrier first: a member may still be finishing the previous world's background save of
+// this very step. Rank 0 looks at what is published.
+void RankTrainer::save_checkpoint_unless_published() {
+  groups.world->barrier();
+  int64_t published = -1;
+  if (rank == 0)
+    if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
+      published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
+  std::vector<int64_t> all(size_t(groups.world->size()));
+  groups.world->all_gather(&published, 1, all.data());
+  if (all[0] != step) save_checkpoint();
+}
+
+}  // namespace tessel::runtime

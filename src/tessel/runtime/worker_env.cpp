@@ -1,0 +1,48 @@
+#include "tessel/runtime/worker_env.h"
+
+#include <cstdlib>
+
+#include "tessel/core/check.h"
+
+namespace tessel::runtime {
+
+namespace {
+
+std::string env_string(const char* name, bool required) {
+  const char* v = std::getenv(name);
+  TESSEL_CHECK(v != nullptr || !required, ConfigError,
+               "environment variable {} is not set: start workers with `tessel train CONFIG "
+               "--nproc N` (or `tessel launch`), which sets it",
+               name);
+  return v != nullptr ? std::string(v) : std::string();
+}
+
+int64_t env_int(const char* name, bool required) {
+  std::string s = env_string(name, required);
+  if (s.empty()) return 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  TESSEL_CHECK(end != nullptr && *end == '\0' && v >= 0, ConfigError,
+               "environment variable {}='{}' is not a non-negative integer", name, s);
+  return v;
+}
+
+}  // namespace
+
+WorkerEnv WorkerEnv::from_environment() {
+  WorkerEnv e;
+  e.rank = int(env_int("TESSEL_RANK", true));
+  e.world_size = int(env_int("TESSEL_WORLD_SIZE", true));
+  e.store_dir = env_string("TESSEL_STORE_DIR", true);
+  e.job_id = env_string("TESSEL_JOB_ID", true);
+  e.generation = env_int("TESSEL_GENERATION", false);
+  e.join_generation = env_int("TESSEL_JOIN_GENERATION", false);
+  e.elastic = env_int("TESSEL_ELASTIC", false) == 1;
+  // A worker started for a switch may take a rank beyond the world the job started with: its
+  // place comes from the switch.
+  TESSEL_CHECK(e.world_size >= 1 && (e.rank < e.world_size || e.join_generation > 0), ConfigError,
+               "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
+  return e;
+}
+
+}  // namespace tessel::runtime

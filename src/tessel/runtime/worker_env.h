@@ -1,0 +1,24 @@
+// What the launcher tells a worker process (process/launcher.h), from its environment.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tessel::runtime {
+
+struct WorkerEnv {
+  int rank = 0;  // this process's id in the job (elastic/switch_marker.h), fixed for its lifetime
+  int world_size = 1;     // workers the job started with
+  std::string store_dir;  // the rendezvous store and the elastic files
+  std::string job_id;
+  int64_t generation = 0;       // the store generation the job's first world uses
+  int64_t join_generation = 0;  // > 0: started for the switch to this generation
+  bool elastic = false;  // the launcher takes scale requests and recovers from failed workers
+
+  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_STORE_DIR, TESSEL_JOB_ID (required),
+  // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset). Throws
+  // ConfigError naming the missing or malformed variable.
+  static WorkerEnv from_environment();
+};
+
+}  // namespace tessel::runtime

@@ -22,7 +22,6 @@
 #include "tessel/model/model_config.h"
 #include "tessel/process/launcher.h"
 #include "tessel/runtime/parallel_trainer.h"
-#include "tessel/runtime/trainer.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::cli {
@@ -113,11 +112,8 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
     action = [&, nproc] {
       auto cfg = load_train_config(args);
       if (nproc->count() == 0) args.nproc = cfg.max_workers();
-      if (args.nproc == 1 && !cfg.is_parallel()) {
-        runtime::Trainer trainer(cfg);
-        trainer.run();
-        return 0;
-      }
+      // One worker too: a world of one, run by the same loop as every layout (and scalable
+      // with `tessel ctl scale N`).
       return launch_training(args);
     };
   });

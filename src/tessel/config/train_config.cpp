@@ -190,6 +190,9 @@ TrainConfig TrainConfig::load(const std::string& path) {
   t.read("global_batch", c.training.global_batch);
   t.read("micro_batch", c.training.micro_batch);
   if (!t.has("micro_batch")) c.training.micro_batch = c.training.global_batch;
+  // Evaluation reads batches of the micro-batch as written, whatever a plan makes of it, so that
+  // every layout evaluates the same samples.
+  c.training.eval_micro_batch = c.training.micro_batch;
   t.read("seed", c.training.seed);
   t.read("grad_clip", c.training.grad_clip);
   t.read("eval_every", c.training.eval_every);
@@ -344,10 +347,6 @@ void TrainConfig::validate_for_workers(int workers) const {
                  source, max_workers(), workers, max_workers());
   }
   if (workers > 1) {
-    TESSEL_CHECK(training.eval_every == 0, ConfigError,
-                 "{}: 'training.eval_every' is {} but evaluation is not supported with more than "
-                 "one worker yet; set it to 0 or train with one worker",
-                 source, training.eval_every);
     for (int g = 0; g < generations(); ++g) {
       const auto& p = plan_of_generation(g);
       TESSEL_CHECK(p.zero_stage == 0 || p.zero_stage == 1, ConfigError,

@@ -57,7 +57,11 @@ struct TrainingConfig {
   double grad_clip = 1.0;    // max global grad norm; <= 0 disables
   int64_t eval_every = 0;    // steps; 0 = never
   int64_t eval_batches = 4;  // micro-batches per evaluation
-  int64_t log_every = 10;    // steps between log lines when not on a terminal
+  // Samples per eval batch: training.micro_batch as written (a plan sets training.micro_batch to
+  // its own), so every layout evaluates the same held-out samples; 0: micro_batch.
+  int64_t eval_micro_batch = 0;
+  int64_t eval_batch_size() const { return eval_micro_batch > 0 ? eval_micro_batch : micro_batch; }
+  int64_t log_every = 10;  // steps between log lines when not on a terminal
   std::string backend = "cpu";
   int threads = 0;  // OpenMP threads; 0 = all cores
   // Ends this run after this many steps (0: at `steps`), with a checkpoint, without changing the
@@ -154,7 +158,7 @@ struct TrainConfig {
   // Checks the plan against the model and batch but not against a worker count.
   void validate() const;
   // validate() plus the plan against `workers` started processes (Plan::validate), and the
-  // features a multi-worker run does not support yet (evaluation, checkpoints). Throws
+  // features a multi-worker run does not support yet (ZeRO stages above 1). Throws
   // ConfigError naming the field and the fix.
   void validate_for_workers(int workers) const;
   // Whether the run needs the multi-worker path (more than one worker, or a timeline).

@@ -74,7 +74,8 @@ void PrintTo(const Case& c, std::ostream* os) {
 
 // Global batch 12: 12 / dp samples per replica, cut into micro-batches of `micro_batch`.
 const std::string kTraining = fmt::format(
-    "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
+    "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1, eval_every: 2, "
+    "eval_batches: 3}}\n"
     "optimizer: {{lr: 0.01, warmup_steps: 1}}\n",
     kSteps);
 
@@ -157,11 +158,7 @@ TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
   std::filesystem::create_directories(dir / "dump");
   auto bin = tessel::testing::tessel_binary();
   ASSERT_TRUE(std::filesystem::exists(bin)) << bin << " is not built; build the `tessel` target";
-  // `tessel train` runs one worker in-process with the Trainer itself; (1,1,1) runs the
-  // parallel worker under the launcher instead, so that its path is compared too.
-  const auto args = c.world() == 1 ? fmt::format("launch -n 1 --log-dir {} -- {} worker {}",
-                                                 (dir / "logs").string(), bin.string(), cfg)
-                                   : fmt::format("train {} --nproc {}", cfg, c.world());
+  const auto args = fmt::format("train {} --nproc {}", cfg, c.world());
   std::string out;
   int rc = tessel::testing::run_command(fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} {}",
                                                     (dir / "dump").string(), bin.string(), args),
@@ -170,7 +167,12 @@ TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
 
   const auto losses = testing::read_step_losses(dir / "metrics.jsonl");
   ASSERT_EQ(int64_t(losses.size()), kSteps) << out;
-  testing::expect_steps_match_one_process(single_cfg, dir / "steps", losses, 1, kSteps);
+  // Evaluation too, under every layout (eval_every 2: steps 2, 4, ...).
+  const auto eval_losses = testing::read_eval_losses(dir / "metrics.jsonl");
+  EXPECT_EQ(int64_t(eval_losses.size()), kSteps / 2) << out;
+  const auto checked = testing::expect_steps_match_one_process(single_cfg, dir / "steps", losses, 1,
+                                                               kSteps, eval_losses);
+  EXPECT_EQ(checked.evaluated, kSteps / 2);
 
   // Every shard of every rank, placed into the whole tensor by its tp pieces, against the final
   // checkpoint.

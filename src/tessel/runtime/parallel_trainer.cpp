@@ -1,5 +1,6 @@
 #include "tessel/runtime/parallel_trainer.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -32,8 +33,12 @@ TrainSummary ParallelTrainer::run() {
   const auto& cfg = s.cfg;
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
   if (s.lead()) {
-    spdlog::info("training {} on {} workers ({}) for {} steps, {} tokens per step", cfg.model.name,
-                 cfg.plan.world(), cfg.plan.describe(), cfg.training.steps, tokens_per_step);
+    spdlog::info(
+        "training {} ({:.3g} parameters) on {} worker{} ({}) for {} steps, {} tokens per "
+        "step, backend {}",
+        cfg.model.name, double(cfg.model.num_params()), s.world->plan.world(),
+        s.world->plan.world() == 1 ? "" : "s", s.world->plan.describe(), cfg.training.steps,
+        tokens_per_step, s.world->backend->name());
   }
   RunTracker tracker(s.world ? s.world->step : 0, cfg.training.steps, cfg.training.log_every,
                      tokens_per_step, s.lead());
@@ -81,6 +86,12 @@ TrainSummary ParallelTrainer::run() {
         if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
         if (s.generation > 0) record["generation"] = s.generation;
         record["workers"] = w.plan.world();
+        const auto& tr = cfg.training;
+        if (tr.eval_every > 0 && (w.step % tr.eval_every == 0 || w.step == tr.end_step())) {
+          const double eval_loss = w.evaluate();
+          record["eval_loss"] = eval_loss;
+          tracker.record_eval(w.step, eval_loss);
+        }
         if (w.rank == 0) w.metrics.write(record);
         if (due(w.step)) w.save_checkpoint();
         if (w.step >= cfg.training.end_step()) break;
@@ -116,9 +127,15 @@ TrainSummary ParallelTrainer::run() {
   if (s.world == nullptr) return summary;  // left the job at a switch
   RankTrainer& w = *s.world;
   if (w.rank == 0 && summary.steps_run > 0) {
-    std::printf("done: %lld steps in %s on %d workers, final loss %.4f, %s tokens/s\n",
+    const std::string eval = std::isnan(summary.final_eval_loss)
+                                 ? std::string()
+                                 : fmt::format(", eval loss {:.4f}", summary.final_eval_loss);
+    const std::string workers =
+        w.plan.world() > 1 ? fmt::format(" on {} workers", w.plan.world()) : std::string();
+    std::printf("done: %lld steps in %s%s, final loss %.4f%s, %s tokens/s\n",
                 static_cast<long long>(summary.steps_run), format_duration(elapsed).c_str(),
-                w.plan.world(), summary.final_loss, format_rate(summary.tokens_per_second).c_str());
+                workers.c_str(), summary.final_loss, eval.c_str(),
+                format_rate(summary.tokens_per_second).c_str());
   }
   return summary;
 }

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
+#include "tessel/runtime/evaluation.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
@@ -173,6 +175,18 @@ double RankTrainer::train_step(double* grad_norm) {
   groups.world->all_reduce_sum(sums, 3);
   pipeline_idle = sums[2] > 0 ? sums[1] / sums[2] : 0.0;
   return valid > 0 ? sums[0] / double(valid) : 0.0;
+}
+
+double RankTrainer::evaluate() {
+  const auto samples = eval_samples(loader_->num_eval_samples(), cfg.training.eval_batches,
+                                    cfg.training.eval_batch_size());
+  const EvalSums mine = evaluate_stage(stage, *groups.pp, plan, groups.coord.pp, groups.coord.dp,
+                                       samples, *loader_, cfg.data.seq_len, cfg.model.n_embd);
+  // One tp rank of each replica's head stage counts.
+  const bool counts = groups.coord.tp == 0;
+  double sums[2] = {counts ? mine.loss_sum : 0.0, counts ? double(mine.valid) : 0.0};
+  groups.world->all_reduce_sum(sums, 2);
+  return sums[1] > 0 ? sums[0] / sums[1] : NAN;
 }
 
 void RankTrainer::save_checkpoint() {

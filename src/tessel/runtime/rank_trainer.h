@@ -54,6 +54,10 @@ class RankTrainer {
   // `grad_norm` to the global gradient norm before clipping.
   double train_step(double* grad_norm);
 
+  // The mean loss on the held-out samples (evaluation.h), the same on every rank. Collective
+  // over the world.
+  double evaluate();
+
   // Breaks every communicator (so peers waiting on this process fail at once), stops a
   // background save from waiting for the other ranks' files, drops the step's transfers.
   void abort(const std::string& why) noexcept;

@@ -64,22 +64,40 @@ inline std::map<int64_t, double> read_step_losses(const std::filesystem::path& m
   return losses;
 }
 
+// The eval loss a metrics file logged for each step that evaluated (training.eval_every).
+inline std::map<int64_t, double> read_eval_losses(const std::filesystem::path& metrics) {
+  std::ifstream in(metrics);
+  EXPECT_TRUE(in) << metrics << " was not written";
+  std::map<int64_t, double> losses;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto record = nlohmann::json::parse(line);
+    if (record.contains("eval_loss"))
+      losses[record.at("step").get<int64_t>()] = record.at("eval_loss").get<double>();
+  }
+  return losses;
+}
+
 // What a check covered. (TESSEL_REPORT_MARGINS=1 prints how close each comparison came to its
 // bound, testing::within_bounds.)
 struct StepCheck {
-  int64_t steps = 0;     // steps checked
-  int64_t unlogged = 0;  // of them, without a logged loss (only their state was checked)
+  int64_t steps = 0;      // steps checked
+  int64_t unlogged = 0;   // of them, without a logged loss (only their state was checked)
+  int64_t evaluated = 0;  // eval losses checked
 };
 
 // `single_config`: the single-process run's config (same model, data, batch and optimizer as the
 // run). `checkpoints`: the run's checkpoint folder. `losses`: the run's logged loss per step.
 // Checks steps first..last: each must have its checkpoint saved (and the one before `first` too
 // unless first == 1); a step without a logged loss (a worker died while it was being reduced) has
-// only its state checked, and is counted in `unlogged`.
+// only its state checked, and is counted in `unlogged`. `eval_losses` (read_eval_losses): the
+// run's eval loss after step t must equal the single-process evaluation of its saved state at t
+// within the forward pass' rounding over the eval tokens.
 inline StepCheck expect_steps_match_one_process(const std::string& single_config,
                                                 const std::filesystem::path& checkpoints,
                                                 const std::map<int64_t, double>& losses,
-                                                int64_t first, int64_t last) {
+                                                int64_t first, int64_t last,
+                                                const std::map<int64_t, double>& eval_losses = {}) {
   const auto start = std::chrono::steady_clock::now();
   StepCheck checked;
   config::TrainConfig cfg = config::TrainConfig::load(single_config);
@@ -92,6 +110,10 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
   const double grad_tol = model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len);
   const double loss_tol =
       model::test_util::step_tolerance(cfg.model, tokens, cfg.data.seq_len, /*backward=*/false);
+  const int64_t eval_tokens =
+      cfg.training.eval_batches * cfg.training.micro_batch * cfg.data.seq_len;
+  const double eval_tol = model::test_util::step_tolerance(cfg.model, eval_tokens, cfg.data.seq_len,
+                                                           /*backward=*/false);
   auto saved = [&](int64_t step) {
     return (checkpoints / checkpoint::checkpoint_step_name(step)).string();
   };
@@ -142,6 +164,13 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
     run->load_checkpoint(saved(t));
     EXPECT_EQ(run->step(), single->step());
     EXPECT_EQ(run->cursor(), single->cursor());
+    if (const auto e = eval_losses.find(t); e != eval_losses.end()) {
+      // The same parameters (the run's own, saved): only the forward's rounding differs.
+      const double want = run->evaluate();
+      EXPECT_TRUE(tessel::testing::within_bound(e->second, want, eval_tol * std::fabs(want),
+                                                (at + "eval loss").c_str()));
+      ++checked.evaluated;
+    }
     const std::span<const float> got(run->model().params().data<float>(),
                                      size_t(run->model().num_params()));
     struct Compared {
@@ -164,8 +193,9 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
   }
   std::printf(
       "[steps] %lld steps checked against one single-process step each (%lld without a "
-      "logged loss), in %.1f s\n",
+      "logged loss; %lld eval losses), in %.1f s\n",
       static_cast<long long>(checked.steps), static_cast<long long>(checked.unlogged),
+      static_cast<long long>(checked.evaluated),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return checked;
 }

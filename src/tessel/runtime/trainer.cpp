@@ -13,6 +13,7 @@
 #include "tessel/data/token_source.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/model/transformer.h"
+#include "tessel/runtime/evaluation.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/store/checkpoint_store.h"
@@ -151,19 +152,17 @@ struct Trainer::Impl {
 
   double evaluate() {
     const int64_t mb = cfg.training.micro_batch, T = cfg.data.seq_len;
-    const int64_t available = loader->num_eval_samples();
-    TESSEL_CHECK(available > 0, ConfigError,
-                 "{}: no held-out samples to evaluate on; set data.eval_fraction > 0", cfg.source);
+    const auto samples = eval_samples(loader->num_eval_samples(), cfg.training.eval_batches,
+                                      cfg.training.eval_batch_size());
     std::vector<int32_t> in(size_t(mb * T)), tg(in.size());
     double loss_sum = 0;
     int64_t valid = 0;
-    for (int64_t b = 0; b < cfg.training.eval_batches; ++b) {
-      int64_t first = (b * mb) % available;
-      int64_t count = std::min(mb, available - first);
-      loader->load_eval(first, count, in.data(), tg.data());
+    for (size_t first = 0; first < samples.size(); first += size_t(mb)) {
       // A short final batch is padded with ignored targets.
-      std::fill(tg.begin() + count * T, tg.end(), model::Transformer::kIgnoreIndex);
-      std::fill(in.begin() + count * T, in.end(), 0);
+      std::fill(tg.begin(), tg.end(), model::Transformer::kIgnoreIndex);
+      std::fill(in.begin(), in.end(), 0);
+      for (size_t i = 0; i < size_t(mb) && first + i < samples.size(); ++i)
+        loader->load_eval(samples[first + i], 1, in.data() + i * T, tg.data() + i * T);
       auto r = model->forward(in.data(), tg.data());
       loss_sum += r.loss_sum;
       valid += r.valid;

@@ -16,7 +16,7 @@
 #include "tessel/layout/training_state.h"
 #include "tessel/model/init.h"
 #include "tessel/model/model_spec.h"
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/store/checkpoint_store.h"
 #include "tessel/store/safetensors.h"
 #include "tessel/testing/testing.h"
@@ -605,7 +605,7 @@ TEST(HfExport, ExportsTheNewestCheckpointOfATrainingRun) {
         "cfg.yaml", preset));
     cfg.model.n_layer = 2;
     cfg.metrics_path.clear();
-    runtime::Trainer(cfg).run();
+    runtime::ReferenceTrainer(cfg).run();
     const auto r = export_hf((dir / "ck").string(), (dir / "hf").string());
     EXPECT_EQ(fs::path(r.checkpoint).filename(), "step-00000002");
     EXPECT_EQ(r.skipped, 2 * r.tensors);  // Adam's moments

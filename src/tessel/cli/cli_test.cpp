@@ -13,7 +13,9 @@ using tessel::testing::run_command;
 using tessel::testing::TempDir;
 namespace fs = std::filesystem;
 
-std::string bin() { return tessel::testing::tessel_binary().string(); }
+std::string bin() {
+  return tessel::testing::tessel_binary().string();
+}
 
 struct Result {
   int status;
@@ -29,9 +31,10 @@ Result tessel(const std::string& args) {
 TEST(Cli, PrepareThenTrainTinyModel) {
   TempDir dir;
   std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
-  std::ofstream(dir / "b.txt") << "the quick brown fox jumps over the lazy dog. " << std::string(2000, 'b');
-  auto r = tessel("data prepare --input " + (dir / "a.txt").string() + " " + (dir / "b.txt").string() +
-                  " --output " + (dir / "c.tok").string());
+  std::ofstream(dir / "b.txt") << "the quick brown fox jumps over the lazy dog. "
+                               << std::string(2000, 'b');
+  auto r = tessel("data prepare --input " + (dir / "a.txt").string() + " " +
+                  (dir / "b.txt").string() + " --output " + (dir / "c.tok").string());
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("2 documents"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("entropy"), std::string::npos) << r.output;
@@ -44,13 +47,15 @@ TEST(Cli, PrepareThenTrainTinyModel) {
   EXPECT_NE(r.output.find("done: 3 steps"), std::string::npos) << r.output;
   std::ifstream metrics(dir / "m.jsonl");
   int lines = 0;
-  for (std::string line; std::getline(metrics, line);) lines += line.find("\"loss\"") != std::string::npos;
+  for (std::string line; std::getline(metrics, line);)
+    lines += line.find("\"loss\"") != std::string::npos;
   EXPECT_EQ(lines, 3);
 }
 
 TEST(Cli, ConfigErrorsExitTwoWithOneLine) {
   TempDir dir;
-  std::ofstream(dir / "bad.yaml") << "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {stepz: 1}\n";
+  std::ofstream(dir / "bad.yaml")
+      << "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {stepz: 1}\n";
   auto r = tessel("train " + (dir / "bad.yaml").string());
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("tessel: config error:"), std::string::npos) << r.output;
@@ -67,7 +72,8 @@ TEST(Cli, MissingDataAndInputsAreIoErrors) {
   auto r = tessel("train " + (dir / "t.yaml").string());
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("nothere.tok"), std::string::npos) << r.output;
-  r = tessel("data prepare --input " + (dir / "missing.txt").string() + " --output " + (dir / "o.tok").string());
+  r = tessel("data prepare --input " + (dir / "missing.txt").string() + " --output " +
+             (dir / "o.tok").string());
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir / "o.tok"));  // nothing that looks complete is left behind

@@ -16,8 +16,8 @@
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/elastic/switch_marker.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/runtime/step_check_test_util.h"
-#include "tessel/runtime/trainer.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::elastic {

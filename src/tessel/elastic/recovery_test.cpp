@@ -9,7 +9,7 @@
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::elastic {
@@ -104,7 +104,7 @@ TEST(Recovery, LostOptimizerShardsRollBackToTheCheckpoint) {
         "training: {steps: 4, global_batch: 12, micro_batch: 2}\ncheckpoint: {dir: ck}\n",
         "single.yaml"));
     single.metrics_path.clear();
-    runtime::Trainer(single).run();
+    runtime::ReferenceTrainer(single).run();
   }
   const auto ck = checkpoint::latest_sharded_checkpoint((dir / "ck").string());
   ASSERT_TRUE(ck.has_value());

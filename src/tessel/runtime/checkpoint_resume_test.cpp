@@ -13,8 +13,8 @@
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/model/model_spec.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/runtime/step_check_test_util.h"
-#include "tessel/runtime/trainer.h"
 #include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
@@ -65,7 +65,7 @@ TEST(ShardedCheckpoint, SavedUnderOneLayoutResumesUnderAnother) {
     run_workers(
         write_config(dir, corpus, training(5) + "parallel: {tp: 2, pp: 2}\n", "b.yaml", preset), 4);
     auto c = TrainConfig::load(write_config(dir, corpus, training(8), "c.yaml", preset));
-    Trainer(c).run();
+    ReferenceTrainer(c).run();
 
     const auto losses = testing::read_step_losses(dir / "metrics.jsonl");
     ASSERT_EQ(losses.size(), 8u);
@@ -90,9 +90,10 @@ TEST(ShardedCheckpoint, SavedUnderOneLayoutResumesUnderAnother) {
 TEST(ShardedCheckpoint, OldCheckpointsArePrunedToKeep) {
   TempDir dir;
   auto corpus = make_corpus(dir);
-  Trainer(TrainConfig::load(write_config(dir, corpus,
-                                         "training: {steps: 4, global_batch: 4, micro_batch: 2}\n"
-                                         "checkpoint: {dir: ck, every: 1, keep: 2}\n")))
+  ReferenceTrainer(
+      TrainConfig::load(write_config(dir, corpus,
+                                     "training: {steps: 4, global_batch: 4, micro_batch: 2}\n"
+                                     "checkpoint: {dir: ck, every: 1, keep: 2}\n")))
       .run();
   EXPECT_FALSE(std::filesystem::exists(dir / "ck" / checkpoint_step_name(1)));
   EXPECT_FALSE(std::filesystem::exists(dir / "ck" / checkpoint_step_name(2)));
@@ -104,12 +105,12 @@ TEST(ShardedCheckpoint, OldCheckpointsArePrunedToKeep) {
 TEST(ShardedCheckpoint, ResumingWithAnotherGlobalBatchIsRefused) {
   TempDir dir;
   auto corpus = make_corpus(dir);
-  Trainer(TrainConfig::load(write_config(dir, corpus, training(2), "a.yaml"))).run();
+  ReferenceTrainer(TrainConfig::load(write_config(dir, corpus, training(2), "a.yaml"))).run();
   auto cfg = TrainConfig::load(write_config(
       dir, corpus, "training: {steps: 4, global_batch: 6, micro_batch: 2}\ncheckpoint: {dir: ck}\n",
       "b.yaml"));
   try {
-    Trainer t(cfg);
+    ReferenceTrainer t(cfg);
     FAIL() << "resumed with another global batch";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("training.global_batch 12"), std::string::npos)

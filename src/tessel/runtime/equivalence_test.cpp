@@ -24,8 +24,8 @@
 #include "tessel/model/model_spec.h"
 #include "tessel/model/tp_shard.h"
 #include "tessel/model/transformer.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/runtime/step_check_test_util.h"
-#include "tessel/runtime/trainer.h"
 #include "tessel/tensor/box_copy.h"
 
 namespace tessel::runtime {
@@ -176,7 +176,7 @@ TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
 
   // Every shard of every rank, placed into the whole tensor by its tp pieces, against the final
   // checkpoint.
-  Trainer final_state(TrainConfig::load(single_cfg));
+  ReferenceTrainer final_state(TrainConfig::load(single_cfg));
   final_state.load_checkpoint((dir / "steps" / checkpoint_step_name(kSteps)).string());
   const auto& m = final_state.model();
   const auto& config = m.config();

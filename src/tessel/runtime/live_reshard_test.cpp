@@ -17,8 +17,8 @@
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/model/transformer.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/runtime/step_check_test_util.h"
-#include "tessel/runtime/trainer.h"
 
 namespace tessel::runtime {
 
@@ -112,7 +112,7 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
   }
   // The last plan is (1,1,1): rank 0 holds every tensor whole, as the final checkpoint has them.
   auto dump = read_whole_dump(dir / "dump" / "rank0.params");
-  Trainer saved(TrainConfig::load(single_cfg));
+  ReferenceTrainer saved(TrainConfig::load(single_cfg));
   saved.load_checkpoint((dir / "steps" / checkpoint_step_name(kSteps)).string());
   const float* ref = saved.model().params().data<float>();
   for (const auto& v : saved.model().param_views()) {

@@ -27,7 +27,7 @@
 //     pp), steps AdamW on the owned range only (Adam m/v are allocated for it alone) and
 //     all-gathers the parameters over dp;
 //   * forms the step's loss on every rank (all-reduce over the world of the head stages' loss
-//     sums), so the losses equal the single-process Trainer's up to float summation order.
+//     sums), so the losses equal the single-process ReferenceTrainer's up to float summation order.
 // Rank 0 prints progress and writes the metrics and event files; every rank writes its share of
 // checkpoints (sharded_checkpoint.h). Evaluation and ZeRO stages above 1 are not supported here
 // (config::TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
@@ -47,7 +47,7 @@
 #include <string>
 
 #include "tessel/config/train_config.h"
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/run_tracker.h"
 #include "tessel/runtime/worker_env.h"
 
 namespace tessel::runtime {

@@ -1,5 +1,5 @@
-// Bookkeeping shared by the training loops (Trainer, ParallelTrainer): times each step, keeps the
-// run's summary, drives the progress line and forms each step's metrics record.
+// Bookkeeping shared by the training loops (ReferenceTrainer, ParallelTrainer): times each step,
+// keeps the run's summary, drives the progress line and forms each step's metrics record.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -20,11 +20,11 @@ size_t failures_of_check(const std::string& run_extra, const std::string& single
   TempDir dir;
   const auto corpus = config::testing::make_corpus(dir);
   const std::string training = "training: {steps: 3, global_batch: 4, micro_batch: 2}\n";
-  Trainer(TrainConfig::load(config::testing::write_config(dir, corpus,
-                                                          training + run_extra +
-                                                              "output: {metrics: m.jsonl}\n" +
-                                                              testing::every_step_checkpoints(3),
-                                                          "run.yaml")))
+  ReferenceTrainer(TrainConfig::load(config::testing::write_config(
+                       dir, corpus,
+                       training + run_extra + "output: {metrics: m.jsonl}\n" +
+                           testing::every_step_checkpoints(3),
+                       "run.yaml")))
       .run();
   const auto single =
       config::testing::write_config(dir, corpus, training + single_extra, "single.yaml");

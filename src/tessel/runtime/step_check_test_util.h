@@ -1,4 +1,4 @@
-// Checks a training run one step at a time against the single-process Trainer.
+// Checks a training run one step at a time against the single-process ReferenceTrainer.
 //
 // A run under another layout (data, tensor, pipeline parallelism, ZeRO-1, switches between them,
 // recoveries) sums the same terms in other orders, so it differs from one process by rounding --
@@ -6,13 +6,14 @@
 // (testing/rounding.h, AdamDivergence): whole trajectories have no bound that follows from the
 // arithmetic. One step from a shared state has an exact one. So for every step t of the run, the
 // state it saved after step t-1 (the seed's initial state for t = 1) is loaded into a
-// single-process Trainer, which takes step t, and
-//   * the run's logged loss of step t equals the Trainer's within the forward pass' rounding
+// single-process ReferenceTrainer, which takes step t, and
+//   * the run's logged loss of step t equals the ReferenceTrainer's within the forward pass'
+//   rounding
 //     (model::test_util::step_tolerance, forward only), and
 //   * the run's saved state after step t (parameters, Adam moments, step, cursor) equals the
-//     Trainer's within AdamDivergence's bound for one step whose gradients differ by the rounding
-//     of a forward and backward pass (step_tolerance), the clipping factor by what that does to
-//     the gradient norm.
+//     ReferenceTrainer's within AdamDivergence's bound for one step whose gradients differ by the
+//     rounding of a forward and backward pass (step_tolerance), the clipping factor by what that
+//     does to the gradient norm.
 // By induction the whole run is a chain of single-process steps, each exact to rounding.
 // The run must checkpoint every step: checkpoint: {dir: .., every: 1, keep: <at least steps>}.
 #pragma once
@@ -38,7 +39,7 @@
 #include "tessel/config/train_config.h"
 #include "tessel/model/rounding_test_util.h"
 #include "tessel/model/transformer.h"
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/reference_trainer.h"
 #include "tessel/testing/adam_divergence.h"
 #include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
@@ -118,7 +119,7 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
     return (checkpoints / checkpoint::checkpoint_step_name(step)).string();
   };
   // `single` holds the state before step t: the seed's, or the run's saved one.
-  auto single = std::make_unique<Trainer>(cfg);
+  auto single = std::make_unique<ReferenceTrainer>(cfg);
   if (first > 1) single->load_checkpoint(saved(first - 1));
   for (int64_t t = first; t <= last; ++t) {
     SCOPED_TRACE(fmt::format("step {}", t));
@@ -160,7 +161,7 @@ inline StepCheck expect_steps_match_one_process(const std::string& single_config
       ++checked.unlogged;
     }
 
-    auto run = std::make_unique<Trainer>(cfg);
+    auto run = std::make_unique<ReferenceTrainer>(cfg);
     run->load_checkpoint(saved(t));
     EXPECT_EQ(run->step(), single->step());
     EXPECT_EQ(run->cursor(), single->cursor());

@@ -1,4 +1,7 @@
-// The single-process training loop.
+// The reference training loop: one process, the whole model, the plain arithmetic -- the oracle
+// the parallel runtime is checked against (runtime/step_check_test_util.h), as the reference
+// backend is for the kernels. `tessel train` does not use it: a single worker is a world of one,
+// run by ParallelTrainer like every layout.
 //
 // One step consumes one global batch of `training.global_batch` samples from the data cursor,
 // split into micro-batches whose gradients accumulate; the loss is the mean over every valid
@@ -28,14 +31,14 @@ class Transformer;
 
 namespace tessel::runtime {
 
-class Trainer {
+class ReferenceTrainer {
  public:
   // Opens the data, builds the model and optimizer state, and resumes from the latest checkpoint
   // when the config asks for it. Throws ConfigError / IoError / CorruptDataError on bad input.
-  explicit Trainer(config::TrainConfig config);
-  ~Trainer();
-  Trainer(const Trainer&) = delete;
-  Trainer& operator=(const Trainer&) = delete;
+  explicit ReferenceTrainer(config::TrainConfig config);
+  ~ReferenceTrainer();
+  ReferenceTrainer(const ReferenceTrainer&) = delete;
+  ReferenceTrainer& operator=(const ReferenceTrainer&) = delete;
 
   // Trains until training.steps steps have been taken in total.
   TrainSummary run();

@@ -1,4 +1,4 @@
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/reference_trainer.h"
 
 #include <gtest/gtest.h>
 
@@ -22,13 +22,13 @@ using config::testing::make_corpus;
 using config::testing::write_config;
 using tessel::testing::TempDir;
 
-TEST(Trainer, LossFallsOnASmallCorpus) {
+TEST(ReferenceTrainer, LossFallsOnASmallCorpus) {
   TempDir dir;
   auto cfg = TrainConfig::load(
       write_config(dir, make_corpus(dir),
                    "training: {steps: 40, global_batch: 8, micro_batch: 8, eval_every: 40}\n"
                    "optimizer: {lr: 0.01, warmup_steps: 5}\n"));
-  Trainer trainer(cfg);
+  ReferenceTrainer trainer(cfg);
   auto summary = trainer.run();
   ASSERT_EQ(summary.losses.size(), 40u);
   EXPECT_NEAR(summary.losses.front(), std::log(257.0), 0.3);  // uniform at init
@@ -39,7 +39,7 @@ TEST(Trainer, LossFallsOnASmallCorpus) {
 
 // Micro-batches of 4 and 2 accumulate the gradients of a global batch of 8 in other groupings:
 // each of their steps equals one step over the whole batch at once (step_check_test_util.h).
-TEST(Trainer, GradientAccumulationMatchesOneLargeBatch) {
+TEST(ReferenceTrainer, GradientAccumulationMatchesOneLargeBatch) {
   TempDir dir;
   auto corpus = make_corpus(dir);
   auto config = [&](int micro, const std::string& extra) {
@@ -54,26 +54,28 @@ TEST(Trainer, GradientAccumulationMatchesOneLargeBatch) {
     const std::string saves = "m" + std::to_string(micro) + "-steps";
     auto cfg = TrainConfig::load(
         config(micro, "output: {metrics: m.jsonl}\n" + testing::every_step_checkpoints(4, saves)));
-    Trainer(cfg).run();
+    ReferenceTrainer(cfg).run();
     testing::expect_steps_match_one_process(whole_batch, dir / saves,
                                             testing::read_step_losses(dir / "m.jsonl"), 1, 4);
     std::filesystem::remove(dir / "m.jsonl");
   }
 }
 
-TEST(Trainer, ResumeContinuesWithTheSameLosses) {
+TEST(ReferenceTrainer, ResumeContinuesWithTheSameLosses) {
   for (std::string preset : {"gpt2-tiny", "llama-tiny"}) {
     TempDir dir;
     auto corpus = make_corpus(dir);
     std::string train = "training: {steps: 8, global_batch: 4, micro_batch: 2}\n";
     auto straight =
-        Trainer(TrainConfig::load(write_config(dir, corpus, train, "a.yaml", preset))).run();
+        ReferenceTrainer(TrainConfig::load(write_config(dir, corpus, train, "a.yaml", preset)))
+            .run();
 
     std::string ckpt = "checkpoint: {dir: ck, every: 3}\n";
     auto first_cfg = TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset));
     first_cfg.training.steps = 5;  // stops after step 5; the newest checkpoint is at step 5
-    Trainer(first_cfg).run();
-    Trainer resumed(TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset)));
+    ReferenceTrainer(first_cfg).run();
+    ReferenceTrainer resumed(
+        TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset)));
     EXPECT_EQ(resumed.step(), 5);
     EXPECT_EQ(resumed.cursor(), 5 * 4);
     auto rest = resumed.run();
@@ -83,32 +85,32 @@ TEST(Trainer, ResumeContinuesWithTheSameLosses) {
   }
 }
 
-TEST(Trainer, ResumeRefusesACheckpointOfAnotherModel) {
+TEST(ReferenceTrainer, ResumeRefusesACheckpointOfAnotherModel) {
   TempDir dir;
   auto corpus = make_corpus(dir);
   std::string extra = "training: {steps: 1, global_batch: 2}\ncheckpoint: {dir: ck}\n";
-  Trainer(TrainConfig::load(write_config(dir, corpus, extra))).run();
+  ReferenceTrainer(TrainConfig::load(write_config(dir, corpus, extra))).run();
   auto other = TrainConfig::load(write_config(dir, corpus, extra, "llama.yaml", "llama-tiny"));
   try {
-    Trainer t(other);
+    ReferenceTrainer t(other);
     FAIL() << "resumed from another model's checkpoint";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("different model"), std::string::npos) << e.what();
   }
 }
 
-TEST(Trainer, SteadyStateStepsAllocateNoFreshMemory) {
+TEST(ReferenceTrainer, SteadyStateStepsAllocateNoFreshMemory) {
   TempDir dir;
   auto cfg = TrainConfig::load(write_config(
       dir, make_corpus(dir), "training: {steps: 10, global_batch: 4, micro_batch: 2}\n"));
-  Trainer trainer(cfg);
+  ReferenceTrainer trainer(cfg);
   trainer.train_step();
   auto before = HostAllocator::instance().stats().fresh_allocations;
   for (int i = 0; i < 3; ++i) trainer.train_step();
   EXPECT_EQ(HostAllocator::instance().stats().fresh_allocations, before);
 }
 
-TEST(Trainer, DataWithALargerVocabularyThanTheModelIsRejected) {
+TEST(ReferenceTrainer, DataWithALargerVocabularyThanTheModelIsRejected) {
   TempDir dir;
   std::vector<uint32_t> tokens(2000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = uint32_t(i % 300);
@@ -116,20 +118,20 @@ TEST(Trainer, DataWithALargerVocabularyThanTheModelIsRejected) {
   data::write_token_file(path, tokens, 300, 2);
   auto cfg = TrainConfig::load(write_config(dir, path));
   try {
-    Trainer t(cfg);
+    ReferenceTrainer t(cfg);
     FAIL() << "accepted token ids beyond the model's vocabulary";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("vocab_size"), std::string::npos) << e.what();
   }
 }
 
-TEST(Trainer, MissingAndTruncatedDataFilesAreClearErrors) {
+TEST(ReferenceTrainer, MissingAndTruncatedDataFilesAreClearErrors) {
   TempDir dir;
   auto cfg = TrainConfig::load(write_config(dir, (dir / "absent.tok").string()));
-  EXPECT_THROW(Trainer t(cfg), IoError);
+  EXPECT_THROW(ReferenceTrainer t(cfg), IoError);
   auto corpus = make_corpus(dir);
   std::filesystem::resize_file(corpus, std::filesystem::file_size(corpus) - 3);
-  EXPECT_THROW(Trainer t(TrainConfig::load(write_config(dir, corpus))), CorruptDataError);
+  EXPECT_THROW(ReferenceTrainer t(TrainConfig::load(write_config(dir, corpus))), CorruptDataError);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "tessel/runtime/trainer.h"
+#include "tessel/runtime/reference_trainer.h"
 
 #include <omp.h>
 
@@ -29,7 +29,7 @@ using checkpoint::load_rank_state;
 using checkpoint::publish_checkpoint;
 using config::TrainConfig;
 
-struct Trainer::Impl {
+struct ReferenceTrainer::Impl {
   TrainConfig cfg;
   std::unique_ptr<kernels::Backend> backend;
   std::shared_ptr<const data::TokenSource> source;
@@ -171,40 +171,41 @@ struct Trainer::Impl {
   }
 };
 
-Trainer::Trainer(TrainConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
-Trainer::~Trainer() = default;
+ReferenceTrainer::ReferenceTrainer(TrainConfig config)
+    : impl_(std::make_unique<Impl>(std::move(config))) {}
+ReferenceTrainer::~ReferenceTrainer() = default;
 
-void Trainer::load_checkpoint(const std::string& dir) {
+void ReferenceTrainer::load_checkpoint(const std::string& dir) {
   impl_->load(dir);
 }
-void Trainer::observe_gradients(GradientObserver observer) {
+void ReferenceTrainer::observe_gradients(GradientObserver observer) {
   impl_->observer = std::move(observer);
 }
-std::span<const float> Trainer::adam_m() const {
+std::span<const float> ReferenceTrainer::adam_m() const {
   return {impl_->adam_m.data<float>(), size_t(impl_->adam_m.numel())};
 }
-std::span<const float> Trainer::adam_v() const {
+std::span<const float> ReferenceTrainer::adam_v() const {
   return {impl_->adam_v.data<float>(), size_t(impl_->adam_v.numel())};
 }
 
-int64_t Trainer::step() const {
+int64_t ReferenceTrainer::step() const {
   return impl_->step;
 }
-int64_t Trainer::cursor() const {
+int64_t ReferenceTrainer::cursor() const {
   return impl_->cursor;
 }
-const model::Transformer& Trainer::model() const {
+const model::Transformer& ReferenceTrainer::model() const {
   return *impl_->model;
 }
-double Trainer::evaluate() {
+double ReferenceTrainer::evaluate() {
   return impl_->evaluate();
 }
-double Trainer::train_step() {
+double ReferenceTrainer::train_step() {
   double grad_norm = 0;
   return impl_->train_step(&grad_norm);
 }
 
-TrainSummary Trainer::run() {
+TrainSummary ReferenceTrainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;

@@ -7,7 +7,10 @@
 // and the op-by-op comparison harness can skip what it lacks instead of failing.
 //
 // Backends are made by name through a registry: "cpu" (fast kernels) and "reference" (the plain
-// oracle kernels; slow, for tests).
+// oracle kernels; slow, for tests). The op-by-op comparison harness (op_harness.h, test-only) runs
+// every op, forward and backward, at many shapes on each registered backend and on "reference"
+// through this interface and compares every output against derived bounds
+// (op_harness_test.cpp); a new backend is covered once it is registered.
 #pragma once
 
 #include <cstddef>

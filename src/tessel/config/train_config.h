@@ -3,16 +3,17 @@
 //   model:      {preset: gpt2-tiny, n_layer: 4, ...}   a preset, optionally with fields overridden
 //   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
 //   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
-//                log_every, backend, threads, stop_at}
+//                log_every, backend, gemm, huge_pages, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep, async}
-//   output:     {metrics, events, data_order}
+//   output:     {metrics, events, data_order, rank_params}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file, replace_failed, prepare_steps}   (see TrainConfig::hosts_file, ...)
+//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport}
+//               (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
 // is not given it is training.micro_batch with dp 1, and otherwise the largest divisor of the
@@ -63,6 +64,13 @@ struct TrainingConfig {
   int64_t eval_batch_size() const { return eval_micro_batch > 0 ? eval_micro_batch : micro_batch; }
   int64_t log_every = 10;  // steps between log lines when not on a terminal
   std::string backend = "cpu";
+  // training.gemm: the CPU backend's GEMM provider, "onednn" or "openblas" (kernels/gemm.h);
+  // "auto": $TESSEL_GEMM if set (the test matrix runs the suite under each), else onednn.
+  std::string gemm = "auto";
+  // training.huge_pages: back buffers of 2 MiB and more with transparent huge pages
+  // (tensor/allocator.h): fewer TLB misses, but a slow first touch on VMs whose host backs
+  // memory lazily (bench/README.md, elastic).
+  bool huge_pages = true;
   int threads = 0;  // OpenMP threads; 0 = all cores
   // Ends this run after this many steps (0: at `steps`), with a checkpoint, without changing the
   // learning-rate schedule, which always spans `steps`: for jobs that run in slices.
@@ -117,6 +125,10 @@ struct TrainConfig {
   // the last generation that ran it are the samples the final state learned from; they prove
   // that reconfigurations and failures repeat or skip no sample.
   std::string data_order_path;
+  // output.rank_params: a directory where, at the end of the run, every rank writes its local
+  // parameter shards (runtime/stage.h: Stage::dump_params), for debugging and the tests. Empty:
+  // none.
+  std::string rank_params_dir;
   layout::Plan plan;  // with layers_per_stage filled in (Plan::with_defaults)
   // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
   // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.
@@ -138,6 +150,10 @@ struct TrainConfig {
   // only the transfer. Costs the successor's memory beside the current one's during those steps;
   // 0: build everything during the pause.
   int prepare_steps = 2;
+  // elastic.reshard_transport: how a re-partition moves state between processes of one host:
+  // "direct" (the receiver reads the sender's memory, one copy; the network where the system
+  // does not allow it) or "network" (always through the transition world's connections).
+  std::string reshard_transport = "direct";
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

@@ -38,11 +38,43 @@ TEST(TrainConfig, ReadsSectionsAndResolvesPathsAgainstTheConfigFile) {
                                      "optimizer: {lr: 0.01}\n"
                                      "checkpoint: {dir: ck, every: 3}\n"));
   EXPECT_EQ(cfg.model.n_layer, 2);
+  // Host settings default to what a user expects without writing them.
+  EXPECT_EQ(cfg.training.gemm, "auto");
+  EXPECT_TRUE(cfg.training.huge_pages);
+  EXPECT_EQ(cfg.reshard_transport, "direct");
+  EXPECT_TRUE(cfg.rank_params_dir.empty());
   EXPECT_EQ(cfg.model.family, model::Family::llama);
   EXPECT_EQ(cfg.data.path, (dir.path() / "data/x.tok").string());
   EXPECT_EQ(cfg.checkpoint.dir, (dir.path() / "ck").string());
   EXPECT_EQ(cfg.micro_steps(), 2);
   EXPECT_DOUBLE_EQ(cfg.optimizer.min_lr, 0.001);  // defaults to lr / 10
+  // Evaluation reads batches of the micro-batch as written, whatever the plan makes of it.
+  EXPECT_EQ(cfg.training.eval_batch_size(), 4);
+}
+
+// What used to be environment variables (TESSEL_GEMM for a run, TESSEL_HUGEPAGES,
+// TESSEL_RESHARD_DIRECT, TESSEL_DUMP_PARAMS) is config a user can see.
+TEST(TrainConfig, HostSettingsAndOutputsAreConfigKeys) {
+  TempDir dir;
+  auto cfg = TrainConfig::load(write(dir,
+                                     "model: {preset: gpt2-tiny}\n"
+                                     "data: {path: x.tok}\n"
+                                     "training: {gemm: openblas, huge_pages: false}\n"
+                                     "output: {rank_params: dump}\n"
+                                     "elastic: {reshard_transport: network}\n"));
+  EXPECT_EQ(cfg.training.gemm, "openblas");
+  EXPECT_FALSE(cfg.training.huge_pages);
+  EXPECT_EQ(cfg.reshard_transport, "network");
+  EXPECT_EQ(cfg.rank_params_dir, (dir.path() / "dump").string());
+  auto msg = error_of<ConfigError>(
+      write(dir, "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\ntraining: {gemm: cublas}\n"));
+  EXPECT_NE(msg.find("'training.gemm'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("onednn"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(
+      dir,
+      "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\nelastic: {reshard_transport: rdma}\n"));
+  EXPECT_NE(msg.find("reshard_transport"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("network"), std::string::npos) << msg;
 }
 
 TEST(TrainConfig, MalformedYamlNamesFileAndLine) {

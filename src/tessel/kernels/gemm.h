@@ -3,7 +3,8 @@
 //   C[M,N] = alpha * op(A)[M,K] · op(B)[K,N] + beta * C
 //
 // op(X) is X or its transpose. Providers: "onednn" (default; detects AVX-512 from CPUID on any
-// vendor) and "openblas". The environment variable TESSEL_GEMM picks one at start-up.
+// vendor) and "openblas". training.gemm picks one (runtime/host_settings.h); when it is "auto",
+// the environment variable TESSEL_GEMM does, at the first GEMM.
 #pragma once
 
 #include <string>

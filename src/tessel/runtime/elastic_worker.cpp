@@ -11,6 +11,7 @@
 #include "tessel/core/json_file.h"
 #include "tessel/core/log.h"
 #include "tessel/reshard/executor.h"
+#include "tessel/runtime/host_settings.h"
 #include "tessel/store/checkpoint_store.h"
 #include "tessel/tensor/allocator.h"
 
@@ -64,6 +65,7 @@ std::vector<bool> PlannedSwitch::kept_old_chunks(int old_rank, int new_rank) con
 
 ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
     : cfg(std::move(c)), env(e) {
+  apply_host_settings(cfg.training);
   // Workers of a timeline or of scale requests are started as the plans need them, so the
   // world size in the environment is only checked against a fixed run.
   cfg.validate_for_workers(cfg.timeline.empty() && !elastic() ? env.world_size : cfg.max_workers());
@@ -389,10 +391,9 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
     t1 = std::chrono::steady_clock::now();
     if (successor) buffers.new_buffers = successor->state_buffers();
     // Within this host, receivers read the senders' memory directly (one copy; the network
-    // when that is not allowed). TESSEL_RESHARD_DIRECT=0 forces the network.
+    // when that is not allowed), unless elastic.reshard_transport says network.
     reshard::ExecuteOptions how;
-    const char* direct = std::getenv("TESSEL_RESHARD_DIRECT");
-    how.same_host_direct = direct == nullptr || std::string(direct) != "0";
+    how.same_host_direct = cfg.reshard_transport == "direct";
     moved = reshard::execute(tplan, me, *union_world, buffers, how);
     int64_t by[2] = {moved.bytes_read_directly, moved.bytes_received};
     union_world->all_reduce_sum(by, 2);  // the whole transition's, for the event line

@@ -61,7 +61,7 @@ struct Case {
     return fmt::format(
         "parallel: {{dp: {}, tp: {}, pp: {}, virtual_stages: {}, micro_batch: {}, schedule: {}, "
         "zero_stage: {}, bucket_mb: 0.01}}\n"
-        "output: {{metrics: metrics.jsonl}}\n",
+        "output: {{metrics: metrics.jsonl, rank_params: dump}}\n",
         dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage);
   }
 };
@@ -120,7 +120,7 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-// One shard as written by TESSEL_DUMP_PARAMS (parallel_trainer.h).
+// One shard as written by output.rank_params (parallel_trainer.h).
 struct Shard {
   std::string name;
   int tp_rank = 0, tp_size = 1;
@@ -160,8 +160,7 @@ TEST_P(Equivalence, LossesAndFinalParametersMatchOneProcess) {
   ASSERT_TRUE(std::filesystem::exists(bin)) << bin << " is not built; build the `tessel` target";
   const auto args = fmt::format("train {} --nproc {}", cfg, c.world());
   std::string out;
-  int rc = tessel::testing::run_command(fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} {}",
-                                                    (dir / "dump").string(), bin.string(), args),
+  int rc = tessel::testing::run_command(fmt::format("OMP_NUM_THREADS=1 {} {}", bin.string(), args),
                                         &out);
   ASSERT_EQ(rc, 0) << out;
 

@@ -35,7 +35,7 @@ constexpr int kSteps = 8;
 const std::string kTraining = fmt::format(
     "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
     "optimizer: {{lr: 0.01, warmup_steps: 1}}\n"
-    "output: {{metrics: metrics.jsonl, events: events.jsonl}}\n",
+    "output: {{metrics: metrics.jsonl, events: events.jsonl, rank_params: dump}}\n",
     kSteps);
 
 std::vector<nlohmann::json> read_records(const std::filesystem::path& path) {
@@ -47,7 +47,7 @@ std::vector<nlohmann::json> read_records(const std::filesystem::path& path) {
   return out;
 }
 
-// rank0.params of TESSEL_DUMP_PARAMS (one rank holding every whole tensor: a (1,1,1) last plan).
+// rank0.params of output.rank_params (one rank holding every whole tensor: a (1,1,1) last plan).
 std::map<std::string, std::vector<float>> read_whole_dump(const std::filesystem::path& path) {
   std::map<std::string, std::vector<float>> out;
   std::ifstream in(path, std::ios::binary);
@@ -76,9 +76,7 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
   auto bin = tessel::testing::tessel_binary();
   std::string out;
   int rc = tessel::testing::run_command(
-      fmt::format("OMP_NUM_THREADS=1 TESSEL_DUMP_PARAMS={} {} train {} --nproc {}",
-                  (dir / "dump").string(), bin.string(), cfg, nproc),
-      &out);
+      fmt::format("OMP_NUM_THREADS=1 {} train {} --nproc {}", bin.string(), cfg, nproc), &out);
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("switched from"), std::string::npos) << out;
   auto records = read_records(dir / "metrics.jsonl");
@@ -107,6 +105,14 @@ void expect_switching_run_matches(const std::string& preset, const std::string& 
       EXPECT_FALSE(events[i].contains("announced_at_step")) << events[i].dump();
     }
     EXPECT_EQ(events[i].at("new_workers").get<int>(), cfg_loaded.timeline[i].plan.world());
+    if (cfg_loaded.reshard_transport == "network") {
+      // Nothing read from another process's memory: every byte between processes went over the
+      // transition world's connections.
+      EXPECT_EQ(events[i].at("bytes_read_directly").get<int64_t>(), 0) << events[i].dump();
+      EXPECT_EQ(events[i].at("bytes_over_network").get<int64_t>(),
+                events[i].at("bytes_moved").get<int64_t>())
+          << events[i].dump();
+    }
     EXPECT_GE(events[i].at("total_pause_s").get<double>(),
               events[i].at("transfer_s").get<double>());
   }
@@ -131,8 +137,10 @@ TEST(LiveReshard, DataToTensorAndPipelineToOneProcess) {
       "  - {at_step: 3, parallel: {tp: 2, pp: 2}}\n"
       "  - {at_step: 6, parallel: {dp: 1}}\n";
   expect_switching_run_matches("gpt2-tiny", plans, 4);
-  // Everything built during the pauses (nothing announced ahead).
-  expect_switching_run_matches("llama-tiny", plans + "elastic: {prepare_steps: 0}\n", 4);
+  // Everything built during the pauses (nothing announced ahead), the state sent over the
+  // network (no direct reads).
+  expect_switching_run_matches(
+      "llama-tiny", plans + "elastic: {prepare_steps: 0, reshard_transport: network}\n", 4);
 }
 
 // ZeRO-1 flat ranges and interleaved stages on both sides of a switch, shrinking and growing.

@@ -106,8 +106,8 @@ TrainSummary ParallelTrainer::run() {
         RankTrainer& w = *s.world;
         w.finish_checkpoint();
         resave_cancelled(w);  // a world a recovery made at the last step
-        if (const char* dir = std::getenv("TESSEL_DUMP_PARAMS"); dir != nullptr && *dir != '\0')
-          w.stage.dump_params(dir, w.groups.coord.tp, w.plan.tp);
+        if (!cfg.rank_params_dir.empty())
+          w.stage.dump_params(cfg.rank_params_dir, w.groups.coord.tp, w.plan.tp);
         // Nobody leaves before everyone is done with the last step's collectives.
         w.groups.world->barrier();
       }

@@ -32,8 +32,8 @@
 // checkpoints (sharded_checkpoint.h). Evaluation and ZeRO stages above 1 are not supported here
 // (config::TrainConfig::validate_for_workers rejects them). Plans change at step boundaries by the
 // timeline or by scale requests (a live switch: elastic_worker.h).
-// With TESSEL_DUMP_PARAMS=DIR in the environment, every rank writes its local parameters to
-// DIR/rank<R>.params at the end of run() (format: Stage::dump_params; used by the tests).
+// With output.rank_params: DIR, every rank writes its local parameters to DIR/rank<R>.params at
+// the end of run() (format: Stage::dump_params; used by the tests).
 //
 // Failures of peers surface as PeerLostError / TimeoutError from the communicators (bounded by
 // parallel.timeout_s, default 60 s); config problems as ConfigError. In an elastic job

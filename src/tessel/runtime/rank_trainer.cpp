@@ -1,7 +1,6 @@
 #include "tessel/runtime/rank_trainer.h"
 
 #include <fcntl.h>
-#include <omp.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -22,7 +21,6 @@ namespace {
 
 comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env,
                             const layout::Plan& plan, int rank, int64_t store_generation) {
-  if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
   comm::GridLayout grid;
   grid.dp = plan.dp;
   grid.tp = plan.tp;

@@ -1,7 +1,5 @@
 #include "tessel/runtime/reference_trainer.h"
 
-#include <omp.h>
-
 #include <cmath>
 #include <filesystem>
 
@@ -14,6 +12,7 @@
 #include "tessel/kernels/backend.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/evaluation.h"
+#include "tessel/runtime/host_settings.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/store/checkpoint_store.h"
@@ -44,7 +43,7 @@ struct ReferenceTrainer::Impl {
   GradientObserver observer;
 
   explicit Impl(TrainConfig c) : cfg(std::move(c)) {
-    if (cfg.training.threads > 0) omp_set_num_threads(cfg.training.threads);
+    apply_host_settings(cfg.training);
     backend = kernels::make_backend(cfg.training.backend);
     source = data::open_token_source(cfg.data.path);
     TESSEL_CHECK(source->vocab_size() <= uint64_t(cfg.model.vocab_size), ConfigError,

@@ -145,7 +145,7 @@ bool Stage::release_unkept(const std::vector<bool>& kept) {
 void Stage::dump_params(const std::string& dir, int tp_rank, int tp_size) const {
   auto path = fmt::format("{}/rank{}.params", dir, rank_);
   std::FILE* f = std::fopen(path.c_str(), "wb");
-  TESSEL_CHECK(f != nullptr, IoError, "cannot write {} (TESSEL_DUMP_PARAMS)", path);
+  TESSEL_CHECK(f != nullptr, IoError, "cannot write {} (output.rank_params)", path);
   bool ok = true;
   for (const auto& ch : chunks_) {
     const float* params = ch.model->params().data<float>();
@@ -157,7 +157,7 @@ void Stage::dump_params(const std::string& dir, int tp_rank, int tp_size) const 
     }
   }
   ok = std::fclose(f) == 0 && ok;
-  TESSEL_CHECK(ok, IoError, "writing {} failed (TESSEL_DUMP_PARAMS)", path);
+  TESSEL_CHECK(ok, IoError, "writing {} failed (output.rank_params)", path);
 }
 
 }  // namespace tessel::runtime

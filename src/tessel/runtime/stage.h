@@ -85,7 +85,7 @@ class Stage {
 
   // Writes <dir>/rank<R>.params: for every parameter view of every chunk, a text line
   // "<name> <numel> <tp_rank> <tp_size>\n" followed by numel raw native floats (this rank's local
-  // shard; tensor-parallel shards are not reassembled). For tests (TESSEL_DUMP_PARAMS).
+  // shard; tensor-parallel shards are not reassembled). For tests (output.rank_params).
   void dump_params(const std::string& dir, int tp_rank, int tp_size) const;
 
  private:

@@ -56,11 +56,8 @@ void* HostAllocator::allocate(size_t bytes) {
   // alignment, so 2 MiB alignment costs no padding.
   void* p = nullptr;
   if (::posix_memalign(&p, align, size) != 0) throw std::bad_alloc();
-  static const bool huge_pages = [] {
-    const char* v = std::getenv("TESSEL_HUGEPAGES");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  if (size >= kHuge && huge_pages) ::madvise(p, size, MADV_HUGEPAGE);
+  if (size >= kHuge && huge_pages_.load(std::memory_order_relaxed))
+    ::madvise(p, size, MADV_HUGEPAGE);
   std::lock_guard lock(mu_);
   live_.emplace(p, size);
   stats_.bytes_in_use += size;

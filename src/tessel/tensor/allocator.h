@@ -5,10 +5,12 @@
 // so freed blocks are kept in per-size free lists and handed out again; after the first step a
 // steady-state training loop touches no new pages. Blocks of 2 MiB and more are 2 MiB aligned and
 // asked to be backed by transparent huge pages (fewer TLB misses in the passes over parameters
-// and optimizer state); TESSEL_HUGEPAGES=0 turns that off (on a VM whose host backs guest memory
-// lazily, the first touch of fresh huge pages is slow: see bench/README.md, elastic). Thread-safe.
+// and optimizer state); set_huge_pages(false) (training.huge_pages: false) turns that off (on a VM
+// whose host backs guest memory lazily, the first touch of fresh huge pages is slow: see
+// bench/README.md, elastic). Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -39,6 +41,8 @@ class HostAllocator {
   void deallocate(void* ptr);
   // Releases every cached block to the OS.
   void release_cached();
+  // Whether new blocks of 2 MiB and more are advised to use transparent huge pages (default on).
+  void set_huge_pages(bool on) { huge_pages_.store(on, std::memory_order_relaxed); }
   AllocatorStats stats() const;
 
   // The size class a request of `bytes` is served from.
@@ -51,6 +55,7 @@ class HostAllocator {
 
  private:
   mutable std::mutex mu_;
+  std::atomic<bool> huge_pages_{true};
   std::multimap<size_t, void*> free_;  // size class -> cached blocks
   std::map<void*, size_t> live_;       // block -> size class
   AllocatorStats stats_;

@@ -379,202 +379,279 @@ tessel::model::ModelConfig bench_config(const std::string& name) {
   return ModelConfig::preset(name);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"Times tessel's training step (see bench/README.md)"};
+struct BenchArgs {
   std::string model = "gpt2-124m";
   std::string backend_name = "cpu";
   int B = 4, T = 64, warmup = 3, steps = 10;
   bool gemm_peak = false;
   uint64_t seed = 1234;
-  app.add_option("--model", model, "model preset, or gpt2-small-bench (L=4, C=256, 4 heads)");
-  app.add_option("--backend", backend_name, "kernel backend");
-  app.add_option("--batch", B, "B")->check(CLI::PositiveNumber);
-  app.add_option("--seq", T, "T")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
-  app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
-  app.add_option("--seed", seed, "init and token seed");
-  app.add_flag("--gemm-peak", gemm_peak, "also measure SGEMM on the model's shapes");
-  CLI11_PARSE(app, argc, argv);
+};
 
-  try {
-    namespace k = tessel::kernels;
-    const tessel::model::ModelConfig cfg = bench_config(model);
-    if (cfg.family != tessel::model::Family::gpt2) {
-      // step_matmul_flops counts GPT-2 blocks (fused QKV, 2-matrix MLP, tied head).
-      std::fprintf(stderr, "bench_step: '%s' is not a gpt2-family model; pick a gpt2 preset\n",
-                   model.c_str());
-      return 2;
+void add_options(CLI::App& app, BenchArgs& a) {
+  app.add_option("--model", a.model, "model preset, or gpt2-small-bench (L=4, C=256, 4 heads)");
+  app.add_option("--backend", a.backend_name, "kernel backend");
+  app.add_option("--batch", a.B, "B")->check(CLI::PositiveNumber);
+  app.add_option("--seq", a.T, "T")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--seed", a.seed, "init and token seed");
+  app.add_flag("--gemm-peak", a.gemm_peak, "also measure SGEMM on the model's shapes");
+}
+
+// Random tokens and targets for every step.
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+
+Batch random_batch(const tessel::model::ModelConfig& cfg, int N, uint64_t seed) {
+  std::mt19937 rng{uint32_t(seed)};
+  std::uniform_int_distribution<int32_t> tok(0, cfg.vocab_size - 1);
+  Batch b{std::vector<int32_t>(static_cast<size_t>(N)),
+          std::vector<int32_t>(static_cast<size_t>(N))};
+  for (auto& t : b.tokens) t = tok(rng);
+  for (auto& t : b.targets) t = tok(rng);
+  return b;
+}
+
+// The optimizer's state and settings, as the trainer's.
+struct Adam {
+  int64_t P = 0;  // parameters
+  float* m = nullptr;
+  float* v = nullptr;
+  tessel::kernels::AdamWConfig opt;
+  float weight_decay = 0.1f, max_norm = 1.0f;
+};
+
+// Adam moments: allocated and touched once, like the trainer's.
+Adam make_adam(Backend& backend, int64_t P) {
+  Adam a;
+  a.P = P;
+  a.m = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
+  a.v = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
+  backend.memset_zero(a.m, size_t(P) * sizeof(float));
+  backend.memset_zero(a.v, size_t(P) * sizeof(float));
+  a.opt.lr = 3e-4f;
+  a.opt.beta1 = 0.9f;
+  a.opt.beta2 = 0.95f;
+  a.opt.eps = 1e-8f;
+  return a;
+}
+
+enum Phase { kForward, kBackward, kGradNorm, kAdam, kNumPhases };
+constexpr const char* kPhaseNames[kNumPhases] = {"forward", "backward", "grad_norm", "adamw"};
+
+struct StepResult {
+  std::array<double, kNumPhases> phase_ms{};
+  double total_ms = 0, cpu_ms = 0, loss = 0, norm = 0;
+  float clip_factor = 1;
+};
+
+// Training step `s` (0-based), each phase timed.
+StepResult train_step(int s, tessel::model::Transformer& net, TimedBackend& backend,
+                      const Batch& batch, Adam& adam, float grad_scale) {
+  namespace k = tessel::kernels;
+  float* params = net.params().data<float>();
+  float* grads = net.grads().data<float>();
+  StepResult r;
+  const auto t_step = Clock::now();
+  const double cpu0 = process_cpu_ms();
+  // No zero_grad pass: the gradients start at zero and AdamW zeroes each one as it reads it
+  // (AdamWConfig::zero_grad), as the trainer does.
+  auto t0 = Clock::now();
+  const auto fwd = net.forward_stage(batch.tokens.data(), batch.targets.data(), grad_scale);
+  backend.synchronize();
+  r.phase_ms[kForward] = ms_since(t0);
+
+  t0 = Clock::now();
+  net.backward_stage();
+  backend.synchronize();
+  r.phase_ms[kBackward] = ms_since(t0);
+
+  t0 = Clock::now();
+  r.norm = std::sqrt(backend.sum_of_squares(grads, adam.P));
+  r.clip_factor = k::clip_factor(r.norm, adam.max_norm);
+  backend.synchronize();
+  r.phase_ms[kGradNorm] = ms_since(t0);
+
+  // The clip factor is applied inside AdamW as it reads each gradient (AdamWConfig::
+  // grad_scale): the same multiply as clip_grad_norm_'s, without a pass of its own.
+  t0 = Clock::now();
+  adam.opt.step = s + 1;
+  adam.opt.grad_scale = r.clip_factor;
+  adam.opt.zero_grad = true;
+  for (const auto& view : net.param_views()) {
+    adam.opt.weight_decay = view.weight_decay ? adam.weight_decay : 0.0f;
+    backend.adamw_update(params + view.offset, grads + view.offset, adam.m + view.offset,
+                         adam.v + view.offset, view.numel, adam.opt);
+  }
+  backend.synchronize();
+  r.phase_ms[kAdam] = ms_since(t0);
+  r.total_ms = ms_since(t_step);
+  r.cpu_ms = process_cpu_ms() - cpu0;
+  r.loss = fwd.loss_sum / double(std::max<int64_t>(fwd.valid, 1));
+  return r;
+}
+
+// What the timed steps measured.
+struct StepStats {
+  std::array<std::vector<double>, kNumPhases> phase_ms;
+  std::vector<double> step_ms, cpu_ms, losses, norms;
+  int clipped = 0;
+};
+
+// The warm-up steps, then the timed ones (ops timed only in those). False when the loss stops
+// being finite.
+bool run_steps(const BenchArgs& a, tessel::model::Transformer& net, TimedBackend& backend,
+               const Batch& batch, Adam& adam, StepStats& stats) {
+  const float grad_scale = 1.0f / float(a.B * a.T);
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    const bool timed = s >= a.warmup;
+    backend.enabled = timed;
+    const StepResult r = train_step(s, net, backend, batch, adam, grad_scale);
+    std::fprintf(stderr, "  %s step %2d: %8.1f ms  loss %.4f  grad norm %.3f\n",
+                 timed ? "timed " : "warmup", s, r.total_ms, r.loss, r.norm);
+    if (!std::isfinite(r.loss)) {
+      std::fprintf(stderr, "bench_step: loss became %f at step %d\n", r.loss, s);
+      return false;
     }
-    auto inner = k::make_backend(backend_name);
-    TimedBackend backend(*inner);
-    tessel::model::Transformer net(cfg, backend, B, T);
-    net.init(seed);
-
-    const int N = B * T;
-    std::mt19937 rng{uint32_t(seed)};
-    std::uniform_int_distribution<int32_t> tok(0, cfg.vocab_size - 1);
-    std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
-    for (auto& t : tokens) t = tok(rng);
-    for (auto& t : targets) t = tok(rng);
-
-    // Adam moments: allocated and touched once, like the trainer's.
-    const int64_t P = net.num_params();
-    auto* m = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
-    auto* v = static_cast<float*>(backend.allocate(size_t(P) * sizeof(float)));
-    backend.memset_zero(m, size_t(P) * sizeof(float));
-    backend.memset_zero(v, size_t(P) * sizeof(float));
-    float* params = net.params().data<float>();
-    float* grads = net.grads().data<float>();
-
-    k::AdamWConfig opt;
-    opt.lr = 3e-4f;
-    opt.beta1 = 0.9f;
-    opt.beta2 = 0.95f;
-    opt.eps = 1e-8f;
-    const float weight_decay = 0.1f, max_norm = 1.0f;
-    const float grad_scale = 1.0f / float(N);
-
-    enum Phase { kForward, kBackward, kGradNorm, kAdam, kNumPhases };
-    const char* phase_names[kNumPhases] = {"forward", "backward", "grad_norm", "adamw"};
-    std::array<std::vector<double>, kNumPhases> phase_ms;
-    std::vector<double> step_ms, cpu_ms, losses, norms;
-    int clipped = 0;
-
-    for (int s = 0; s < warmup + steps; ++s) {
-      const bool timed = s >= warmup;
-      backend.enabled = timed;
-      std::array<double, kNumPhases> ph{};
-      const auto t_step = Clock::now();
-      const double cpu0 = process_cpu_ms();
-      // No zero_grad pass: the gradients start at zero and AdamW zeroes each one as it reads it
-      // (AdamWConfig::zero_grad), as the trainer does.
-      auto t0 = Clock::now();
-      const auto r = net.forward_stage(tokens.data(), targets.data(), grad_scale);
-      backend.synchronize();
-      ph[kForward] = ms_since(t0);
-
-      t0 = Clock::now();
-      net.backward_stage();
-      backend.synchronize();
-      ph[kBackward] = ms_since(t0);
-
-      t0 = Clock::now();
-      const double norm = std::sqrt(backend.sum_of_squares(grads, P));
-      const float factor = k::clip_factor(norm, max_norm);
-      backend.synchronize();
-      ph[kGradNorm] = ms_since(t0);
-
-      // The clip factor is applied inside AdamW as it reads each gradient (AdamWConfig::
-      // grad_scale): the same multiply as clip_grad_norm_'s, without a pass of its own.
-      t0 = Clock::now();
-      opt.step = s + 1;
-      opt.grad_scale = factor;
-      opt.zero_grad = true;
-      for (const auto& view : net.param_views()) {
-        opt.weight_decay = view.weight_decay ? weight_decay : 0.0f;
-        backend.adamw_update(params + view.offset, grads + view.offset, m + view.offset,
-                             v + view.offset, view.numel, opt);
-      }
-      backend.synchronize();
-      ph[kAdam] = ms_since(t0);
-      const double total = ms_since(t_step);
-      const double cpu = process_cpu_ms() - cpu0;
-
-      const double loss = r.loss_sum / double(std::max<int64_t>(r.valid, 1));
-      std::fprintf(stderr, "  %s step %2d: %8.1f ms  loss %.4f  grad norm %.3f\n",
-                   timed ? "timed " : "warmup", s, total, loss, norm);
-      if (!std::isfinite(loss)) {
-        std::fprintf(stderr, "bench_step: loss became %f at step %d\n", loss, s);
-        return 1;
-      }
-      if (timed) {
-        step_ms.push_back(total);
-        cpu_ms.push_back(cpu);
-        for (int p = 0; p < kNumPhases; ++p) phase_ms[size_t(p)].push_back(ph[size_t(p)]);
-        losses.push_back(loss);
-        norms.push_back(norm);
-        clipped += factor < 1.0f;
-      }
+    if (timed) {
+      stats.step_ms.push_back(r.total_ms);
+      stats.cpu_ms.push_back(r.cpu_ms);
+      for (int p = 0; p < kNumPhases; ++p)
+        stats.phase_ms[size_t(p)].push_back(r.phase_ms[size_t(p)]);
+      stats.losses.push_back(r.loss);
+      stats.norms.push_back(r.norm);
+      stats.clipped += r.clip_factor < 1.0f;
     }
-    backend.enabled = false;
+  }
+  backend.enabled = false;
+  return true;
+}
 
-    struct rusage ru {};
-    getrusage(RUSAGE_SELF, &ru);
-    const double peak_rss_mb = double(ru.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+double peak_rss_mb() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
 
-    const double flops = step_matmul_flops(cfg, B, T);
-    const double ms_med = median(step_ms);
-    nlohmann::ordered_json out = {
-        {"side", "tessel"},
-        {"model", model},
-        {"backend", backend_name},
-        {"gemm_provider", k::gemm_provider()},
-        {"params", P},
-        {"B", B},
-        {"T", T},
-        {"steps", steps},
-        {"ms_median", ms_med},
-        {"ms_mean", mean(step_ms)},
-        {"ms_min", *std::min_element(step_ms.begin(), step_ms.end())},
-        {"cpu_ms_median", median(cpu_ms)},
-        {"step_gflop", flops / 1e9},
-        {"gflops", flops / (ms_med * 1e6)},
-        {"peak_rss_mb", peak_rss_mb},
-        {"first_loss", losses.front()},
-        {"last_loss", losses.back()},
-        {"clipped_steps", clipped},
-        {"activation_mb", double(net.activation_bytes()) / (1 << 20)},
-    };
-    std::fprintf(stderr,
-                 "tessel %s: median %.1f ms/step, mean %.1f, min %.1f, cpu %.1f; %.1f GFLOP/step "
-                 "-> %.1f GFLOP/s; peak RSS %.0f MB\n",
-                 model.c_str(), ms_med, mean(step_ms), out["ms_min"].get<double>(), median(cpu_ms),
-                 flops / 1e9, flops / (ms_med * 1e6), peak_rss_mb);
-    std::fprintf(stderr, "  phases (median ms):");
-    nlohmann::ordered_json phases;
-    for (int p = 0; p < kNumPhases; ++p) {
-      const double med = median(phase_ms[size_t(p)]);
-      phases[phase_names[p]] = med;
-      std::fprintf(stderr, " %s %.1f", phase_names[p], med);
+// The step summary (JSON, and one line on stderr).
+nlohmann::ordered_json step_summary(const BenchArgs& a, const tessel::model::ModelConfig& cfg,
+                                    const tessel::model::Transformer& net, const StepStats& st) {
+  const double rss_mb = peak_rss_mb();
+  const double flops = step_matmul_flops(cfg, a.B, a.T);
+  const double ms_med = median(st.step_ms);
+  nlohmann::ordered_json out = {
+      {"side", "tessel"},
+      {"model", a.model},
+      {"backend", a.backend_name},
+      {"gemm_provider", tessel::kernels::gemm_provider()},
+      {"params", net.num_params()},
+      {"B", a.B},
+      {"T", a.T},
+      {"steps", a.steps},
+      {"ms_median", ms_med},
+      {"ms_mean", mean(st.step_ms)},
+      {"ms_min", *std::min_element(st.step_ms.begin(), st.step_ms.end())},
+      {"cpu_ms_median", median(st.cpu_ms)},
+      {"step_gflop", flops / 1e9},
+      {"gflops", flops / (ms_med * 1e6)},
+      {"peak_rss_mb", rss_mb},
+      {"first_loss", st.losses.front()},
+      {"last_loss", st.losses.back()},
+      {"clipped_steps", st.clipped},
+      {"activation_mb", double(net.activation_bytes()) / (1 << 20)},
+  };
+  std::fprintf(stderr,
+               "tessel %s: median %.1f ms/step, mean %.1f, min %.1f, cpu %.1f; %.1f GFLOP/step "
+               "-> %.1f GFLOP/s; peak RSS %.0f MB\n",
+               a.model.c_str(), ms_med, mean(st.step_ms), out["ms_min"].get<double>(),
+               median(st.cpu_ms), flops / 1e9, flops / (ms_med * 1e6), rss_mb);
+  return out;
+}
+
+nlohmann::ordered_json phase_report(const StepStats& st) {
+  std::fprintf(stderr, "  phases (median ms):");
+  nlohmann::ordered_json phases;
+  for (int p = 0; p < kNumPhases; ++p) {
+    const double med = median(st.phase_ms[size_t(p)]);
+    phases[kPhaseNames[p]] = med;
+    std::fprintf(stderr, " %s %.1f", kPhaseNames[p], med);
+  }
+  std::fprintf(stderr, "\n");
+  return phases;
+}
+
+// Per-op totals, averaged per timed step, largest first; GEMM rates for the linear ops.
+nlohmann::ordered_json op_report(TimedBackend& backend, int steps, double ms_med) {
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& [op, t] : backend.totals) ops.emplace_back(t.ms / steps, op);
+  std::sort(ops.rbegin(), ops.rend());
+  nlohmann::ordered_json ops_json;
+  std::fprintf(stderr, "  ops (ms per step):\n");
+  for (const auto& [ms, op] : ops) {
+    const double flops = backend.totals[op].flops;
+    ops_json[op] = ms;
+    std::fprintf(stderr, "    %-28s %8.2f  (%4.1f%%)", op.c_str(), ms, 100.0 * ms / ms_med);
+    if (flops > 0) {
+      std::fprintf(stderr, "  %6.1f GFLOP/s", flops / (backend.totals[op].ms * 1e6));
     }
     std::fprintf(stderr, "\n");
-    out["phases_ms"] = phases;
+  }
+  return ops_json;
+}
 
-    // Per-op totals, averaged per timed step, largest first; GEMM rates for the linear ops.
-    std::vector<std::pair<double, std::string>> ops;
-    for (const auto& [op, t] : backend.totals) ops.emplace_back(t.ms / steps, op);
-    std::sort(ops.rbegin(), ops.rend());
-    nlohmann::ordered_json ops_json;
-    std::fprintf(stderr, "  ops (ms per step):\n");
-    for (const auto& [ms, op] : ops) {
-      const double flops = backend.totals[op].flops;
-      ops_json[op] = ms;
-      std::fprintf(stderr, "    %-28s %8.2f  (%4.1f%%)", op.c_str(), ms, 100.0 * ms / ms_med);
-      if (flops > 0) {
-        std::fprintf(stderr, "  %6.1f GFLOP/s", flops / (backend.totals[op].ms * 1e6));
-      }
-      std::fprintf(stderr, "\n");
-    }
-    out["ops_ms"] = ops_json;
+void add_gemm_peak(const tessel::model::ModelConfig& cfg, const BenchArgs& a, double ms_med,
+                   nlohmann::ordered_json& out) {
+  const double flops = step_matmul_flops(cfg, a.B, a.T);
+  const GemmPeak gp = measure_gemm_peak(cfg, a.B * a.T);
+  out["gemm_peak_gflops"] = gp.gflops;
+  out["gemm_peak_provider"] = gp.provider;
+  out["gemm_peak_shape"] = gp.shape;
+  out["gemm_table"] = gp.table;
+  std::fprintf(stderr, "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
+               gp.gflops, gp.provider.c_str(), gp.shape.c_str(),
+               100.0 * flops / (ms_med * 1e6) / gp.gflops);
+}
 
-    if (gemm_peak) {
-      const GemmPeak gp = measure_gemm_peak(cfg, N);
-      out["gemm_peak_gflops"] = gp.gflops;
-      out["gemm_peak_provider"] = gp.provider;
-      out["gemm_peak_shape"] = gp.shape;
-      out["gemm_table"] = gp.table;
-      std::fprintf(stderr,
-                   "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
-                   gp.gflops, gp.provider.c_str(), gp.shape.c_str(),
-                   100.0 * flops / (ms_med * 1e6) / gp.gflops);
-    }
-    backend.deallocate(m);
-    backend.deallocate(v);
-    std::printf("%s\n", out.dump().c_str());
-    std::fflush(stdout);
-    return 0;
+int run(const BenchArgs& a) {
+  namespace k = tessel::kernels;
+  const tessel::model::ModelConfig cfg = bench_config(a.model);
+  if (cfg.family != tessel::model::Family::gpt2) {
+    // step_matmul_flops counts GPT-2 blocks (fused QKV, 2-matrix MLP, tied head).
+    std::fprintf(stderr, "bench_step: '%s' is not a gpt2-family model; pick a gpt2 preset\n",
+                 a.model.c_str());
+    return 2;
+  }
+  auto inner = k::make_backend(a.backend_name);
+  TimedBackend backend(*inner);
+  tessel::model::Transformer net(cfg, backend, a.B, a.T);
+  net.init(a.seed);
+  const Batch batch = random_batch(cfg, a.B * a.T, a.seed);
+  Adam adam = make_adam(backend, net.num_params());
+  StepStats stats;
+  if (!run_steps(a, net, backend, batch, adam, stats)) return 1;
+
+  nlohmann::ordered_json out = step_summary(a, cfg, net, stats);
+  const double ms_med = median(stats.step_ms);
+  out["phases_ms"] = phase_report(stats);
+  out["ops_ms"] = op_report(backend, a.steps, ms_med);
+  if (a.gemm_peak) add_gemm_peak(cfg, a, ms_med, out);
+  backend.deallocate(adam.m);
+  backend.deallocate(adam.v);
+  std::printf("%s\n", out.dump().c_str());
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Times tessel's training step (see bench/README.md)"};
+  BenchArgs args;
+  add_options(app, args);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step: %s\n", e.what());
     return 1;

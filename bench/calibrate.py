@@ -11,7 +11,7 @@ For each layout, side by side:
      measures this machine as N workers of T threads (planner/profiler.h);
   2. `tessel simulate --config <layout.yaml> --profile <that profile> --json` predicts the step
      time of exactly that plan (the config's stage split, schedule, micro-batching and gradient
-     buckets; cli/simulate_command.h);
+     buckets; planner/step_simulation.h);
   3. `tessel train <layout.yaml> [--nproc N]` measures it: the median `step_s` of rank 0's
      metrics over the timed steps (warm-up steps dropped).
 

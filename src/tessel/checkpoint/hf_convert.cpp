@@ -559,64 +559,59 @@ HfExportResult export_hf(const std::string& checkpoint_dir, const std::string& o
   return result;
 }
 
-HfImportResult import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir,
-                         const HfImportOptions& options) {
-  fs::path dir = hf_dir;
-  std::optional<fs::path> single_file;
-  if (fs::is_regular_file(dir)) {
-    single_file = dir;
-    dir = dir.has_parent_path() ? dir.parent_path() : fs::path(".");
-  }
-  TESSEL_CHECK(fs::is_directory(dir), IoError,
-               "'{}' is not a directory holding a Hugging Face model", hf_dir);
-  const fs::path config_path = dir / "config.json";
-  std::optional<json> hf_config;
-  if (fs::exists(config_path)) hf_config = read_json_file(config_path.string());
-  const std::string config_what = fmt::format("'{}'", config_path.string());
+namespace {
 
-  HfImportResult result;
+// The model to import: the given one (which must agree with config.json, when there is one), or
+// config.json's under options.name, its _name_or_path or the folder's name.
+ModelConfig import_model(const fs::path& dir, const std::optional<json>& hf_config,
+                         const std::string& config_what, const HfImportOptions& options) {
   if (options.model) {
-    result.model = *options.model;
-    result.model.validate();
+    ModelConfig model = *options.model;
+    model.validate();
     if (hf_config) {
       // Both describe the model: they must agree on everything but the name.
-      json given = to_json(result.model);
-      json theirs = to_json(config_from_hf(*hf_config, result.model.name, config_what));
+      json given = to_json(model);
+      json theirs = to_json(config_from_hf(*hf_config, model.name, config_what));
       std::vector<std::string> diffs;
       for (const auto& [key, value] : given.items())
         if (key != "name" && theirs.at(key) != value)
           diffs.push_back(fmt::format("{}: {} says {}, model '{}' has {}", key, config_what,
-                                      theirs.at(key).dump(), result.model.name, value.dump()));
+                                      theirs.at(key).dump(), model.name, value.dump()));
       TESSEL_CHECK(diffs.empty(), ConfigError,
                    "the given model and the Hugging Face config disagree ({}); import without a "
                    "model to use config.json, or fix one of them",
                    join_first(diffs, 8));
     }
-  } else {
-    TESSEL_CHECK(hf_config.has_value(), IoError,
-                 "no config.json in '{}': add the model's config.json or name the model (e.g. "
-                 "--model gpt2-124m)",
-                 dir.string());
-    std::string name = options.name;
-    if (name.empty() && hf_config->is_object() && hf_config->contains("_name_or_path") &&
-        hf_config->at("_name_or_path").is_string())
-      name = hf_config->at("_name_or_path").get<std::string>();
-    if (name.empty()) name = fs::absolute(dir).lexically_normal().filename().string();
-    if (name.empty()) name = "hf-model";
-    result.model = config_from_hf(*hf_config, name, config_what);
+    return model;
   }
-  const ModelConfig& cfg = result.model;
-  result.architecture = architecture_of(cfg.family);
+  TESSEL_CHECK(hf_config.has_value(), IoError,
+               "no config.json in '{}': add the model's config.json or name the model (e.g. "
+               "--model gpt2-124m)",
+               dir.string());
+  std::string name = options.name;
+  if (name.empty() && hf_config->is_object() && hf_config->contains("_name_or_path") &&
+      hf_config->at("_name_or_path").is_string())
+    name = hf_config->at("_name_or_path").get<std::string>();
+  if (name.empty()) name = fs::absolute(dir).lexically_normal().filename().string();
+  if (name.empty()) name = "hf-model";
+  return config_from_hf(*hf_config, name, config_what);
+}
 
-  const HfWeights weights = open_weights(dir, single_file);
-  const model::ModelSpec spec = model::ModelSpec::from(cfg);
-  const auto maps = tensor_maps(spec);
+// The HF tensors of the model's parameters, matched by name.
+struct MatchedNames {
+  std::vector<std::string> hf_names;  // per parameter (per TensorMap)
+  size_t ignored = 0;                 // recomputed buffers beside the parameters
+  bool tied_head_present = false;     // an lm_head beside a tied embedding
+};
 
-  // Names first: all missing tensors in one message.
-  std::vector<std::string> hf_names, missing;
+// Names first: all missing tensors in one message, then all unexpected ones.
+MatchedNames match_names(const HfWeights& weights, const std::vector<TensorMap>& maps,
+                         const ModelConfig& cfg) {
+  MatchedNames out;
+  std::vector<std::string> missing;
   for (const auto& m : maps) {
-    hf_names.push_back(find_hf_name(weights, m));
-    if (hf_names.back().empty()) missing.push_back(m.spec->name);
+    out.hf_names.push_back(find_hf_name(weights, m));
+    if (out.hf_names.back().empty()) missing.push_back(m.spec->name);
   }
   const std::string head = model::global_param_name(cfg.family, model::GlobalParam::lm_head);
   std::string hint;
@@ -628,15 +623,14 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
     hint = " (GPT-2 names are accepted with or without the 'transformer.' prefix)";
   TESSEL_CHECK(missing.empty(), ConfigError, "{} lacks {} tensor(s) of {}: {}{}", weights.what,
                missing.size(), describe(cfg), join_first(missing, 5), hint);
-  std::set<std::string> used(hf_names.begin(), hf_names.end());
+  std::set<std::string> used(out.hf_names.begin(), out.hf_names.end());
   std::vector<std::string> unexpected;
-  bool tied_head_present = false;
   for (const auto& [name, file] : weights.where) {
     if (used.contains(name)) continue;
     if (is_ignorable_buffer(name)) {
-      ++result.ignored;
+      ++out.ignored;
     } else if (cfg.tie_embeddings && name == head) {
-      tied_head_present = true;  // checked against the embedding below
+      out.tied_head_present = true;  // checked against the embedding after the conversion
     } else {
       unexpected.push_back(name);
     }
@@ -645,7 +639,12 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
                "{} holds {} tensor(s) that are not parameters of {}: {}; check config.json (or "
                "the model given)",
                weights.what, unexpected.size(), describe(cfg), join_first(unexpected, 5));
+  return out;
+}
 
+// Checks every matched tensor's dtype and shape; returns the dtypes found.
+std::set<DType> check_tensors(const HfWeights& weights, const std::vector<TensorMap>& maps,
+                              const std::vector<std::string>& hf_names, const ModelConfig& cfg) {
   std::set<DType> dtypes;
   for (size_t i = 0; i < maps.size(); ++i) {
     const TensorMap& m = maps[i];
@@ -666,8 +665,13 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
                  e.shape.str(), describe(cfg), m.hf_shape.str(),
                  m.transpose ? " (Conv1D layout [in, out])" : "");
   }
+  return dtypes;
+}
 
-  // Convert: f32, tessel's [out, in], vocabulary padding rows zero.
+// Every parameter in f32, tessel's [out, in], vocabulary padding rows zero.
+std::vector<std::vector<float>> convert_params(const HfWeights& weights,
+                                               const std::vector<TensorMap>& maps,
+                                               const std::vector<std::string>& hf_names) {
   std::vector<std::vector<float>> params(maps.size());
   for (size_t i = 0; i < maps.size(); ++i) {
     const TensorMap& m = maps[i];
@@ -680,29 +684,38 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
       params[i] = std::move(hf);
     }
   }
-  if (tied_head_present) {
-    const std::string wte =
-        model::global_param_name(cfg.family, model::GlobalParam::token_embedding);
-    const size_t e = size_t(spec.index_of(wte));
-    const std::vector<float> lm = read_f32(weights, head);
-    const bool same = lm.size() == size_t(maps[e].hf_numel()) &&
-                      std::memcmp(lm.data(), params[e].data(), lm.size() * sizeof(float)) == 0;
-    TESSEL_CHECK(same, ConfigError,
-                 "{} holds an '{}' that differs from the token embedding '{}' although "
-                 "tie_word_embeddings is true: set \"tie_word_embeddings\": false in config.json "
-                 "to keep it as a separate head",
-                 weights.what, head, hf_names[e]);
-    ++result.ignored;
-  }
-  for (DType t : dtypes)
-    result.source_dtypes += (result.source_dtypes.empty() ? "" : ",") + std::string(dtype_name(t));
+  return params;
+}
 
+// A head saved beside a tied embedding must equal it (it is then dropped).
+void check_tied_head(const HfWeights& weights, const model::ModelSpec& spec,
+                     const std::vector<TensorMap>& maps, const std::vector<std::string>& hf_names,
+                     const std::vector<std::vector<float>>& params) {
+  const ModelConfig& cfg = spec.config();
+  const std::string head = model::global_param_name(cfg.family, model::GlobalParam::lm_head);
+  const std::string wte = model::global_param_name(cfg.family, model::GlobalParam::token_embedding);
+  const size_t e = size_t(spec.index_of(wte));
+  const std::vector<float> lm = read_f32(weights, head);
+  const bool same = lm.size() == size_t(maps[e].hf_numel()) &&
+                    std::memcmp(lm.data(), params[e].data(), lm.size() * sizeof(float)) == 0;
+  TESSEL_CHECK(same, ConfigError,
+               "{} holds an '{}' that differs from the token embedding '{}' although "
+               "tie_word_embeddings is true: set \"tie_word_embeddings\": false in config.json "
+               "to keep it as a separate head",
+               weights.what, head, hf_names[e]);
+}
+
+// Step 0's checkpoint of the converted parameters, with the source in its metadata.
+void write_imported(const std::string& out_checkpoint_dir, const std::string& hf_dir,
+                    const std::optional<json>& hf_config, const HfImportResult& result,
+                    const std::vector<TensorMap>& maps,
+                    const std::vector<std::vector<float>>& params) {
   store::CheckpointWriter writer(out_checkpoint_dir, 0);
   for (size_t i = 0; i < maps.size(); ++i)
     writer.add(maps[i].spec->name, DType::f32, maps[i].spec->shape, Box::of(maps[i].spec->shape),
                params[i].data());
   writer.write_rank_file();
-  json meta = {{"model", to_json(cfg)},
+  json meta = {{"model", to_json(result.model)},
                {"step", 0},
                {"source",
                 {{"format", "huggingface"},
@@ -711,6 +724,43 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
                  {"dtypes", result.source_dtypes}}}};
   if (hf_config) meta["hf_config"] = *hf_config;
   writer.commit(1, meta);
+}
+
+}  // namespace
+
+HfImportResult import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir,
+                         const HfImportOptions& options) {
+  fs::path dir = hf_dir;
+  std::optional<fs::path> single_file;
+  if (fs::is_regular_file(dir)) {
+    single_file = dir;
+    dir = dir.has_parent_path() ? dir.parent_path() : fs::path(".");
+  }
+  TESSEL_CHECK(fs::is_directory(dir), IoError,
+               "'{}' is not a directory holding a Hugging Face model", hf_dir);
+  const fs::path config_path = dir / "config.json";
+  std::optional<json> hf_config;
+  if (fs::exists(config_path)) hf_config = read_json_file(config_path.string());
+
+  HfImportResult result;
+  result.model = import_model(dir, hf_config, fmt::format("'{}'", config_path.string()), options);
+  const ModelConfig& cfg = result.model;
+  result.architecture = architecture_of(cfg.family);
+
+  const HfWeights weights = open_weights(dir, single_file);
+  const model::ModelSpec spec = model::ModelSpec::from(cfg);
+  const auto maps = tensor_maps(spec);
+  const MatchedNames names = match_names(weights, maps, cfg);
+  result.ignored += names.ignored;
+  const std::set<DType> dtypes = check_tensors(weights, maps, names.hf_names, cfg);
+  const std::vector<std::vector<float>> params = convert_params(weights, maps, names.hf_names);
+  if (names.tied_head_present) {
+    check_tied_head(weights, spec, maps, names.hf_names, params);
+    ++result.ignored;
+  }
+  for (DType t : dtypes)
+    result.source_dtypes += (result.source_dtypes.empty() ? "" : ",") + std::string(dtype_name(t));
+  write_imported(out_checkpoint_dir, hf_dir, hf_config, result, maps, params);
   result.tensors = maps.size();
   return result;
 }

@@ -574,13 +574,31 @@ LinearFit fit_latency_bandwidth(const std::vector<double>& x, const std::vector<
   return f;
 }
 
-nlohmann::json profile(const ProfileOptions& opt) {
-  const auto start = Clock::now();
-  ProfileOptions o = opt;
+namespace {
+
+// The options with every default resolved.
+struct ProfileSetup {
+  ProfileOptions o;
+  int seq = 0;
+  int cores = 0;
+  int threads = 0;      // per worker
+  int concurrency = 0;  // compute workers measuring at once
+  double oversubscription = 1;
+  std::vector<int64_t> sizes;     // micro-batch sizes, ascending
+  std::vector<int64_t> messages;  // message bytes
+  void progress(const std::string& line) const {
+    if (o.progress) o.progress(line);
+  }
+};
+
+ProfileSetup resolve(const ProfileOptions& opt) {
+  ProfileSetup s;
+  s.o = opt;
+  const ProfileOptions& o = s.o;
   o.model.validate();
-  const int seq = o.seq > 0 ? o.seq : o.model.max_seq_len;
-  TESSEL_CHECK(seq >= 1 && seq <= o.model.max_seq_len, ConfigError,
-               "profile: sequence length {} is outside model '{}' (1 to max_seq_len {})", seq,
+  s.seq = o.seq > 0 ? o.seq : o.model.max_seq_len;
+  TESSEL_CHECK(s.seq >= 1 && s.seq <= o.model.max_seq_len, ConfigError,
+               "profile: sequence length {} is outside model '{}' (1 to max_seq_len {})", s.seq,
                o.model.name, o.model.max_seq_len);
   TESSEL_CHECK(o.workers >= 1 && o.threads >= 0 && o.repeats >= 1 && o.warmup >= 0 &&
                    o.block_group >= 1 && o.max_micro_batch >= 1,
@@ -588,38 +606,36 @@ nlohmann::json profile(const ProfileOptions& opt) {
                "profile: workers ({}), repeats ({}), block_group ({}) and max micro-batch ({}) "
                "must be >= 1, threads ({}) and warmup ({}) >= 0",
                o.workers, o.repeats, o.block_group, o.max_micro_batch, o.threads, o.warmup);
-  const int cores = usable_cores();
-  const int threads = o.threads > 0 ? o.threads : std::max(1, cores / o.workers);
+  s.cores = usable_cores();
+  s.threads = o.threads > 0 ? o.threads : std::max(1, s.cores / o.workers);
   // More worker threads than cores: the compute is measured in as many workers as the cores hold
   // and scaled by the oversubscription, the share of a core each worker gets while all compute.
-  const int concurrency = std::clamp(cores / threads, 1, o.workers);
-  const double oversubscription = std::max(1.0, double(o.workers) * threads / cores);
-  std::vector<int64_t> sizes =
-      o.micro_batches.empty() ? default_sizes(o.max_micro_batch) : o.micro_batches;
-  std::sort(sizes.begin(), sizes.end());
-  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-  TESSEL_CHECK(sizes.front() >= 1, ConfigError, "profile: micro-batch sizes must be >= 1");
-  std::vector<int64_t> messages =
-      o.message_bytes.empty()
-          ? std::vector<int64_t>{4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20}
-          : o.message_bytes;
-  for (int64_t b : messages)
+  s.concurrency = std::clamp(s.cores / s.threads, 1, o.workers);
+  s.oversubscription = std::max(1.0, double(o.workers) * s.threads / s.cores);
+  s.sizes = o.micro_batches.empty() ? default_sizes(o.max_micro_batch) : o.micro_batches;
+  std::sort(s.sizes.begin(), s.sizes.end());
+  s.sizes.erase(std::unique(s.sizes.begin(), s.sizes.end()), s.sizes.end());
+  TESSEL_CHECK(s.sizes.front() >= 1, ConfigError, "profile: micro-batch sizes must be >= 1");
+  s.messages = o.message_bytes.empty()
+                   ? std::vector<int64_t>{4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20}
+                   : o.message_bytes;
+  for (int64_t b : s.messages)
     TESSEL_CHECK(b >= 4, ConfigError, "profile: message sizes must be >= 4 bytes, got {}", b);
-  auto progress = [&](const std::string& line) {
-    if (o.progress) o.progress(line);
-  };
+  return s;
+}
 
-  ScratchDir scratch;
+// The fields that describe the machine and the run, before anything is measured.
+nlohmann::json profile_header(const ProfileSetup& s) {
   nlohmann::json doc;
   doc["format"] = "tessel-profile";
   doc["version"] = 1;
   doc["name"] = "this-machine";
-  doc["workers"] = o.workers;
-  doc["threads_per_worker"] = threads;
-  doc["cores"] = cores;
-  doc["cpu_oversubscription"] = oversubscription;
-  doc["seq"] = seq;
-  const auto& m = o.model;
+  doc["workers"] = s.o.workers;
+  doc["threads_per_worker"] = s.threads;
+  doc["cores"] = s.cores;
+  doc["cpu_oversubscription"] = s.oversubscription;
+  doc["seq"] = s.seq;
+  const auto& m = s.o.model;
   doc["model"] = {{"name", m.name},
                   {"family", model::family_name(m.family)},
                   {"n_layer", m.n_layer},
@@ -630,146 +646,182 @@ nlohmann::json profile(const ProfileOptions& opt) {
                   {"vocab_size", m.vocab_size},
                   {"max_seq_len", m.max_seq_len}};
   const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
-  doc["memory_bytes"] = int64_t(phys / o.workers);
+  doc["memory_bytes"] = int64_t(phys / s.o.workers);
   doc["reserved_bytes"] = 0;
-  doc["repeats"] = o.repeats;
+  doc["repeats"] = s.o.repeats;
+  return doc;
+}
 
-  // Compute, in all workers at once.
-  {
-    const auto t0 = Clock::now();
-    const fs::path dir = scratch.path() / "compute";
-    fs::create_directories(dir);
-    SharedBarrier barrier(concurrency);
-    const auto outs = run_children(
-        concurrency, o.timeout, fmt::format("the compute measurement ({} workers)", concurrency),
-        dir, [&](int i) {
-          return compute_worker(o, seq, threads, sizes, barrier, i, concurrency,
-                                scratch.path() / "compute-store");
-        });
-    std::vector<nlohmann::json> w;
-    for (const auto& s : outs) w.push_back(nlohmann::json::parse(s));
-    auto med = [&](auto&& get) {
-      std::vector<double> v;
-      for (const auto& j : w) v.push_back(get(j));
-      return median(v);
-    };
-    const double flops = med([](const auto& j) { return j["gemm_flops"].template get<double>(); });
-    doc["flops"] = {{"fp32", flops / oversubscription}};
-    doc["gemm_half_time_s"] =
-        med([](const auto& j) { return j["gemm_half_time_s"].template get<double>(); });
-    const double norm_s =
-        med([](const auto& j) { return j["optimizer"]["grad_norm_s"].template get<double>(); });
-    const double adamw_s =
-        med([](const auto& j) { return j["optimizer"]["adamw_s"].template get<double>(); });
-    const int64_t n = w[0]["optimizer"]["elements"].get<int64_t>();
-    const double per_param = oversubscription * (norm_s + adamw_s) / double(n);
-    doc["optimizer"] = {{"elements", n},
-                        {"grad_norm_s", norm_s},
-                        {"adamw_s", adamw_s},
-                        {"seconds_per_param", per_param}};
-    doc["memory_bandwidth_bytes_per_s"] = 32.0 / per_param;
-    nlohmann::json lt;
-    lt["seq"] = seq;
-    lt["tp"] = 1;
-    lt["threads"] = threads;
-    lt["concurrent_workers"] = concurrency;
-    lt["cpu_oversubscription"] = oversubscription;
-    lt["block_group"] = std::max(1, std::min(o.block_group, m.n_layer));
-    lt["points"] = nlohmann::json::array();
-    for (size_t p = 0; p < sizes.size(); ++p) {
-      nlohmann::json pt;
-      for (const auto& [key, value] : w[0]["points"][p].items()) {
-        if (key == "micro_batch") {
-          pt[key] = value;
-          continue;
-        }
-        const double v =
-            med([&](const auto& j) { return j["points"][p][key].template get<double>(); });
-        pt[key] = key.ends_with("_s") ? v * oversubscription : v;
+// The median over the compute workers' reports of get(report).
+template <typename Get>
+double median_over(const std::vector<nlohmann::json>& reports, Get&& get) {
+  std::vector<double> v;
+  for (const auto& j : reports) v.push_back(get(j));
+  return median(v);
+}
+
+// The layer_times section from the compute workers' reports: medians over the workers, times
+// scaled to all workers computing at once.
+nlohmann::json layer_times(const ProfileSetup& s, const std::vector<nlohmann::json>& w) {
+  nlohmann::json lt;
+  lt["seq"] = s.seq;
+  lt["tp"] = 1;
+  lt["threads"] = s.threads;
+  lt["concurrent_workers"] = s.concurrency;
+  lt["cpu_oversubscription"] = s.oversubscription;
+  lt["block_group"] = std::max(1, std::min(s.o.block_group, s.o.model.n_layer));
+  lt["points"] = nlohmann::json::array();
+  for (size_t p = 0; p < s.sizes.size(); ++p) {
+    nlohmann::json pt;
+    for (const auto& [key, value] : w[0]["points"][p].items()) {
+      if (key == "micro_batch") {
+        pt[key] = value;
+        continue;
       }
-      lt["points"].push_back(pt);
+      const double v =
+          median_over(w, [&](const auto& j) { return j["points"][p][key].template get<double>(); });
+      pt[key] = key.ends_with("_s") ? v * s.oversubscription : v;
     }
-    doc["layer_times"] = lt;
-    double rss = 0;
-    for (const auto& j : w) rss = std::max(rss, j["peak_rss_bytes"].get<double>());
-    doc["peak_rss_bytes"] = int64_t(rss);
-    progress(fmt::format(
-        "compute: {} micro-batch sizes on {} worker(s) x {} thread(s) at once{} "
-        "in {:.1f} s",
-        sizes.size(), concurrency, threads,
-        oversubscription > 1 ? fmt::format(", times x {:.2f} for {} workers on {} cores",
-                                           oversubscription, o.workers, cores)
+    lt["points"].push_back(pt);
+  }
+  return lt;
+}
+
+// Compute, in all workers at once: the GEMM rate, the optimizer phase, the layer times and the
+// peak resident set.
+void measure_compute(const ProfileSetup& s, const ScratchDir& scratch, nlohmann::json& doc) {
+  const auto t0 = Clock::now();
+  const fs::path dir = scratch.path() / "compute";
+  fs::create_directories(dir);
+  SharedBarrier barrier(s.concurrency);
+  const auto outs = run_children(
+      s.concurrency, s.o.timeout,
+      fmt::format("the compute measurement ({} workers)", s.concurrency), dir, [&](int i) {
+        return compute_worker(s.o, s.seq, s.threads, s.sizes, barrier, i, s.concurrency,
+                              scratch.path() / "compute-store");
+      });
+  std::vector<nlohmann::json> w;
+  for (const auto& out : outs) w.push_back(nlohmann::json::parse(out));
+  const double flops =
+      median_over(w, [](const auto& j) { return j["gemm_flops"].template get<double>(); });
+  doc["flops"] = {{"fp32", flops / s.oversubscription}};
+  doc["gemm_half_time_s"] =
+      median_over(w, [](const auto& j) { return j["gemm_half_time_s"].template get<double>(); });
+  const double norm_s = median_over(
+      w, [](const auto& j) { return j["optimizer"]["grad_norm_s"].template get<double>(); });
+  const double adamw_s = median_over(
+      w, [](const auto& j) { return j["optimizer"]["adamw_s"].template get<double>(); });
+  const int64_t n = w[0]["optimizer"]["elements"].get<int64_t>();
+  const double per_param = s.oversubscription * (norm_s + adamw_s) / double(n);
+  doc["optimizer"] = {{"elements", n},
+                      {"grad_norm_s", norm_s},
+                      {"adamw_s", adamw_s},
+                      {"seconds_per_param", per_param}};
+  doc["memory_bandwidth_bytes_per_s"] = 32.0 / per_param;
+  doc["layer_times"] = layer_times(s, w);
+  double rss = 0;
+  for (const auto& j : w) rss = std::max(rss, j["peak_rss_bytes"].get<double>());
+  doc["peak_rss_bytes"] = int64_t(rss);
+  s.progress(fmt::format(
+      "compute: {} micro-batch sizes on {} worker(s) x {} thread(s) at once{} "
+      "in {:.1f} s",
+      s.sizes.size(), s.concurrency, s.threads,
+      s.oversubscription > 1 ? fmt::format(", times x {:.2f} for {} workers on {} cores",
+                                           s.oversubscription, s.o.workers, s.cores)
                              : "",
-        seconds_since(t0)));
-  }
+      seconds_since(t0)));
+}
 
-  // Communication, per group size g: as many groups of g at once as the workers form (the dp or
-  // tp groups of a layout communicate at the same time), group 0's times.
-  if (o.measure_comm) {
-    const fs::path store = scratch.path() / "store";
-    std::vector<double> all_x, all_t;
-    doc["all_reduce"]["by_group"] = nlohmann::json::array();
-    doc["tp_layer_times"] = nlohmann::json::array();
-    for (int g = 2; g <= std::max(2, o.workers); ++g) {
-      const auto t0 = Clock::now();
-      const fs::path dir = scratch.path() / fmt::format("comm-{}", g);
-      fs::create_directories(dir);
-      const int procs = o.workers % g == 0 ? o.workers : g;
-      const auto outs = run_children(
-          procs, o.timeout,
-          fmt::format("the communication measurement ({} group(s) of {})", procs / g, g), dir,
-          [&](int i) {
-            return comm_worker(o, store, messages, g, i / g, i % g, threads, seq, sizes);
-          });
-      const auto r0 = nlohmann::json::parse(outs[0]);
-      if (g == 2) {
-        std::vector<double> x, t;
-        for (const auto& p : r0["p2p"]) {
-          x.push_back(p["bytes"].get<double>());
-          t.push_back(p["seconds"].get<double>());
-        }
-        const LinearFit f = fit_latency_bandwidth(x, t);
-        doc["p2p"] = {{"bandwidth_bytes_per_s", f.bandwidth},
-                      {"latency_s", f.latency},
-                      {"points", points_json(x, t)}};
-      }
-      std::vector<double> bytes, x, t;
-      const double factor = 2.0 * (g - 1) / g;
-      for (const auto& p : r0["all_reduce"]) {
-        bytes.push_back(p["bytes"].get<double>());
-        x.push_back(factor * p["bytes"].get<double>());
-        t.push_back(p["seconds"].get<double>());
-      }
-      all_x.insert(all_x.end(), x.begin(), x.end());
-      all_t.insert(all_t.end(), t.begin(), t.end());
-      const LinearFit f = fit_latency_bandwidth(x, t);
-      doc["all_reduce"]["by_group"].push_back({{"ranks", g},
-                                               {"bus_bandwidth_bytes_per_s", f.bandwidth},
-                                               {"latency_s", f.latency},
-                                               {"concurrent_groups", procs / g},
-                                               {"points", points_json(bytes, t)}});
-      if (r0.contains("tp_points")) {
-        // Measured with procs workers at once: scaled like layer_times to all workers busy.
-        const double over = oversubscription / std::max(1.0, double(procs) * threads / cores);
-        nlohmann::json points = nlohmann::json::array();
-        for (auto pt : r0["tp_points"]) {
-          for (auto& [key, value] : pt.items())
-            if (key.ends_with("_s")) value = value.get<double>() * over;
-          points.push_back(pt);
-        }
-        doc["tp_layer_times"].push_back({{"seq", seq},
-                                         {"tp", g},
-                                         {"concurrent_groups", procs / g},
-                                         {"cpu_oversubscription", oversubscription},
-                                         {"points", points}});
-      }
-      progress(fmt::format("communication: {} group(s) of {} processes in {:.1f} s", procs / g, g,
-                           seconds_since(t0)));
-    }
-    const LinearFit f = fit_latency_bandwidth(all_x, all_t);
-    doc["all_reduce"]["bus_bandwidth_bytes_per_s"] = f.bandwidth;
-    doc["all_reduce"]["latency_s"] = f.latency;
+// The p2p section from group 0's ping-pong times (groups of 2).
+nlohmann::json p2p_section(const nlohmann::json& r0) {
+  std::vector<double> x, t;
+  for (const auto& p : r0["p2p"]) {
+    x.push_back(p["bytes"].get<double>());
+    t.push_back(p["seconds"].get<double>());
   }
+  const LinearFit f = fit_latency_bandwidth(x, t);
+  return {{"bandwidth_bytes_per_s", f.bandwidth},
+          {"latency_s", f.latency},
+          {"points", points_json(x, t)}};
+}
+
+// The tp_layer_times entry of groups of g measured with procs workers at once: scaled like
+// layer_times to all workers busy.
+nlohmann::json tp_layer_times(const ProfileSetup& s, int g, int procs, const nlohmann::json& r0) {
+  const double over = s.oversubscription / std::max(1.0, double(procs) * s.threads / s.cores);
+  nlohmann::json points = nlohmann::json::array();
+  for (auto pt : r0["tp_points"]) {
+    for (auto& [key, value] : pt.items())
+      if (key.ends_with("_s")) value = value.get<double>() * over;
+    points.push_back(pt);
+  }
+  return {{"seq", s.seq},
+          {"tp", g},
+          {"concurrent_groups", procs / g},
+          {"cpu_oversubscription", s.oversubscription},
+          {"points", points}};
+}
+
+// One communication group size g: as many groups of g at once as the workers form (the dp or tp
+// groups of a layout communicate at the same time), group 0's times. Adds the all-reduce points
+// (x: the bytes a ring moves, t: seconds) to all_x and all_t for the fit over every group size.
+void measure_comm_group(const ProfileSetup& s, const ScratchDir& scratch, int g,
+                        nlohmann::json& doc, std::vector<double>& all_x,
+                        std::vector<double>& all_t) {
+  const auto t0 = Clock::now();
+  const fs::path store = scratch.path() / "store";
+  const fs::path dir = scratch.path() / fmt::format("comm-{}", g);
+  fs::create_directories(dir);
+  const int procs = s.o.workers % g == 0 ? s.o.workers : g;
+  const auto outs = run_children(
+      procs, s.o.timeout,
+      fmt::format("the communication measurement ({} group(s) of {})", procs / g, g), dir,
+      [&](int i) {
+        return comm_worker(s.o, store, s.messages, g, i / g, i % g, s.threads, s.seq, s.sizes);
+      });
+  const auto r0 = nlohmann::json::parse(outs[0]);
+  if (g == 2) doc["p2p"] = p2p_section(r0);
+  std::vector<double> bytes, x, t;
+  const double factor = 2.0 * (g - 1) / g;
+  for (const auto& p : r0["all_reduce"]) {
+    bytes.push_back(p["bytes"].get<double>());
+    x.push_back(factor * p["bytes"].get<double>());
+    t.push_back(p["seconds"].get<double>());
+  }
+  all_x.insert(all_x.end(), x.begin(), x.end());
+  all_t.insert(all_t.end(), t.begin(), t.end());
+  const LinearFit f = fit_latency_bandwidth(x, t);
+  doc["all_reduce"]["by_group"].push_back({{"ranks", g},
+                                           {"bus_bandwidth_bytes_per_s", f.bandwidth},
+                                           {"latency_s", f.latency},
+                                           {"concurrent_groups", procs / g},
+                                           {"points", points_json(bytes, t)}});
+  if (r0.contains("tp_points")) doc["tp_layer_times"].push_back(tp_layer_times(s, g, procs, r0));
+  s.progress(fmt::format("communication: {} group(s) of {} processes in {:.1f} s", procs / g, g,
+                         seconds_since(t0)));
+}
+
+// Communication, per group size g in 2..max(2, workers), and the all-reduce fit over all of them.
+void measure_comm(const ProfileSetup& s, const ScratchDir& scratch, nlohmann::json& doc) {
+  std::vector<double> all_x, all_t;
+  doc["all_reduce"]["by_group"] = nlohmann::json::array();
+  doc["tp_layer_times"] = nlohmann::json::array();
+  for (int g = 2; g <= std::max(2, s.o.workers); ++g)
+    measure_comm_group(s, scratch, g, doc, all_x, all_t);
+  const LinearFit f = fit_latency_bandwidth(all_x, all_t);
+  doc["all_reduce"]["bus_bandwidth_bytes_per_s"] = f.bandwidth;
+  doc["all_reduce"]["latency_s"] = f.latency;
+}
+
+}  // namespace
+
+nlohmann::json profile(const ProfileOptions& opt) {
+  const auto start = Clock::now();
+  const ProfileSetup s = resolve(opt);
+  ScratchDir scratch;
+  nlohmann::json doc = profile_header(s);
+  measure_compute(s, scratch, doc);
+  if (s.o.measure_comm) measure_comm(s, scratch, doc);
   doc["seconds"] = seconds_since(start);
   return doc;
 }

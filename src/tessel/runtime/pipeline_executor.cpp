@@ -5,7 +5,7 @@
 
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
-#include "tessel/schedule/generators.h"
+#include "tessel/schedule/named.h"
 
 namespace tessel::runtime {
 
@@ -21,19 +21,8 @@ uint32_t message_tag(int micro_batch, int sender_vs, int num_vs, Kind kind) {
 }  // namespace
 
 std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
-  schedule::Schedule s;
-  const int M = int(plan.micro_batches);
-  switch (plan.schedule) {
-    case layout::ScheduleKind::gpipe:
-      s = schedule::gpipe(plan.pp, M);
-      break;
-    case layout::ScheduleKind::one_f_one_b:
-      s = schedule::one_f_one_b(plan.pp, M);
-      break;
-    case layout::ScheduleKind::interleaved_one_f_one_b:
-      s = schedule::interleaved_one_f_one_b(plan.pp, M, plan.virtual_stages);
-      break;
-  }
+  const schedule::Schedule s = schedule::make_schedule(
+      layout::schedule_name(plan.schedule), plan.pp, int(plan.micro_batches), plan.virtual_stages);
   return s.per_stage[size_t(pp)];
 }
 

@@ -10,6 +10,7 @@
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/model/tp_shard.h"
+#include "tessel/tensor/box_copy.h"
 
 namespace tessel::checkpoint {
 
@@ -75,7 +76,8 @@ void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& 
   int64_t at = 0;
   for (const auto* piece : mine) {
     const auto& b = buffers.at(size_t(piece->buffer));
-    layout::gather(b.data(), piece->region(), packed.data() + at);
+    gather(b, piece->region(),
+           std::span(packed).subspan(size_t(at), size_t(piece->global.volume())));
     const auto& p = spec[size_t(piece->tensor)];
     writer.add(layout::state_name(p.name, piece->kind), DType::f32, p.shape, piece->global,
                packed.data() + at);

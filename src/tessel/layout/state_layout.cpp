@@ -1,111 +1,15 @@
 #include "tessel/layout/state_layout.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <utility>
 
 #include "tessel/core/check.h"
 #include "tessel/layout/zero_split.h"
 #include "tessel/model/tp_shard.h"
+#include "tessel/tensor/box_copy.h"
 
 namespace tessel::layout {
-
-int64_t StridedRegion::numel() const {
-  int64_t n = 1;
-  for (int64_t e : extents) n *= std::max<int64_t>(e, 0);
-  return n;
-}
-
-int64_t StridedRegion::end() const {
-  if (numel() == 0) return offset;
-  int64_t last = offset;
-  for (size_t d = 0; d < extents.size(); ++d) last += (extents[d] - 1) * strides[d];
-  return last + 1;
-}
-
-namespace {
-
-// Calls row(offset, index_of_first_packed_element) for every innermost row of the region; rows
-// are extents.back() long (one element for rank 0).
-template <typename F>
-void for_each_row(const StridedRegion& r, F&& row) {
-  const size_t rank = r.extents.size();
-  if (r.numel() == 0) return;
-  if (rank <= 1) {
-    row(r.offset, int64_t(0));
-    return;
-  }
-  const int64_t len = r.extents[rank - 1];
-  std::vector<int64_t> idx(rank - 1, 0);
-  int64_t packed = 0;
-  for (;;) {
-    int64_t off = r.offset;
-    for (size_t d = 0; d + 1 < rank; ++d) off += idx[d] * r.strides[d];
-    row(off, packed);
-    packed += len;
-    size_t d = rank - 1;
-    while (d > 0) {
-      --d;
-      if (++idx[d] < r.extents[d]) break;
-      idx[d] = 0;
-      if (d == 0) return;
-    }
-  }
-}
-
-}  // namespace
-
-void gather(const float* buffer, const StridedRegion& r, float* packed) {
-  const int64_t len = r.extents.empty() ? 1 : r.extents.back();
-  const int64_t step = r.extents.empty() ? 1 : r.strides.back();
-  for_each_row(r, [&](int64_t off, int64_t at) {
-    if (step == 1) {
-      std::memcpy(packed + at, buffer + off, size_t(len) * sizeof(float));
-    } else {
-      for (int64_t i = 0; i < len; ++i) packed[at + i] = buffer[off + i * step];
-    }
-  });
-}
-
-void scatter(const float* packed, const StridedRegion& r, float* buffer) {
-  const int64_t len = r.extents.empty() ? 1 : r.extents.back();
-  const int64_t step = r.extents.empty() ? 1 : r.strides.back();
-  for_each_row(r, [&](int64_t off, int64_t at) {
-    if (step == 1) {
-      std::memcpy(buffer + off, packed + at, size_t(len) * sizeof(float));
-    } else {
-      for (int64_t i = 0; i < len; ++i) buffer[off + i * step] = packed[at + i];
-    }
-  });
-}
-
-void copy_region(const float* src, const StridedRegion& from, float* dst, const StridedRegion& to) {
-  TESSEL_CHECK(from.extents == to.extents, InvalidArgumentError,
-               "copy_region: regions of different extents ({} and {} dimensions, {} and {} "
-               "elements)",
-               from.extents.size(), to.extents.size(), from.numel(), to.numel());
-  const size_t rank = from.extents.size();
-  const int64_t len = rank == 0 ? 1 : from.extents.back();
-  const int64_t s_step = rank == 0 ? 1 : from.strides.back();
-  const int64_t d_step = rank == 0 ? 1 : to.strides.back();
-  for_each_row(from, [&](int64_t s_off, int64_t at) {
-    // The destination row with the same multi-index: decode it from the packed position.
-    int64_t d_off = to.offset;
-    if (rank >= 2) {
-      int64_t rest = at / len;
-      for (size_t d = rank - 1; d-- > 0;) {
-        d_off += (rest % to.extents[d]) * to.strides[d];
-        rest /= to.extents[d];
-      }
-    }
-    if (s_step == 1 && d_step == 1) {
-      std::memcpy(dst + d_off, src + s_off, size_t(len) * sizeof(float));
-    } else {
-      for (int64_t i = 0; i < len; ++i) dst[d_off + i * d_step] = src[s_off + i * s_step];
-    }
-  });
-}
 
 namespace {
 
@@ -386,7 +290,7 @@ void StateLayout::fill(int rank, const BoxSource& source,
   for (const StatePiece& p : pieces(rank)) {
     packed.resize(size_t(p.global.volume()));
     source(spec_[size_t(p.tensor)], p.kind, p.global, packed.data());
-    scatter(packed.data(), p.region(), buffers[size_t(p.buffer)].data());
+    scatter(std::span<const float>(packed), p.region(), buffers[size_t(p.buffer)]);
   }
 }
 

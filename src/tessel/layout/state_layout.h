@@ -43,30 +43,9 @@
 #include "tessel/model/model_spec.h"
 #include "tessel/tensor/box.h"
 #include "tessel/tensor/shape.h"
+#include "tessel/tensor/strided_region.h"
 
 namespace tessel::layout {
-
-// A box-shaped set of elements of a flat buffer: the element with multi-index i (0 <= i < extents)
-// is at offset + sum_d i[d] * strides[d]. The last stride of the regions made here is 1.
-struct StridedRegion {
-  int64_t offset = 0;
-  std::vector<int64_t> strides;
-  std::vector<int64_t> extents;
-
-  int64_t numel() const;
-  // Flat index of the last element + 1 (offset for an empty region): the buffer must be at
-  // least this long.
-  int64_t end() const;
-  bool operator==(const StridedRegion&) const = default;
-};
-
-// Copies the region's elements out of `buffer` into `packed` (row-major, numel() floats), and
-// back. No bounds checks: callers check region.end() against the buffer size.
-void gather(const float* buffer, const StridedRegion& region, float* packed);
-void scatter(const float* packed, const StridedRegion& region, float* buffer);
-// Copies region `from` of `src` to region `to` of `dst` (equal extents, else
-// InvalidArgumentError), element by element in packed order, without staging.
-void copy_region(const float* src, const StridedRegion& from, float* dst, const StridedRegion& to);
 
 // The elements [begin, end) in row-major flat order of an array of `shape`, as disjoint boxes in
 // flat order: per dimension a partial leading block, a run of whole slices, a partial trailing
@@ -101,7 +80,8 @@ struct StatePiece {
   int64_t offset = 0;            // flat index in the buffer of the element global.lo()
   std::vector<int64_t> strides;  // buffer strides along the box's dimensions
 
-  // Where the sub-box `sub` (contained in `global`) lies in the buffer.
+  // Where the sub-box `sub` (contained in `global`) lies in the buffer (tensor/box_copy.h copies
+  // it).
   StridedRegion region(const Box& sub) const;
   StridedRegion region() const { return region(global); }
   bool operator==(const StatePiece&) const = default;

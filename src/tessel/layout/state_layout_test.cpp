@@ -17,6 +17,7 @@
 #include "tessel/model/tp_group.h"
 #include "tessel/model/tp_shard.h"
 #include "tessel/model/transformer.h"
+#include "tessel/tensor/region_test_util.h"
 
 namespace tessel::layout {
 namespace {
@@ -26,24 +27,8 @@ using ::testing::HasSubstr;
 
 using test_util::make_plan;
 
+using tessel::test_util::region_offsets;
 using test_util::llama_mqa;
-
-// Row-major flat indices of a region's elements, in packed order.
-std::vector<int64_t> flat_indices(const StridedRegion& r) {
-  std::vector<int64_t> out;
-  const int64_t n = r.numel();
-  std::vector<int64_t> idx(r.extents.size(), 0);
-  for (int64_t k = 0; k < n; ++k) {
-    int64_t off = r.offset;
-    for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * r.strides[d];
-    out.push_back(off);
-    for (size_t d = idx.size(); d-- > 0;) {
-      if (++idx[d] < r.extents[d]) break;
-      idx[d] = 0;
-    }
-  }
-  return out;
-}
 
 int64_t flat_of(const Shape& s, const std::vector<int64_t>& point) {
   int64_t f = 0;
@@ -58,7 +43,7 @@ std::vector<int64_t> box_indices(const Shape& shape, const Box& box) {
   r.offset = flat_of(shape, box.lo());
   r.strides = shape.strides();
   for (size_t d = 0; d < box.rank(); ++d) r.extents.push_back(box.extent(d));
-  return flat_indices(r);
+  return region_offsets(r);
 }
 
 TEST(FlatRangeBoxes, TileExactlyTheRangeInFlatOrder) {
@@ -89,44 +74,6 @@ TEST(FlatRangeBoxes, TileExactlyTheRangeInFlatOrder) {
   EXPECT_EQ(flat_range_boxes(Shape{4, 4}, 3, 13),
             (std::vector<Box>{Box({0, 3}, {1, 4}), Box({1, 0}, {3, 4}), Box({3, 0}, {3 + 1, 1})}));
   EXPECT_THROW(flat_range_boxes(Shape{4, 4}, 3, 17), InvalidArgumentError);
-}
-
-TEST(StridedRegion, GatherScatterRoundTrip) {
-  std::vector<float> buf(80);
-  std::iota(buf.begin(), buf.end(), 0.0f);
-  StridedRegion r{7, {12, 1}, {3, 4}};  // rows 0..2, columns 7..10 of a [5, 12] array
-  EXPECT_EQ(r.numel(), 12);
-  EXPECT_EQ(r.end(), 7 + 2 * 12 + 3 + 1);
-  std::vector<float> packed(12);
-  gather(buf.data(), r, packed.data());
-  EXPECT_EQ(packed[0], 7.0f);
-  EXPECT_EQ(packed[4], 19.0f);
-  EXPECT_EQ(packed[11], 34.0f);
-  std::vector<float> out(80, -1.0f);
-  scatter(packed.data(), r, out.data());
-  for (int64_t f : flat_indices(r)) EXPECT_EQ(out[size_t(f)], buf[size_t(f)]);
-  EXPECT_EQ(std::count(out.begin(), out.end(), -1.0f), 80 - 12);
-  StridedRegion col{3, {12, 4}, {2, 3}};  // non-unit innermost stride
-  std::vector<float> p2(6);
-  gather(buf.data(), col, p2.data());
-  EXPECT_EQ(p2, (std::vector<float>{3, 7, 11, 15, 19, 23}));
-
-  // copy_region == gather then scatter, for regions of rank 0 to 3 and any strides.
-  const std::vector<std::pair<StridedRegion, StridedRegion>> pairs = {
-      {{5, {}, {}}, {9, {}, {}}},
-      {{2, {1}, {7}}, {40, {1}, {7}}},
-      {{7, {12, 1}, {3, 4}}, {1, {5, 1}, {3, 4}}},
-      {{3, {12, 4}, {2, 3}}, {0, {1, 2}, {2, 3}}},
-      {{0, {20, 5, 1}, {2, 3, 4}}, {30, {12, 4, 1}, {2, 3, 4}}},
-  };
-  for (const auto& [from, to] : pairs) {
-    std::vector<float> want(80, -1.0f), got(80, -1.0f), staged(size_t(from.numel()));
-    gather(buf.data(), from, staged.data());
-    scatter(staged.data(), to, want.data());
-    copy_region(buf.data(), from, got.data(), to);
-    EXPECT_EQ(got, want) << to.offset;
-  }
-  EXPECT_THROW(copy_region(buf.data(), r, out.data(), col), InvalidArgumentError);
 }
 
 TEST(TrainingState, KindNamesAndScalarBlob) {
@@ -182,7 +129,7 @@ void check_tiling(const StateLayout& L) {
       last_offset = p.offset;
       const auto region = p.region();
       ASSERT_LE(region.end(), bufs[size_t(p.buffer)].numel);
-      for (int64_t f : flat_indices(region)) ++cover[size_t(p.buffer)][size_t(f)];
+      for (int64_t f : region_offsets(region)) ++cover[size_t(p.buffer)][size_t(f)];
       auto& c = count[size_t(p.tensor) * 4 + size_t(p.kind)];
       for (int64_t f : box_indices(L.spec()[size_t(p.tensor)].shape, p.global)) ++c[size_t(f)];
     }

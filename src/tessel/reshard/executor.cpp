@@ -9,6 +9,8 @@
 #include <memory>
 
 #include "tessel/core/check.h"
+#include "tessel/tensor/box_copy.h"
+#include "tessel/tensor/region_runs.h"
 
 namespace tessel::reshard {
 
@@ -24,17 +26,6 @@ namespace {
 // Transfers at least this large (16 KiB) and contiguous on both sides are sent without staging
 // (the tiny test models have tensors on both sides of it, so tests run both paths).
 constexpr int64_t kDirectMinFloats = 4096;
-
-// Whether the region's elements are one run of consecutive floats.
-bool contiguous(const layout::StridedRegion& r) {
-  int64_t expect = 1;
-  for (size_t d = r.extents.size(); d-- > 0;) {
-    if (r.extents[d] == 1) continue;
-    if (r.strides[d] != expect) return false;
-    expect *= r.extents[d];
-  }
-  return true;
-}
 
 // The region must lie inside a buffer of `size` floats.
 void check_region(const StridedRegion& r, size_t size, const char* side, int rank, int buffer) {
@@ -82,7 +73,7 @@ void run_local(const TransferPlan& plan, int process,
     const auto& dst = new_buffers[size_t(tr.dst_buffer)];
     check_region(tr.src, src.size(), "old", tr.src_rank, tr.src_buffer);
     check_region(tr.dst, dst.size(), "new", tr.dst_rank, tr.dst_buffer);
-    layout::copy_region(src.data(), tr.src, dst.data(), tr.dst);
+    copy_region(src, tr.src, dst, tr.dst);
   }
 }
 
@@ -92,35 +83,6 @@ struct DirectPeers {
   std::vector<int64_t> pid;                  // by union rank
   std::vector<std::vector<uint64_t>> bases;  // by union rank: its old buffers' addresses
 };
-
-// Calls f(src_offset, dst_offset, n) for runs of n floats consecutive in both regions, in packed
-// order.
-template <typename F>
-void for_each_run(const StridedRegion& src, const StridedRegion& dst, F&& f) {
-  const int64_t total = src.numel();
-  if (total == 0) return;
-  if (contiguous(src) && contiguous(dst)) {
-    f(src.offset, dst.offset, total);
-    return;
-  }
-  const size_t D = src.extents.size();
-  const bool inner = src.strides[D - 1] == 1 && dst.strides[D - 1] == 1;
-  const int64_t run = inner ? src.extents[D - 1] : 1;
-  std::vector<int64_t> idx(D, 0);
-  for (int64_t done = 0; done < total; done += run) {
-    int64_t so = src.offset, dof = dst.offset;
-    for (size_t d = 0; d < D; ++d) {
-      so += idx[d] * src.strides[d];
-      dof += idx[d] * dst.strides[d];
-    }
-    f(so, dof, run);
-    // Next index: the innermost dimension is covered by the run when `inner`.
-    for (size_t d = inner ? D - 1 : D; d-- > 0;) {
-      if (++idx[d] < src.extents[d]) break;
-      idx[d] = 0;
-    }
-  }
-}
 
 // Consumes `bytes` from the front of v[i..]: the first segments shrink, emptied ones are skipped.
 void advance(std::vector<iovec>& v, size_t& i, size_t bytes) {
@@ -227,7 +189,7 @@ void pack_message(const TransferPlan& plan, const Message& m,
     const Transfer& tr = plan.transfers()[size_t(t)];
     const auto& buf = old_buffers.at(size_t(tr.src_buffer));
     check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
-    layout::gather(buf.data(), tr.src, out);
+    gather(buf, tr.src, std::span(out, size_t(tr.numel())));
     out += tr.numel();
   }
 }
@@ -238,7 +200,7 @@ void unpack_message(const TransferPlan& plan, const Message& m, const float* in,
     const Transfer& tr = plan.transfers()[size_t(t)];
     const auto& buf = new_buffers.at(size_t(tr.dst_buffer));
     check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
-    layout::scatter(in, tr.dst, buf.data());
+    scatter(std::span(in, size_t(tr.numel())), tr.dst, buf);
     in += tr.numel();
   }
 }
@@ -276,7 +238,7 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
   // the packed part (when it is not empty), then each direct transfer; messages of one peer pair
   // match in posting order.
   auto direct = [&](const Transfer& tr) {
-    return tr.numel() >= kDirectMinFloats && contiguous(tr.src) && contiguous(tr.dst);
+    return tr.numel() >= kDirectMinFloats && tr.src.contiguous() && tr.dst.contiguous();
   };
   auto packed_numel = [&](const Message& m) {
     int64_t n = 0;
@@ -330,7 +292,7 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
         if (direct(tr)) continue;
         const auto& buf = buffers.old_buffers.at(size_t(tr.src_buffer));
         check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
-        layout::gather(buf.data(), tr.src, out);
+        gather(buf, tr.src, std::span(out, size_t(tr.numel())));
         out += tr.numel();
       }
       sends.push_back(
@@ -365,7 +327,7 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
       if (direct(tr)) continue;
       const auto& buf = buffers.new_buffers.at(size_t(tr.dst_buffer));
       check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
-      layout::scatter(in, tr.dst, buf.data());
+      scatter(std::span(in, size_t(tr.numel())), tr.dst, buf);
       in += tr.numel();
     }
   }

@@ -17,6 +17,7 @@
 
 #include "tessel/layout/state_layout.h"
 #include "tessel/model/init.h"
+#include "tessel/tensor/region_test_util.h"
 
 namespace tessel::reshard::testing {
 
@@ -55,21 +56,7 @@ void for_each_in_box(const Shape& shape, const Box& box, F&& f) {
 }
 
 // Flat buffer indices of a region's elements, in packed order.
-inline std::vector<int64_t> region_indices(const layout::StridedRegion& r) {
-  std::vector<int64_t> out;
-  out.reserve(size_t(r.numel()));
-  std::vector<int64_t> idx(r.extents.size(), 0);
-  for (int64_t k = 0; k < r.numel(); ++k) {
-    int64_t off = r.offset;
-    for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * r.strides[d];
-    out.push_back(off);
-    for (size_t d = idx.size(); d-- > 0;) {
-      if (++idx[d] < r.extents[d]) break;
-      idx[d] = 0;
-    }
-  }
-  return out;
-}
+using tessel::test_util::region_offsets;
 
 class StateUniverse {
  public:

@@ -38,11 +38,11 @@
 #include <vector>
 
 #include "tessel/layout/state_layout.h"
+#include "tessel/tensor/strided_region.h"
 
 namespace tessel::reshard {
 
 using layout::StateKind;
-using layout::StridedRegion;
 
 // One box of one tensor's state, copied from an old buffer to a new one.
 struct Transfer {

@@ -31,6 +31,7 @@
 #include "tessel/model/tp_shard.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/reshard/reshard_test_util.h"
+#include "tessel/tensor/box_copy.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::reshard {
@@ -171,11 +172,12 @@ void check_plan(const TransferPlan& plan, const layout::StateLayout& from,
     ASSERT_EQ(tr.src_process, t.old_ids[size_t(tr.src_rank)]);
     ASSERT_EQ(tr.dst_process, t.new_ids[size_t(tr.dst_rank)]);
     ASSERT_EQ(plan.kept_from(tr.dst_rank, tr.dst_buffer), -1);
-    for (int64_t f : testing::region_indices(tr.dst))
+    for (int64_t f : testing::region_offsets(tr.dst))
       ++writes[size_t(tr.dst_rank)][size_t(tr.dst_buffer)][size_t(f)];
     packed.resize(size_t(tr.numel()));
-    layout::gather(old_ids_state[size_t(tr.src_rank)].buffers[size_t(tr.src_buffer)].data(), tr.src,
-                   packed.data());
+    gather(
+        std::span<const float>(old_ids_state[size_t(tr.src_rank)].buffers[size_t(tr.src_buffer)]),
+        tr.src, std::span(packed));
     int64_t wrong = 0;
     testing::for_each_in_box(u.spec()[size_t(tr.tensor)].shape, tr.global,
                              [&](int64_t flat, int64_t k) {

@@ -14,9 +14,9 @@
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
-#include "tessel/store/box_runs.h"
 #include "tessel/store/checksum.h"
 #include "tessel/tensor/allocator.h"
+#include "tessel/tensor/region_runs.h"
 
 namespace tessel::store {
 
@@ -705,7 +705,8 @@ void CheckpointReader::read_piece(const CheckpointTensor& t, const CheckpointPie
   const auto& f = file(p.file);
   const auto& entry = f.at(p.tensor);
   const uint64_t C = p.chunk_bytes;
-  const auto runs = box_runs(region, p.box, out_frame, dtype_size(t.dtype));
+  const auto runs = byte_runs(StridedRegion::of_box(region, p.box),
+                              StridedRegion::of_box(region, out_frame), dtype_size(t.dtype));
   // Chunk-aligned windows covering every run, merged where they touch, at most W bytes each.
   const uint64_t W = std::max(C, kWindowBytes / C * C);
   std::vector<std::pair<uint64_t, uint64_t>> windows;

@@ -14,8 +14,8 @@
 
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
-#include "tessel/store/box_runs.h"
 #include "tessel/store/checksum.h"
+#include "tessel/tensor/region_runs.h"
 
 namespace tessel::store {
 
@@ -340,8 +340,12 @@ void SafetensorsReader::read_box(std::string_view name, const Box& box, void* ou
                "box {} is outside tensor '{}' {} in '{}'", box.str(), name, e.shape.str(),
                impl_->path);
   auto* dst = static_cast<char*>(out);
-  for (const auto& run : box_runs(box, whole, box, dtype_size(e.dtype)))
-    impl_->pread(e.offset + run.src, dst + run.dst, run.len);
+  const uint64_t es = dtype_size(e.dtype);
+  for_each_run(StridedRegion::of_box(box, whole), StridedRegion::of_box(box, box),
+               [&](int64_t so, int64_t dof, int64_t n) {
+                 impl_->pread(e.offset + uint64_t(so) * es, dst + uint64_t(dof) * es,
+                              uint64_t(n) * es);
+               });
 }
 
 void SafetensorsReader::read(std::string_view name, void* out) const {

@@ -3,8 +3,81 @@
 #include <cstring>
 
 #include "tessel/core/check.h"
+#include "tessel/tensor/region_runs.h"
 
 namespace tessel {
+
+namespace {
+
+// memcpy, with the one-element sizes of the common types inlined (a region whose innermost
+// stride is not 1 copies one element per run).
+inline void copy_bytes(std::byte* dst, const std::byte* src, size_t n) {
+  switch (n) {
+    case 2:
+      std::memcpy(dst, src, 2);
+      return;
+    case 4:
+      std::memcpy(dst, src, 4);
+      return;
+    case 8:
+      std::memcpy(dst, src, 8);
+      return;
+    default:
+      std::memcpy(dst, src, n);
+  }
+}
+
+// Elements of `elem_size` bytes a buffer of `bytes` bytes holds.
+int64_t elements(size_t bytes, size_t elem_size) {
+  return int64_t(bytes / elem_size);
+}
+
+// The packed staging region of `r`'s extents (row-major from offset 0).
+StridedRegion packed_like(const StridedRegion& r) {
+  StridedRegion p{0, std::vector<int64_t>(r.extents.size()), r.extents};
+  int64_t stride = 1;
+  for (size_t d = r.extents.size(); d-- > 0;) {
+    p.strides[d] = stride;
+    stride *= r.extents[d] > 0 ? r.extents[d] : 0;
+  }
+  return p;
+}
+
+}  // namespace
+
+void copy_region(std::span<const std::byte> src, const StridedRegion& from,
+                 std::span<std::byte> dst, const StridedRegion& to, size_t elem_size) {
+  TESSEL_CHECK(elem_size > 0, InvalidArgumentError, "copying elements of 0 bytes");
+  TESSEL_CHECK(from.extents == to.extents, InvalidArgumentError,
+               "copying between regions of different extents: source ({}) and destination ({})",
+               from.str(), to.str());
+  check_region_inside(from, elements(src.size(), elem_size), "source");
+  check_region_inside(to, elements(dst.size(), elem_size), "destination");
+  if (from.empty()) return;
+  const uintptr_t s0 = uintptr_t(src.data()) + uintptr_t(from.offset) * elem_size;
+  const uintptr_t s1 = uintptr_t(src.data()) + uintptr_t(from.end()) * elem_size;
+  const uintptr_t d0 = uintptr_t(dst.data()) + uintptr_t(to.offset) * elem_size;
+  const uintptr_t d1 = uintptr_t(dst.data()) + uintptr_t(to.end()) * elem_size;
+  TESSEL_CHECK(s1 <= d0 || d1 <= s0, InvalidArgumentError,
+               "source ({}) and destination ({}) overlap in memory; copy through a separate "
+               "staging buffer",
+               from.str(), to.str());
+  const std::byte* s = src.data();
+  std::byte* d = dst.data();
+  for_each_run(from, to, [&](int64_t so, int64_t dof, int64_t n) {
+    copy_bytes(d + size_t(dof) * elem_size, s + size_t(so) * elem_size, size_t(n) * elem_size);
+  });
+}
+
+void gather(std::span<const std::byte> src, const StridedRegion& from, std::span<std::byte> packed,
+            size_t elem_size) {
+  copy_region(src, from, packed, packed_like(from), elem_size);
+}
+
+void scatter(std::span<const std::byte> packed, const StridedRegion& to, std::span<std::byte> dst,
+             size_t elem_size) {
+  copy_region(packed, packed_like(to), dst, to, elem_size);
+}
 
 void copy_box(const void* src, const Shape& src_shape, const Box& src_box, void* dst,
               const Shape& dst_shape, const std::vector<int64_t>& dst_lo, size_t elem_size) {
@@ -12,50 +85,12 @@ void copy_box(const void* src, const Shape& src_shape, const Box& src_box, void*
   TESSEL_CHECK(src_box.rank() == rank && dst_shape.rank() == rank && dst_lo.size() == rank,
                InvalidArgumentError, "copy_box ranks differ: src {} box {} dst {}", src_shape.str(),
                src_box.str(), dst_shape.str());
-  TESSEL_CHECK(Box::of(src_shape).contains(src_box), InvalidArgumentError,
-               "copy_box: box {} outside source {}", src_box.str(), src_shape.str());
   std::vector<int64_t> dst_hi(rank);
   for (size_t d = 0; d < rank; ++d) dst_hi[d] = dst_lo[d] + src_box.extent(d);
-  Box dst_box(dst_lo, dst_hi);
-  TESSEL_CHECK(Box::of(dst_shape).contains(dst_box), InvalidArgumentError,
-               "copy_box: box {} outside destination {}", dst_box.str(), dst_shape.str());
-  if (src_box.empty()) return;
-  const auto* s = static_cast<const char*>(src);
-  auto* d = static_cast<char*>(dst);
-  if (rank == 0) {
-    std::memcpy(d, s, elem_size);
-    return;
-  }
-  auto ss = src_shape.strides(), ds = dst_shape.strides();
-  // Merge trailing dimensions that are whole in both arrays into one contiguous run.
-  size_t inner = rank - 1;
-  int64_t run = src_box.extent(inner);
-  while (inner > 0 && src_box.extent(inner) == src_shape[inner] &&
-         src_box.extent(inner) == dst_shape[inner]) {
-    --inner;
-    run *= src_box.extent(inner);
-  }
-  const size_t run_bytes = size_t(run) * elem_size;
-  // Iterate over the outer dimensions [0, inner) with an odometer.
-  std::vector<int64_t> idx(inner, 0);
-  while (true) {
-    int64_t so = 0, dof = 0;
-    for (size_t k = 0; k < inner; ++k) {
-      so += (src_box.lo(k) + idx[k]) * ss[k];
-      dof += (dst_lo[k] + idx[k]) * ds[k];
-    }
-    so += src_box.lo(inner) * ss[inner];
-    dof += dst_lo[inner] * ds[inner];
-    std::memcpy(d + dof * elem_size, s + so * elem_size, run_bytes);
-    size_t k = inner;
-    while (k > 0) {
-      --k;
-      if (++idx[k] < src_box.extent(k)) break;
-      idx[k] = 0;
-      if (k == 0) return;
-    }
-    if (inner == 0) return;
-  }
+  const StridedRegion from = StridedRegion::of_box(src_box, src_shape);
+  const StridedRegion to = StridedRegion::of_box(Box(dst_lo, std::move(dst_hi)), dst_shape);
+  copy_region({static_cast<const std::byte*>(src), size_t(src_shape.numel()) * elem_size}, from,
+              {static_cast<std::byte*>(dst), size_t(dst_shape.numel()) * elem_size}, to, elem_size);
 }
 
 void copy_box(const Tensor& src, const Box& src_box, Tensor& dst,

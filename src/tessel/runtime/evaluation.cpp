@@ -21,6 +21,15 @@ std::vector<int64_t> eval_samples(int64_t available, int64_t eval_batches, int64
   return out;
 }
 
+void load_eval_batch(const data::BatchLoader& loader, const std::vector<int64_t>& samples,
+                     int64_t j, int64_t batch, int64_t seq_len, int32_t* inputs, int32_t* targets) {
+  std::fill(inputs, inputs + batch * seq_len, 0);
+  std::fill(targets, targets + batch * seq_len, model::Transformer::kIgnoreIndex);
+  for (int64_t i = 0; i < batch && j * batch + i < int64_t(samples.size()); ++i)
+    loader.load_eval(samples[size_t(j * batch + i)], 1, inputs + i * seq_len,
+                     targets + i * seq_len);
+}
+
 EvalSums evaluate_stage(Stage& stage, comm::Communicator& pp, const layout::Plan& plan, int pp_rank,
                         int dp_rank, const std::vector<int64_t>& samples,
                         const data::BatchLoader& loader, int64_t seq_len, int64_t hidden) {
@@ -33,12 +42,7 @@ EvalSums evaluate_stage(Stage& stage, comm::Communicator& pp, const layout::Plan
   std::vector<comm::Request> sends;
   EvalSums sums;
   for (int64_t j = dp_rank; j < batches; j += plan.dp) {
-    // Micro-batch j, its missing rows padded with ignored targets.
-    std::fill(inputs.begin(), inputs.end(), 0);
-    std::fill(targets.begin(), targets.end(), model::Transformer::kIgnoreIndex);
-    for (int64_t i = 0; i < B && j * B + i < int64_t(samples.size()); ++i)
-      loader.load_eval(samples[size_t(j * B + i)], 1, inputs.data() + i * T,
-                       targets.data() + i * T);
+    load_eval_batch(loader, samples, j, B, T, inputs.data(), targets.data());
     for (int c = 0; c < plan.virtual_stages; ++c) {
       Chunk& ch = stage.chunks()[size_t(c)];
       auto& m = *ch.model;

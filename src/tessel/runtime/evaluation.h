@@ -24,6 +24,11 @@ namespace tessel::runtime {
 // are no held-out samples.
 std::vector<int64_t> eval_samples(int64_t available, int64_t eval_batches, int64_t micro_batch);
 
+// Loads eval micro-batch `j` of `batch` samples of `samples` into inputs/targets ([batch, seq_len]
+// each); rows past the end of `samples` get token 0 and ignored targets.
+void load_eval_batch(const data::BatchLoader& loader, const std::vector<int64_t>& samples,
+                     int64_t j, int64_t batch, int64_t seq_len, int32_t* inputs, int32_t* targets);
+
 struct EvalSums {
   double loss_sum = 0;  // of this rank's head-stage micro-batches (0 on other stages)
   int64_t valid = 0;    // their valid target tokens

@@ -156,12 +156,8 @@ struct ReferenceTrainer::Impl {
     std::vector<int32_t> in(size_t(mb * T)), tg(in.size());
     double loss_sum = 0;
     int64_t valid = 0;
-    for (size_t first = 0; first < samples.size(); first += size_t(mb)) {
-      // A short final batch is padded with ignored targets.
-      std::fill(tg.begin(), tg.end(), model::Transformer::kIgnoreIndex);
-      std::fill(in.begin(), in.end(), 0);
-      for (size_t i = 0; i < size_t(mb) && first + i < samples.size(); ++i)
-        loader->load_eval(samples[first + i], 1, in.data() + i * T, tg.data() + i * T);
+    for (int64_t j = 0; j * mb < int64_t(samples.size()); ++j) {
+      load_eval_batch(*loader, samples, j, mb, T, in.data(), tg.data());
       auto r = model->forward(in.data(), tg.data());
       loss_sum += r.loss_sum;
       valid += r.valid;

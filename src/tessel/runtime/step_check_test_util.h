@@ -51,32 +51,31 @@ inline std::string every_step_checkpoints(int64_t steps, const std::string& dir 
   return fmt::format("checkpoint: {{dir: {}, every: 1, keep: {}}}\n", dir, steps + 1);
 }
 
-// The loss a metrics file (output.metrics) logged for each step; a step logged twice (redone after
-// a failure) keeps its last record.
-inline std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {
+// Per step, the value of `key` a metrics file (output.metrics) logged; a step logged twice (redone
+// after a failure) keeps its last record. A record without the key fails the test when `every`
+// record must have it, else is skipped.
+inline std::map<int64_t, double> read_logged(const std::filesystem::path& metrics,
+                                             const std::string& key, bool every) {
   std::ifstream in(metrics);
   EXPECT_TRUE(in) << metrics << " was not written";
-  std::map<int64_t, double> losses;
+  std::map<int64_t, double> values;
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
     const auto record = nlohmann::json::parse(line);
-    losses[record.at("step").get<int64_t>()] = record.at("loss").get<double>();
+    if (!every && !record.contains(key)) continue;
+    values[record.at("step").get<int64_t>()] = record.at(key).get<double>();
   }
-  return losses;
+  return values;
 }
 
-// The eval loss a metrics file logged for each step that evaluated (training.eval_every).
+// The loss logged for each step.
+inline std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {
+  return read_logged(metrics, "loss", true);
+}
+
+// The eval loss logged for each step that evaluated (training.eval_every).
 inline std::map<int64_t, double> read_eval_losses(const std::filesystem::path& metrics) {
-  std::ifstream in(metrics);
-  EXPECT_TRUE(in) << metrics << " was not written";
-  std::map<int64_t, double> losses;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const auto record = nlohmann::json::parse(line);
-    if (record.contains("eval_loss"))
-      losses[record.at("step").get<int64_t>()] = record.at("eval_loss").get<double>();
-  }
-  return losses;
+  return read_logged(metrics, "eval_loss", false);
 }
 
 // What a check covered. (TESSEL_REPORT_MARGINS=1 prints how close each comparison came to its

@@ -35,9 +35,9 @@ struct PreparedChunks {
   std::vector<Tensor> adam_m, adam_v;
 };
 
-// Builds rank `rank` of `plan` (defaults applied as a World does) on `backend`: every chunk c with
-// !skip[c] (skip may be empty: nothing skipped) gets its Transformer (parameters zero, every buffer
-// touched) and its zeroed Adam moments (ZeRO-1: the owned range only). Throws what the
+// Builds rank `rank` of `plan` (defaults applied as a RankTrainer does) on `backend`: every chunk c
+// with !skip[c] (skip may be empty: nothing skipped) gets its Transformer (parameters zero, every
+// buffer touched) and its zeroed Adam moments (ZeRO-1: the owned range only). Throws what the
 // Transformer constructor throws (ConfigError, UnsupportedError).
 PreparedChunks prepare_chunks(const config::TrainConfig& cfg, const layout::Plan& plan, int rank,
                               std::shared_ptr<kernels::Backend> backend,

@@ -17,6 +17,7 @@
 #include "tessel/core/error.h"
 #include "tessel/layout/plan.h"
 #include "tessel/planner/memory_model.h"
+#include "tessel/planner/profile_test_util.h"
 #include "tessel/schedule/bubble.h"
 #include "tessel/schedule/zero_bubble.h"
 #include "tessel/testing/testing.h"
@@ -48,26 +49,7 @@ struct Fixture {
     std::ofstream(path) << text;
     return path;
   }
-  Fixture() {
-    nlohmann::json p = {{"workers", 8},
-                        {"memory_bytes", int64_t(8) << 30},
-                        {"flops", {{"fp32", 1e11}}},
-                        {"p2p", {{"bandwidth_bytes_per_s", 1e30}, {"latency_s", 0}}},
-                        {"all_reduce", {{"bus_bandwidth_bytes_per_s", 1e9}, {"latency_s", 1e-4}}},
-                        {"layer_times",
-                         {{"seq", 16},
-                          {"points",
-                           {{{"micro_batch", 1},
-                             {"forward_s", 1e-3},
-                             {"backward_s", 2e-3},
-                             {"backward_input_s", 1e-3},
-                             {"backward_weight_s", 1e-3},
-                             {"embedding_forward_s", 0},
-                             {"embedding_backward_s", 0},
-                             {"head_forward_s", 0},
-                             {"head_backward_s", 0}}}}}}};
-    profile = write("profile.json", p.dump());
-  }
+  Fixture() { profile = write("profile.json", planner::testing::flat_profile_json().dump()); }
   // The same profile measured on 4 workers of 1 thread sharing 2 cores (its times hold for all
   // four computing at once, twice as slow as alone), with measured tp = 2 stages.
   std::string shared_profile() {

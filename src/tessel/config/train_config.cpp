@@ -199,11 +199,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   t.read("eval_batches", c.training.eval_batches);
   t.read("log_every", c.training.log_every);
   t.read("backend", c.training.backend);
-  t.read("gemm", c.training.gemm);
-  TESSEL_CHECK(
-      c.training.gemm == "auto" || c.training.gemm == "onednn" || c.training.gemm == "openblas",
-      ConfigError, "{}: '{}' names no GEMM provider; use auto, onednn or openblas", t.where("gemm"),
-      c.training.gemm);
+  t.read_choice("gemm", c.training.gemm, {"auto", "onednn", "openblas"});
   t.read("huge_pages", c.training.huge_pages);
   t.read("threads", c.training.threads);
   t.read("stop_at", c.training.stop_at);
@@ -246,10 +242,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   el.read("hosts_file", c.hosts_file);
   el.read("replace_failed", c.replace_failed);
   el.read("prepare_steps", c.prepare_steps);
-  el.read("reshard_transport", c.reshard_transport);
-  TESSEL_CHECK(c.reshard_transport == "direct" || c.reshard_transport == "network", ConfigError,
-               "{}: '{}' is no transport; use direct or network", el.where("reshard_transport"),
-               c.reshard_transport);
+  el.read_choice("reshard_transport", c.reshard_transport, {"direct", "network"});
   TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
                el.where("prepare_steps"), c.prepare_steps);
   el.reject_unknown_keys();

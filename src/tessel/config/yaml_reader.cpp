@@ -1,5 +1,8 @@
 #include "tessel/config/yaml_reader.h"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <filesystem>
 
 namespace tessel::config {
@@ -36,6 +39,14 @@ std::vector<YamlSection> YamlSection::list(const std::string& key) {
 
 std::string YamlSection::where(const std::string& key) const {
   return fmt::format("{}: '{}'", file_, path_.empty() ? key : path_ + "." + key);
+}
+
+void YamlSection::read_choice(const std::string& key, std::string& out,
+                              std::initializer_list<std::string_view> choices) {
+  read(key, out);
+  if (std::find(choices.begin(), choices.end(), out) != choices.end()) return;
+  TESSEL_THROW(ConfigError, "{}: '{}' is not one of the choices; use {}", where(key), out,
+               fmt::join(choices, ", "));
 }
 
 void YamlSection::reject_unknown_keys() const {

@@ -6,8 +6,10 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <initializer_list>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessel/core/check.h"
@@ -37,6 +39,10 @@ class YamlSection {
   // Reads `key` into `out` when present (out keeps its default otherwise).
   template <typename T>
   void read(const std::string& key, T& out);
+  // Reads a string that must be one of `choices` (out keeps its default when absent); anything
+  // else is a ConfigError that lists them.
+  void read_choice(const std::string& key, std::string& out,
+                   std::initializer_list<std::string_view> choices);
   // A nested section; an absent key gives an empty section.
   YamlSection section(const std::string& key);
   // A list of sections ("key[0]", "key[1]", ...); an absent key gives an empty list. Throws

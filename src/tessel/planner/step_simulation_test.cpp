@@ -16,6 +16,7 @@
 #include "tessel/core/error.h"
 #include "tessel/layout/plan.h"
 #include "tessel/planner/memory_model.h"
+#include "tessel/planner/profile_test_util.h"
 #include "tessel/schedule/bubble.h"
 #include "tessel/schedule/named.h"
 
@@ -24,31 +25,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-nlohmann::json profile_doc() {
-  return {{"workers", 8},
-          {"memory_bytes", int64_t(8) << 30},
-          {"flops", {{"fp32", 1e11}}},
-          {"p2p", {{"bandwidth_bytes_per_s", 1e30}, {"latency_s", 0}}},
-          {"all_reduce", {{"bus_bandwidth_bytes_per_s", 1e9}, {"latency_s", 1e-4}}},
-          {"layer_times",
-           {{"seq", 16},
-            {"points",
-             {{{"micro_batch", 1},
-               {"forward_s", 1e-3},
-               {"backward_s", 2e-3},
-               {"backward_input_s", 1e-3},
-               {"backward_weight_s", 1e-3},
-               {"embedding_forward_s", 0},
-               {"embedding_backward_s", 0},
-               {"head_forward_s", 0},
-               {"head_backward_s", 0}}}}}}};
-}
+using testing::flat_profile_json;
 
 SimulateRequest request(int pp, int v, int m, std::vector<int> layers,
                         layout::ScheduleKind schedule, int dp = 1) {
   SimulateRequest rq;
   rq.model = model::ModelConfig::preset("gpt2-tiny");
-  const nlohmann::json doc = profile_doc();
+  const nlohmann::json doc = flat_profile_json();
   rq.cluster = from_profile_json(doc);
   rq.profile = compute_profile_from_json(doc, rq.model);
   rq.seq = 16;

@@ -45,22 +45,23 @@ std::vector<int> iota_members(int n) {
 
 }  // namespace
 
-std::vector<bool> PlannedSwitch::kept_chunks(int new_rank) const {
-  std::vector<bool> kept(size_t(to->plan().virtual_stages), false);
-  for (size_t c = 0; c < kept.size(); ++c)
-    kept[c] = transfer.kept_from(new_rank,
-                                 to->buffer_id(new_rank, int(c), layout::StateKind::param)) >= 0;
-  return kept;
-}
-
-std::vector<bool> PlannedSwitch::kept_old_chunks(int old_rank, int new_rank) const {
-  std::vector<bool> kept(size_t(from->plan().virtual_stages), false);
+PlannedSwitch::Kept PlannedSwitch::kept_chunks(int old_rank, int new_rank) const {
+  Kept kept{std::vector<bool>(size_t(from->plan().virtual_stages), false),
+            std::vector<bool>(size_t(to->plan().virtual_stages), false)};
+  if (new_rank < 0) return kept;
   for (int c = 0; c < to->plan().virtual_stages; ++c) {
     const int b =
         transfer.kept_from(new_rank, to->buffer_id(new_rank, c, layout::StateKind::param));
-    if (b >= 0) kept[size_t(from->buffers(old_rank)[size_t(b)].chunk)] = true;
+    if (b < 0) continue;
+    kept.new_chunks[size_t(c)] = true;
+    if (old_rank >= 0) kept.old_chunks[size_t(from->buffers(old_rank)[size_t(b)].chunk)] = true;
   }
   return kept;
+}
+
+bool PlannedSwitch::is_for(const SwitchMarker& sw) const {
+  return from->plan() == sw.from && to->plan() == sw.to && from_members == sw.from_members &&
+         to_members == sw.to_members;
 }
 
 ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
@@ -219,8 +220,9 @@ void ElasticWorker::start_preparation(SwitchMarker sw, int64_t at_step, bool tim
   if (world->rank == 0 && !p.sw.spawn.empty())
     write_json_file(prepare_marker_path(env.store_dir, env.job_id, p.sw.generation),
                     p.sw.to_json());
+  p.planned = plan_switch(p.sw);
   if (const int new_rank = index_of(p.sw.to_members, env.rank); new_rank >= 0) {
-    const auto kept = plan_switch(p.sw).kept_chunks(new_rank);
+    const auto kept = p.planned->kept_chunks(world->rank, new_rank).new_chunks;
     p.chunks = std::async(std::launch::async,
                           [this, to = p.sw.to, new_rank, backend = world->backend, kept] {
                             return prepare_chunks(cfg, to, new_rank, backend, kept);
@@ -262,7 +264,10 @@ std::optional<PreparedChunks> ElasticWorker::take_prepared(const SwitchMarker& s
   }
 }
 
-PlannedSwitch ElasticWorker::plan_switch(const SwitchMarker& sw) const {
+std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const SwitchMarker& sw) const {
+  if (preparing && preparing->planned && preparing->sw.generation == sw.generation &&
+      preparing->planned->is_for(sw))
+    return preparing->planned;
   auto from =
       std::make_shared<const layout::StateLayout>(layout::StateLayout::build(cfg.model, sw.from));
   auto to =
@@ -270,7 +275,8 @@ PlannedSwitch ElasticWorker::plan_switch(const SwitchMarker& sw) const {
   auto transfer = reshard::TransferPlan::build(
       *from, *to, std::vector<int>(size_t(sw.from.world()), 0),
       std::vector<int>(size_t(sw.to.world()), 0), sw.from_members, sw.to_members);
-  return {std::move(from), std::move(to), std::move(transfer)};
+  return std::make_shared<const PlannedSwitch>(PlannedSwitch{
+      std::move(from), std::move(to), sw.from_members, sw.to_members, std::move(transfer)});
 }
 
 std::optional<SwitchMarker> ElasticWorker::await_switch(const SwitchMarker& announced) {
@@ -356,24 +362,19 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
   // A survivor whose state is not a source drops it first (its memory is needed).
   if (old_rank < 0) world.reset();
   const auto ps = plan_switch(sw);
-  const auto& tplan = ps.transfer;
+  const auto& tplan = ps->transfer;
   const double planning_s = seconds_since(t0);
-  comm::StoreOptions store;
-  store.path = env.store_dir;
-  store.job_id = env.job_id;
-  store.generation = store_generation;
-  const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
-  store.timeout = timeout;
+  const auto store = env.store(store_generation, cfg.comm_timeout_s);
   // Waits for every process of the transition, joiners (being started now) included.
   auto t1 = std::chrono::steady_clock::now();
-  auto union_world = reshard::connect_transition_world(store, tplan, me, timeout);
+  auto union_world = reshard::connect_transition_world(store, tplan, me, store.timeout);
   const double connect_s = seconds_since(t1);
   t1 = std::chrono::steady_clock::now();
   // The old buffers first: the successor may take over chunks (and their memory) it keeps.
   reshard::ProcessBuffers buffers;
   if (world) {
     for (auto b : world->state_buffers()) buffers.old_buffers.emplace_back(b.data(), b.size());
-    release_unkept_buffers(ps, new_rank);
+    release_unkept_buffers(*ps, new_rank);
   }
   std::unique_ptr<RankTrainer> successor;
   double rebuild_s = 0, transfer_s = 0;
@@ -385,7 +386,7 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
     auto prepared = take_prepared(sw, prepare_record);
     if (new_rank >= 0)
       successor =
-          std::make_unique<RankTrainer>(cfg, env, sw.to, new_rank, store_generation, false, ps.to,
+          std::make_unique<RankTrainer>(cfg, env, sw.to, new_rank, store_generation, false, ps->to,
                                         world.get(), &tplan, prepared ? &*prepared : nullptr);
     rebuild_s = seconds_since(t1);
     t1 = std::chrono::steady_clock::now();
@@ -451,8 +452,8 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
 }
 
 void ElasticWorker::release_unkept_buffers(const PlannedSwitch& ps, int new_rank) {
-  const auto kept = new_rank >= 0 ? ps.kept_old_chunks(world->rank, new_rank) : std::vector<bool>{};
-  if (world->release_unkept(kept)) HostAllocator::instance().release_cached();
+  if (world->release_unkept(ps.kept_chunks(world->rank, new_rank).old_chunks))
+    HostAllocator::instance().release_cached();
 }
 
 void ElasticWorker::restore_from_checkpoint(const SwitchMarker& sw, int new_rank,

@@ -30,12 +30,18 @@ namespace tessel::runtime {
 // A switch's two layouts and the transfer of the state between them.
 struct PlannedSwitch {
   std::shared_ptr<const layout::StateLayout> from, to;
+  std::vector<int> from_members, to_members;  // the process of each old and new rank
   reshard::TransferPlan transfer;
 
-  // Per chunk of new rank `new_rank`: whether the same process keeps its parameters in place.
-  std::vector<bool> kept_chunks(int new_rank) const;
-  // Per chunk of old rank `old_rank`: whether new rank `new_rank` (the same process) keeps it.
-  std::vector<bool> kept_old_chunks(int old_rank, int new_rank) const;
+  // The chunks a process that is old rank `old_rank` and new rank `new_rank` keeps in place (its
+  // parameters stay where they are): marked per old chunk and per new chunk.
+  struct Kept {
+    std::vector<bool> old_chunks, new_chunks;
+  };
+  Kept kept_chunks(int old_rank, int new_rank) const;
+
+  // Whether this plan is for `sw` (the same layouts and processes on both sides).
+  bool is_for(const elastic::SwitchMarker& sw) const;
 };
 
 struct ElasticWorker {
@@ -61,6 +67,8 @@ struct ElasticWorker {
     int64_t at_step = 0;
     bool timeline = false;               // the next timeline entry (else a scale request)
     std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
+    // The transfer, planned at the announcement (null: to be planned at the switch).
+    std::shared_ptr<const PlannedSwitch> planned;
   };
   std::optional<Preparation> preparing;
   std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
@@ -115,7 +123,8 @@ struct ElasticWorker {
                                               nlohmann::json& record);
 
   // The layouts of both plans and the transfer between them. One host: every process is local.
-  PlannedSwitch plan_switch(const elastic::SwitchMarker& sw) const;
+  // The layouts and the transfer of `sw`: the preparation's when it planned this switch.
+  std::shared_ptr<const PlannedSwitch> plan_switch(const elastic::SwitchMarker& sw) const;
 
   // A process started for a switch announced ahead (joining_early): builds its chunks while the
   // job still trains, then waits for the switch itself (switch-<g>, with the step it happens

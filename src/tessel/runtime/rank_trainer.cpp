@@ -27,13 +27,8 @@ comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env
   grid.pp = plan.pp;
   if (plan.order == layout::RankOrder::dp_tp_pp)
     grid.order = {comm::Axis::kDp, comm::Axis::kTp, comm::Axis::kPp};
-  comm::StoreOptions store;
-  store.path = env.store_dir;
-  store.job_id = env.job_id;
-  store.generation = store_generation;
-  const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
-  store.timeout = timeout;
-  return comm::connect_process_groups(store, grid, rank, plan.world(), timeout);
+  const auto store = env.store(store_generation, cfg.comm_timeout_s);
+  return comm::connect_process_groups(store, grid, rank, plan.world(), store.timeout);
 }
 
 std::shared_ptr<const data::TokenSource> open_data(const config::TrainConfig& cfg) {

@@ -1,5 +1,6 @@
 #include "tessel/runtime/worker_env.h"
 
+#include <chrono>
 #include <cstdlib>
 
 #include "tessel/core/check.h"
@@ -43,6 +44,15 @@ WorkerEnv WorkerEnv::from_environment() {
   TESSEL_CHECK(e.world_size >= 1 && (e.rank < e.world_size || e.join_generation > 0), ConfigError,
                "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
   return e;
+}
+
+comm::StoreOptions WorkerEnv::store(int64_t store_generation, double timeout_s) const {
+  comm::StoreOptions options;
+  options.path = store_dir;
+  options.job_id = job_id;
+  options.generation = store_generation;
+  options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+  return options;
 }
 
 }  // namespace tessel::runtime

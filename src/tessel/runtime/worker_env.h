@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tessel/comm/store.h"
+
 namespace tessel::runtime {
 
 struct WorkerEnv {
@@ -19,6 +21,10 @@ struct WorkerEnv {
   // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset). Throws
   // ConfigError naming the missing or malformed variable.
   static WorkerEnv from_environment();
+
+  // The rendezvous of the world under store generation `store_generation` (env.generation + the
+  // job's switches so far), every wait bounded by `timeout_s` (training.comm_timeout_s).
+  comm::StoreOptions store(int64_t store_generation, double timeout_s) const;
 };
 
 }  // namespace tessel::runtime

@@ -1,4 +1,5 @@
 #include "tessel/layout/state_layout.h"
+#include "tessel/model/local_tp_group_test_util.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

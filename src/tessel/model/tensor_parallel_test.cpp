@@ -27,6 +27,7 @@
 
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
+#include "tessel/model/local_tp_group_test_util.h"
 #include "tessel/model/rounding_test_util.h"
 #include "tessel/model/tp_group.h"
 #include "tessel/model/tp_shard.h"

@@ -4,7 +4,8 @@
 // all-reduce sum after every row-parallel linear (forward) and of every column-parallel linear's
 // input gradient (backward), and a max + sum pair for the vocabulary-parallel softmax. The model
 // may not depend on the comm subsystem (comm sits above model), so it talks to this interface;
-// the runtime adapts comm::Communicator to it, tests use LocalTpGroup (ranks as threads).
+// the runtime adapts comm::Communicator to it, tests use LocalTpGroup (local_tp_group_test_util.h:
+// ranks as threads).
 //
 // Contract for implementations:
 // - Every rank of the group calls the same collectives in the same order with the same n
@@ -23,12 +24,7 @@
 // A TpGroup is used by one thread at a time.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
-#include <functional>
-#include <memory>
-#include <string>
-#include <vector>
 
 namespace tessel::model {
 
@@ -45,54 +41,6 @@ class TpGroup {
   // valid input (a vocabulary shard made only of padding columns has no real logit). A
   // communicator without a native max can implement it as an all-gather and a local max.
   virtual void all_reduce_max(float* data, size_t n) = 0;
-};
-
-namespace detail {
-struct LocalTpState;
-}
-
-// An in-process TpGroup for tests: the tp "ranks" are threads of one process that share a
-// rendezvous (a mutex and condition variable). A collective is two barriers: every rank posts its
-// buffer and waits for all; each rank reduces all posted buffers in rank order into a private
-// copy (so every rank computes bit-identical results); a second barrier makes sure nobody
-// overwrites its buffer while others still read it; then each copies the result into its buffer.
-//
-// Failure behaviour: every wait is bounded by the group's timeout and throws TimeoutError naming
-// the operation and the missing ranks. Ranks that call with mismatched n or different operations
-// throw InvalidArgumentError. Any failure, or abort(), breaks the group: ranks waiting in it wake
-// up and throw, and later calls throw again, so a thread that dies never leaves its peers hanging.
-class LocalTpGroup final : public TpGroup {
- public:
-  static constexpr std::chrono::milliseconds kDefaultTimeout{30000};
-
-  // One group object per rank, all joined to one shared rendezvous. Throws InvalidArgumentError
-  // for size < 1 or a non-positive timeout.
-  static std::vector<std::unique_ptr<LocalTpGroup>> create(
-      int size, std::chrono::milliseconds timeout = kDefaultTimeout);
-
-  // Runs fn(group) for every rank of a fresh group, each on its own thread, and joins them. When
-  // a rank throws, the group is aborted (its peers fail fast instead of timing out); after all
-  // threads ended, the first exception in rank order that is not the consequence of that abort is
-  // rethrown.
-  static void run(int size, const std::function<void(TpGroup&)>& fn,
-                  std::chrono::milliseconds timeout = kDefaultTimeout);
-
-  int rank() const override { return rank_; }
-  int size() const override;
-  void all_reduce_sum(float* data, size_t n) override;
-  void all_reduce_max(float* data, size_t n) override;
-
-  // Breaks the group: every rank blocked in a collective, and every later call, throws
-  // PeerLostError carrying `reason`. Safe to call from any thread, repeatedly.
-  void abort(const std::string& reason);
-
-  LocalTpGroup(std::shared_ptr<detail::LocalTpState> state, int rank);
-
- private:
-  void all_reduce(float* data, size_t n, bool max);
-
-  std::shared_ptr<detail::LocalTpState> state_;
-  int rank_;
 };
 
 }  // namespace tessel::model

@@ -1,4 +1,5 @@
 #include "tessel/runtime/prepared_chunks.h"
+#include "tessel/model/local_tp_group_test_util.h"
 #include "tessel/runtime/pipeline_executor.h"
 
 #include <gtest/gtest.h>

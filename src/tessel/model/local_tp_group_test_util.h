@@ -1,15 +1,72 @@
-#include "tessel/model/tp_group.h"
+// LocalTpGroup, a test double of TpGroup (tp_group.h): the tensor-parallel ranks are threads of
+// one process. Test-only (not in the library): model, layout and runtime tests use it.
+#pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "tessel/core/check.h"
+#include "tessel/model/tp_group.h"
 
 namespace tessel::model {
+
+namespace detail {
+struct LocalTpState;
+}
+
+// An in-process TpGroup for tests: the tp "ranks" are threads of one process that share a
+// rendezvous (a mutex and condition variable). A collective is two barriers: every rank posts its
+// buffer and waits for all; each rank reduces all posted buffers in rank order into a private
+// copy (so every rank computes bit-identical results); a second barrier makes sure nobody
+// overwrites its buffer while others still read it; then each copies the result into its buffer.
+//
+// Failure behaviour: every wait is bounded by the group's timeout and throws TimeoutError naming
+// the operation and the missing ranks. Ranks that call with mismatched n or different operations
+// throw InvalidArgumentError. Any failure, or abort(), breaks the group: ranks waiting in it wake
+// up and throw, and later calls throw again, so a thread that dies never leaves its peers hanging.
+class LocalTpGroup final : public TpGroup {
+ public:
+  static constexpr std::chrono::milliseconds kDefaultTimeout{30000};
+
+  // One group object per rank, all joined to one shared rendezvous. Throws InvalidArgumentError
+  // for size < 1 or a non-positive timeout.
+  static std::vector<std::unique_ptr<LocalTpGroup>> create(
+      int size, std::chrono::milliseconds timeout = kDefaultTimeout);
+
+  // Runs fn(group) for every rank of a fresh group, each on its own thread, and joins them. When
+  // a rank throws, the group is aborted (its peers fail fast instead of timing out); after all
+  // threads ended, the first exception in rank order that is not the consequence of that abort is
+  // rethrown.
+  static void run(int size, const std::function<void(TpGroup&)>& fn,
+                  std::chrono::milliseconds timeout = kDefaultTimeout);
+
+  int rank() const override { return rank_; }
+  int size() const override;
+  void all_reduce_sum(float* data, size_t n) override;
+  void all_reduce_max(float* data, size_t n) override;
+
+  // Breaks the group: every rank blocked in a collective, and every later call, throws
+  // PeerLostError carrying `reason`. Safe to call from any thread, repeatedly.
+  void abort(const std::string& reason);
+
+  LocalTpGroup(std::shared_ptr<detail::LocalTpState> state, int rank);
+
+ private:
+  void all_reduce(float* data, size_t n, bool max);
+
+  std::shared_ptr<detail::LocalTpState> state_;
+  int rank_;
+};
 
 namespace detail {
 
@@ -76,8 +133,8 @@ struct LocalTpState {
 
 }  // namespace detail
 
-std::vector<std::unique_ptr<LocalTpGroup>> LocalTpGroup::create(int size,
-                                                                std::chrono::milliseconds timeout) {
+inline std::vector<std::unique_ptr<LocalTpGroup>> LocalTpGroup::create(
+    int size, std::chrono::milliseconds timeout) {
   TESSEL_CHECK(size >= 1, InvalidArgumentError, "a local tp group needs size >= 1, got {}", size);
   TESSEL_CHECK(timeout.count() > 0, InvalidArgumentError,
                "a local tp group needs a positive timeout, got {} ms", timeout.count());
@@ -93,27 +150,27 @@ std::vector<std::unique_ptr<LocalTpGroup>> LocalTpGroup::create(int size,
   return groups;
 }
 
-LocalTpGroup::LocalTpGroup(std::shared_ptr<detail::LocalTpState> state, int rank)
+inline LocalTpGroup::LocalTpGroup(std::shared_ptr<detail::LocalTpState> state, int rank)
     : state_(std::move(state)), rank_(rank) {}
 
-int LocalTpGroup::size() const {
+inline int LocalTpGroup::size() const {
   return state_->size;
 }
 
-void LocalTpGroup::abort(const std::string& reason) {
+inline void LocalTpGroup::abort(const std::string& reason) {
   std::lock_guard lock(state_->mu);
   state_->break_group("aborted by rank " + std::to_string(rank_) + ": " + reason, rank_, false);
 }
 
-void LocalTpGroup::all_reduce_sum(float* data, size_t n) {
+inline void LocalTpGroup::all_reduce_sum(float* data, size_t n) {
   all_reduce(data, n, false);
 }
 
-void LocalTpGroup::all_reduce_max(float* data, size_t n) {
+inline void LocalTpGroup::all_reduce_max(float* data, size_t n) {
   all_reduce(data, n, true);
 }
 
-void LocalTpGroup::all_reduce(float* data, size_t n, bool max) {
+inline void LocalTpGroup::all_reduce(float* data, size_t n, bool max) {
   detail::LocalTpState& s = *state_;
   const std::string_view op = max ? "all_reduce_max" : "all_reduce_sum";
   std::unique_lock lock(s.mu);
@@ -157,8 +214,8 @@ void LocalTpGroup::all_reduce(float* data, size_t n, bool max) {
   std::copy(result.begin(), result.end(), data);
 }
 
-void LocalTpGroup::run(int size, const std::function<void(TpGroup&)>& fn,
-                       std::chrono::milliseconds timeout) {
+inline void LocalTpGroup::run(int size, const std::function<void(TpGroup&)>& fn,
+                              std::chrono::milliseconds timeout) {
   auto groups = create(size, timeout);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
   std::vector<std::thread> threads;

@@ -1,4 +1,4 @@
-#include "tessel/model/tp_group.h"
+#include "tessel/model/local_tp_group_test_util.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -22,6 +22,13 @@ std::string checkpoint_step_name(int64_t step) {
   return fmt::format("step-{:08d}", step);
 }
 
+std::optional<ResumePoint> find_resume_point(const config::TrainConfig& cfg) {
+  if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return std::nullopt;
+  auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
+  if (!path) return std::nullopt;
+  return ResumePoint{*path, store::CheckpointReader(*path).meta().at("step").get<int64_t>()};
+}
+
 std::optional<std::string> latest_sharded_checkpoint(const std::string& dir) {
   const fs::path latest = fs::path(dir) / "latest";
   if (!fs::exists(latest)) return std::nullopt;

@@ -36,6 +36,15 @@ std::string checkpoint_step_name(int64_t step);
 // CorruptDataError when `latest` names something that is not there.
 std::optional<std::string> latest_sharded_checkpoint(const std::string& dir);
 
+// Where a run of `cfg` starts: the newest complete checkpoint under checkpoint.dir when
+// checkpoint.resume is on, with its step; nothing for a fresh start. `tessel train` decides this
+// once and tells its workers (runtime/worker_env.h: TESSEL_RESUME_FROM), so they cannot disagree.
+struct ResumePoint {
+  std::string path;
+  int64_t step = 0;
+};
+std::optional<ResumePoint> find_resume_point(const config::TrainConfig& cfg);
+
 // Adds rank `rank`'s share of the state (see above) to `writer`, gathered from `buffers` (the
 // rank's buffers in layout order) into copies the writer owns, so the buffers may change as soon
 // as this returns.

@@ -22,7 +22,6 @@
 #include "tessel/model/model_config.h"
 #include "tessel/process/launcher.h"
 #include "tessel/runtime/parallel_trainer.h"
-#include "tessel/store/checkpoint_store.h"
 
 namespace tessel::cli {
 
@@ -76,12 +75,9 @@ int launch_training(const Args& args) {
   // The embedded coordinator (elastic/coordinator.h): starts the workers a timeline or a scale
   // request adds, and takes `tessel ctl` commands. Only the first plan's workers start now; a
   // resumed run starts in the plan in force at its checkpoint's step.
-  int64_t resume_step = 0;
-  if (!cfg.checkpoint.dir.empty() && cfg.checkpoint.resume) {
-    if (auto path = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
-      resume_step = store::CheckpointReader(*path).meta().at("step").get<int64_t>();
-  }
-  opt.nproc = cfg.plan_at(resume_step).world();
+  const auto resume = checkpoint::find_resume_point(cfg);
+  opt.nproc = cfg.plan_at(resume ? resume->step : 0).world();
+  opt.extra_env["TESSEL_RESUME_FROM"] = resume ? resume->path : "";
   opt.world_size = cfg.max_workers();
   opt.job_id = random_job_id();
   opt.tick = std::chrono::milliseconds(50);

@@ -102,6 +102,25 @@ TEST(ShardedCheckpoint, OldCheckpointsArePrunedToKeep) {
             (dir / "ck" / checkpoint_step_name(4)).string());
 }
 
+// Where a run starts (decided once by `tessel train`, which passes it to its workers): the newest
+// checkpoint and its step when checkpoint.resume is on, nothing when it is off.
+TEST(ShardedCheckpoint, TheResumePointIsTheNewestCheckpointUnlessResumeIsOff) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  const std::string run = "training: {steps: 3, global_batch: 4, micro_batch: 2}\n";
+  auto cfg =
+      TrainConfig::load(write_config(dir, corpus, run + "checkpoint: {dir: ck, every: 1}\n"));
+  EXPECT_FALSE(checkpoint::find_resume_point(cfg).has_value());  // nothing saved yet
+  ReferenceTrainer(cfg).run();
+  const auto point = checkpoint::find_resume_point(cfg);
+  ASSERT_TRUE(point.has_value());
+  EXPECT_EQ(point->path, (dir / "ck" / checkpoint_step_name(3)).string());
+  EXPECT_EQ(point->step, 3);
+  auto fresh = TrainConfig::load(write_config(
+      dir, corpus, run + "checkpoint: {dir: ck, every: 1, resume: false}\n", "fresh.yaml"));
+  EXPECT_FALSE(checkpoint::find_resume_point(fresh).has_value());
+}
+
 TEST(ShardedCheckpoint, ResumingWithAnotherGlobalBatchIsRefused) {
   TempDir dir;
   auto corpus = make_corpus(dir);

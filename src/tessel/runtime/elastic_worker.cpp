@@ -18,7 +18,6 @@
 namespace tessel::runtime {
 
 using checkpoint::check_resumable;
-using checkpoint::latest_sharded_checkpoint;
 using checkpoint::load_rank_state;
 using config::PlanSwitch;
 using elastic::failure_report_path;
@@ -111,8 +110,12 @@ void ElasticWorker::skip_timeline_through(int64_t step) {
 }
 
 bool ElasticWorker::resume() {
-  if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return false;
-  auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
+  std::optional<std::string> path;
+  if (!env.resume_from) {
+    if (auto point = checkpoint::find_resume_point(cfg)) path = point->path;
+  } else if (!env.resume_from->empty()) {
+    path = *env.resume_from;
+  }
   if (!path) return false;
   store::CheckpointReader reader(*path);
   const auto& meta = reader.meta();

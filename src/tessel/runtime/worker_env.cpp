@@ -39,6 +39,7 @@ WorkerEnv WorkerEnv::from_environment() {
   e.generation = env_int("TESSEL_GENERATION", false);
   e.join_generation = env_int("TESSEL_JOIN_GENERATION", false);
   e.elastic = env_int("TESSEL_ELASTIC", false) == 1;
+  if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
   // A worker started for a switch may take a rank beyond the world the job started with: its
   // place comes from the switch.
   TESSEL_CHECK(e.world_size >= 1 && (e.rank < e.world_size || e.join_generation > 0), ConfigError,

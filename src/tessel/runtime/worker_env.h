@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "tessel/comm/store.h"
@@ -16,9 +17,13 @@ struct WorkerEnv {
   int64_t generation = 0;       // the store generation the job's first world uses
   int64_t join_generation = 0;  // > 0: started for the switch to this generation
   bool elastic = false;  // the launcher takes scale requests and recovers from failed workers
+  // The checkpoint the launcher chose to resume from ("" for a fresh start; unset when no
+  // launcher chose: the worker looks for it itself, checkpoint::find_resume_point).
+  std::optional<std::string> resume_from;
 
   // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_STORE_DIR, TESSEL_JOB_ID (required),
-  // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset). Throws
+  // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset) and
+  // TESSEL_RESUME_FROM (may be unset). Throws
   // ConfigError naming the missing or malformed variable.
   static WorkerEnv from_environment();
 

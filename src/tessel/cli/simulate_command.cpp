@@ -1,6 +1,7 @@
 #include "tessel/cli/simulate_command.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "tessel/planner/cost_model.h"
 #include "tessel/planner/step_simulation.h"
 #include "tessel/planner/trace.h"
+#include "tessel/schedule/named.h"
 
 namespace tessel::cli {
 
@@ -300,7 +302,8 @@ void add_simulate_command(CLI::App& app, std::function<int()>& action) {
                   "fp32, bf16 or fp16 (default: fp32 with --config or without bf16, else bf16)");
   cmd->add_option("--seq", args->seq, "tokens per sample (default: the plan's or config's)");
   cmd->add_option("--schedule", args->schedule,
-                  "gpipe, 1f1b, interleaved-1f1b, zb-h1 or greedy (default: the plan's)");
+                  fmt::format("{} or greedy (default: the plan's)",
+                              fmt::join(schedule::schedule_names(), ", ")));
   cmd->add_option("--memory-cap", args->memory_cap,
                   "greedy: activations in flight per stage (default: p - s on stage s)");
   cmd->add_option("--jitter", args->jitter, "each compute takes 1 + jitter * U(-1, 1) as long");

@@ -4,10 +4,12 @@
 #include <omp.h>
 
 #include <cmath>
+#include <span>
 #include <vector>
 
 #include "tessel/testing/gradcheck.h"
 #include "tessel/testing/kernel_bounds.h"
+#include "tessel/testing/norm_bounds.h"
 #include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
@@ -19,7 +21,6 @@ using testing::random_normal;
 constexpr float kEps = 1e-5f;
 
 using testing::gamma;
-using testing::gamma64;
 using testing::within_bounds;
 constexpr double u = testing::kUnitRoundoff;
 
@@ -32,31 +33,6 @@ std::vector<float> offset_rows(int N, int C, uint64_t seed) {
   auto x = random_normal(size_t(N) * C, seed);
   for (size_t i = 0; i < x.size(); ++i) x[i] += 3.0f + float(i % 5);
   return x;
-}
-
-// Bounds for the float kernel's forward against the exact (float64) statistics of one row.
-//   mean: the float sum of C terms and the division, gamma(C) of A = sum |x| / C.
-//   d_c = fl(x_c - mean) is off by that error D (the same for every c) and by u |d_c|. Because the
-//   exact d_c sum to zero, D enters sum d^2 only squared: sum fl(d)^2 is within
-//   (2u + u^2) sum d^2 + (1 + u)^2 C D^2 of sum d^2, and its float sum adds gamma(C) relatively
-//   (positive terms); / C and + eps round twice: v = sum d^2 / C + eps is off by
-//   nu <= gamma(C + 4) + (1 + gamma(C + 3)) D^2 / v relatively, and rstd = fl(1 / fl(sqrt(v)))
-//   by rel_s = (1 - nu)^(-1/2) (1 + u) / (1 - u) - 1.
-struct RowStats {
-  double mean, rstd, A, D, rel_s;
-};
-
-RowStats row_stats(const float* x, int C, float eps) {
-  double m = 0, a = 0;
-  for (int c = 0; c < C; ++c) m += x[c], a += std::fabs(x[c]);
-  m /= C;
-  a /= C;
-  double ss = 0;
-  for (int c = 0; c < C; ++c) ss += (x[c] - m) * (x[c] - m);
-  const double v = ss / C + double(eps);
-  const double D = gamma(C) * a;
-  const double nu = gamma(C + 4) + (1 + gamma(C + 3)) * D * D / v;
-  return {m, 1 / std::sqrt(v), a, D, (1 + u) / (1 - u) / std::sqrt(1 - nu) - 1};
 }
 
 TEST(Layernorm, CpuMatchesReference) {
@@ -75,29 +51,18 @@ TEST(Layernorm, CpuMatchesReference) {
                              b, N, C, kEps);
       cpu::layernorm_forward(out_c.data(), mean_c.data(), rstd_c.data(), inp.data(), weight.data(),
                              b, N, C, kEps);
-      std::vector<double> out_bound(NC), self_bound(NC), mean_bound(N), rstd_bound(N);
+      const auto bound = testing::layernorm_forward_bounds(
+          inp, weight, with_bias ? std::span<const float>(bias) : std::span<const float>(), N, C,
+          kEps);
+      std::vector<double> self_bound(NC);
       std::vector<float> out_self(NC);
       for (int n = 0; n < N; ++n) {
-        const float* x = inp.data() + size_t(n) * C;
-        const RowStats st = row_stats(x, C, kEps);
-        // The reference's float64 statistics are off by gamma64(2C + 8) of the same terms, and
-        // it rounds mean, rstd and out to float once.
-        mean_bound[n] = st.D + u * std::fabs(st.mean) + gamma64(C + 2) * st.A;
-        rstd_bound[n] = st.rstd * (st.rel_s + u + gamma64(2 * C + 8));
         for (int c = 0; c < C; ++c) {
           const size_t i = size_t(n) * C + c;
-          const double d = x[c] - st.mean, w = std::fabs(weight[c]);
           const double bias_c = with_bias ? std::fabs(bias[c]) : 0.0;
-          // out = fl(fl(fl(d) rstd) w) + b: the product carries d's error D + u|d|, rstd's rel_s
-          // and two roundings (R); the bias add rounds once more.
-          const double R = (1 + u) * (1 + st.rel_s) * (1 + gamma(2)) - 1;
-          const double product_err = st.rstd * w * (st.D * (1 + R) + std::fabs(d) * R);
-          const double out = d * st.rstd * weight[c] + (with_bias ? bias[c] : 0.0f);
-          out_bound[i] = product_err + u * (std::fabs(out) + product_err) + u * std::fabs(out) +
-                         gamma64(2 * C + 16) * (st.rstd * w * (std::fabs(d) + st.A) + bias_c);
           // The output from the kernel's own statistics: x - mean, * rstd, * w, + b round once
           // each (an FMA fuses two): gamma(4) of |(x - mean) rstd w| + |b|.
-          const double p = (double(x[c]) - mean_c[n]) * rstd_c[n] * weight[c];
+          const double p = (double(inp[i]) - mean_c[n]) * rstd_c[n] * weight[c];
           out_self[i] = float(p + (with_bias ? bias[c] : 0.0f));
           self_bound[i] = gamma(4) * (std::fabs(p) + bias_c) + u * std::fabs(out_self[i]);
         }
@@ -106,10 +71,10 @@ TEST(Layernorm, CpuMatchesReference) {
       // C roundings; the mean of the offset rows (A ~ 5) then allows ~gamma(C) 5 ~ 2e-4 in every
       // output of a row. The output's own arithmetic is checked sharply from the kernel's
       // statistics (out_self: out_self is that value rounded to float, hence + u |out_self|).
-      EXPECT_TRUE(within_bounds(out_c, out_r, out_bound, "out"));
+      EXPECT_TRUE(within_bounds(out_c, out_r, bound.out, "out"));
       EXPECT_TRUE(within_bounds(out_c, out_self, self_bound, "out from stats"));
-      EXPECT_TRUE(within_bounds(mean_c, mean_r, mean_bound, "mean"));
-      EXPECT_TRUE(within_bounds(rstd_c, rstd_r, rstd_bound, "rstd"));
+      EXPECT_TRUE(within_bounds(mean_c, mean_r, bound.mean, "mean"));
+      EXPECT_TRUE(within_bounds(rstd_c, rstd_r, bound.rstd, "rstd"));
 
       // Pre-filled gradients: backward accumulates.
       auto dout = random_normal(NC, 4);
@@ -122,53 +87,12 @@ TEST(Layernorm, CpuMatchesReference) {
       cpu::layernorm_backward(dinp_c.data(), dw_c.data(), with_bias ? db_c.data() : nullptr,
                               dout.data(), inp.data(), weight.data(), mean_r.data(), rstd_r.data(),
                               N, C);
-      // Both get the same mean and rstd. Per row, with norm_c = (x_c - mean) rstd (two roundings)
-      // and G1 = sum |w d| / C, G2 = sum |w d norm| / C: dnorm_mean (C products, C - 1 adds, / C)
-      // is off by gamma(C + 1) G1 and dnorm_norm_mean (four roundings per term) by
-      // gamma(C + 4) G2, plus gamma64 of the same for the reference. Then
-      // dx += (w d - dm - norm dnm) rstd rounds each term at most six times (norm's two, the
-      // product, two subtractions, * rstd, += into the buffer): gamma(6), and the reference rounds
-      // its value and the add: gamma(8) of |w d| rstd + G1 rstd + |norm| G2 rstd + |init|, plus
-      // gamma(9) for the float64 terms' own error.
-      std::vector<double> dinp_bound(NC), dw_mag(C), db_mag(C);
-      for (int c = 0; c < C; ++c) {
-        dw_mag[c] = std::fabs(dw_init[c]);
-        db_mag[c] = std::fabs(db_init[c]);
-      }
-      for (int n = 0; n < N; ++n) {
-        const double m = mean_r[n], st = rstd_r[n];
-        double g1 = 0, g2 = 0;
-        for (int c = 0; c < C; ++c) {
-          const size_t i = size_t(n) * C + c;
-          const double norm = (inp[i] - m) * st, wd = std::fabs(double(weight[c]) * dout[i]);
-          g1 += wd;
-          g2 += wd * std::fabs(norm);
-          dw_mag[c] += std::fabs(norm * dout[i]);
-          db_mag[c] += std::fabs(dout[i]);
-        }
-        g1 /= C;
-        g2 /= C;
-        const double dm_err = (gamma(C + 1) + gamma64(C + 1)) * g1;
-        const double dnm_err = (gamma(C + 4) + gamma64(C + 4)) * g2;
-        for (int c = 0; c < C; ++c) {
-          const size_t i = size_t(n) * C + c;
-          const double norm = std::fabs((inp[i] - m) * st);
-          const double wd = std::fabs(double(weight[c]) * dout[i]);
-          const double magnitude = st * (wd + g1 + norm * g2) + std::fabs(dinp_init[i]);
-          dinp_bound[i] = st * (dm_err + norm * dnm_err) * (1 + gamma(6)) + gamma(9) * magnitude;
-        }
-      }
-      // dweight sums N terms of three roundings each into a float accumulator and adds it to the
-      // buffer: gamma(N + 3); dbias gamma(N); the reference rounds and adds (2u) and has its
-      // float64 error (below u): + 3 each.
-      std::vector<double> dw_bound(C), db_bound(C);
-      for (int c = 0; c < C; ++c) {
-        dw_bound[c] = gamma(N + 6) * dw_mag[c];
-        db_bound[c] = gamma(N + 3) * db_mag[c];
-      }
-      EXPECT_TRUE(within_bounds(dinp_c, dinp_r, dinp_bound, "dinp"));
-      EXPECT_TRUE(within_bounds(dw_c, dw_r, dw_bound, "dweight"));
-      EXPECT_TRUE(within_bounds(db_c, db_r, db_bound, "dbias"));
+      // Both get the same mean and rstd.
+      const auto grad_bound = testing::layernorm_backward_bounds(inp, weight, dout, mean_r, rstd_r,
+                                                                 dinp_init, dw_init, db_init, N, C);
+      EXPECT_TRUE(within_bounds(dinp_c, dinp_r, grad_bound.dinp, "dinp"));
+      EXPECT_TRUE(within_bounds(dw_c, dw_r, grad_bound.dweight, "dweight"));
+      EXPECT_TRUE(within_bounds(db_c, db_r, grad_bound.dbias, "dbias"));
       if (!with_bias) {
         EXPECT_EQ(db_c, random_normal(C, 7)) << "dbias must be left alone without a bias";
       }

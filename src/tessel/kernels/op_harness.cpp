@@ -24,24 +24,29 @@ namespace tessel::kernels::harness {
 
 // ---- containers ---------------------------------------------------------------------------------
 
-void Tensors::set(std::string name, std::vector<float> values) {
-  for (auto& [n, v] : floats) {
+namespace {
+
+// Adds or replaces the named entry.
+template <typename T>
+void set_named(std::vector<std::pair<std::string, std::vector<T>>>& entries, std::string name,
+               std::vector<T> values) {
+  for (auto& [n, v] : entries) {
     if (n == name) {
       v = std::move(values);
       return;
     }
   }
-  floats.emplace_back(std::move(name), std::move(values));
+  entries.emplace_back(std::move(name), std::move(values));
+}
+
+}  // namespace
+
+void Tensors::set(std::string name, std::vector<float> values) {
+  set_named(floats, std::move(name), std::move(values));
 }
 
 void Tensors::set_ints(std::string name, std::vector<int32_t> values) {
-  for (auto& [n, v] : ints) {
-    if (n == name) {
-      v = std::move(values);
-      return;
-    }
-  }
-  ints.emplace_back(std::move(name), std::move(values));
+  set_named(ints, std::move(name), std::move(values));
 }
 
 bool Tensors::has(std::string_view name) const {

@@ -6,15 +6,17 @@
 //
 // Test-only code: it is compiled into tessel_kernels_tests, not into the tessel_kernels library
 // (CMakeLists.txt: TEST_SUPPORT), because its bounds are built from the test helpers in
-// tessel/testing (rounding.h, kernel_bounds.h, adam_divergence.h), which link GoogleTest and
-// must stay out of library code, and because nothing but tests runs it: a new backend registers
-// itself with register_backend() in the same binary and the parameterised test picks it up.
+// tessel/testing (rounding.h, kernel_bounds.h, norm_bounds.h, attention_bounds.h,
+// activation_bounds.h, adam_divergence.h), which link GoogleTest and must stay out of library
+// code, and because nothing but tests runs it: a new backend registers itself with
+// register_backend() in the same binary and the parameterised test picks it up.
 //
 // Bounds. Each case's bound function gives, per output element, a bound on
 // |backend - reference| for a backend that computes the op in float32 with the operations of
 // the cpu:: kernels (kernels/README.md, the op headers), in any order, blocking, SIMD lane split
 // or FMA contraction, with exp within testing::kFastExpError; plus the reference's own error
-// against the exact value. The derivations (in op_harness.cpp beside each bound) follow
+// against the exact value. The derivations (beside each bound: in the op family's
+// op_harness_cases_<family>.cpp, or in tessel/testing where a per-op test shares the bound) follow
 // testing/rounding.h and testing/kernel_bounds.h; none is fitted to a measurement. As in the
 // per-op tests, the double arithmetic that evaluates a bound is taken as exact.
 //

@@ -2,12 +2,11 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <vector>
 
 #include "tessel/testing/gradcheck.h"
 #include "tessel/testing/kernel_bounds.h"
-#include "tessel/testing/rounding.h"
+#include "tessel/testing/norm_bounds.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
@@ -17,10 +16,7 @@ using testing::random_normal;
 
 constexpr float kEps = 1e-5f;
 
-using testing::gamma;
-using testing::gamma64;
 using testing::within_bounds;
-constexpr double u = testing::kUnitRoundoff;
 
 struct Rows {
   int N, C;
@@ -36,27 +32,9 @@ TEST(Rmsnorm, CpuMatchesReference) {
     std::vector<float> out_r(NC), rstd_r(N), out_c(NC), rstd_c(N);
     ref::rmsnorm_forward(out_r.data(), rstd_r.data(), inp.data(), weight.data(), N, C, kEps);
     cpu::rmsnorm_forward(out_c.data(), rstd_c.data(), inp.data(), weight.data(), N, C, kEps);
-    // The float sum of squares (C positive terms, product and adds) is off by gamma(C)
-    // relatively, / C and + eps by two more roundings: v = mean(x^2) + eps by
-    // nu = gamma(C + 2), and rstd = fl(1 / fl(sqrt(v))) by rel_s = (1 - nu)^(-1/2) (1+u)/(1-u) - 1.
-    // out = fl(fl(x rstd) w) adds two roundings, of one sign of terms (no cancellation). The
-    // reference rounds rstd and out to float once each; its float64 error is gamma64(C + 6)
-    // relatively.
-    const double rel_s = (1 + u) / (1 - u) / std::sqrt(1 - gamma(C + 2)) - 1;
-    const double rel_out = (1 + rel_s) * (1 + gamma(2)) - 1 + u + gamma64(C + 6);
-    std::vector<double> out_bound(NC), rstd_bound(N);
-    for (int n = 0; n < N; ++n) {
-      double ms = 0;
-      for (int c = 0; c < C; ++c) ms += double(inp[size_t(n) * C + c]) * inp[size_t(n) * C + c];
-      const double rstd = 1 / std::sqrt(ms / C + double(kEps));
-      rstd_bound[n] = rstd * (rel_s + u + gamma64(C + 6));
-      for (int c = 0; c < C; ++c) {
-        const size_t i = size_t(n) * C + c;
-        out_bound[i] = rel_out * std::fabs(double(inp[i]) * rstd * weight[c]);
-      }
-    }
-    EXPECT_TRUE(within_bounds(out_c, out_r, out_bound, "out"));
-    EXPECT_TRUE(within_bounds(rstd_c, rstd_r, rstd_bound, "rstd"));
+    const auto bound = testing::rmsnorm_forward_bounds(inp, weight, N, C, kEps);
+    EXPECT_TRUE(within_bounds(out_c, out_r, bound.out, "out"));
+    EXPECT_TRUE(within_bounds(rstd_c, rstd_r, bound.rstd, "rstd"));
 
     // Pre-filled gradients: backward accumulates.
     auto dout = random_normal(NC, 4);
@@ -67,35 +45,11 @@ TEST(Rmsnorm, CpuMatchesReference) {
                           rstd_r.data(), N, C);
     cpu::rmsnorm_backward(dinp_c.data(), dw_c.data(), dout.data(), inp.data(), weight.data(),
                           rstd_r.data(), N, C);
-    // Both get the same rstd s. Per row, dot = sum d w x (two products and C - 1 adds per term)
-    // is off by gamma(C + 1) G, G = sum |d w x|, and coef = s s s dot / C by four more roundings:
-    // gamma(C + 5) s^3 G / C (the reference: gamma64(C + 8) of the same). dx += d w s - coef x
-    // rounds each term at most four times (two products, the subtraction, the add into the
-    // buffer; coef x three) and the reference twice more (its float rounding and add): gamma(7).
-    // dweight sums N terms of two roundings into a float accumulator and adds it once: gamma(N +
-    // 2), and the reference's rounding, add and float64 sum: gamma(N + 5).
-    std::vector<double> dinp_bound(NC), dw_mag(C);
-    for (int c = 0; c < C; ++c) dw_mag[c] = std::fabs(dw_init[c]);
-    for (int n = 0; n < N; ++n) {
-      const double s = rstd_r[n];
-      double G = 0;
-      for (int c = 0; c < C; ++c) {
-        const size_t i = size_t(n) * C + c;
-        G += std::fabs(double(dout[i]) * weight[c] * inp[i]);
-        dw_mag[c] += std::fabs(double(inp[i]) * s * dout[i]);
-      }
-      const double coef = s * s * s * G / C;  // bounds |coef|
-      const double coef_err = coef * ((1 + gamma(C + 5)) * (1 + gamma(3)) - 1 + gamma64(C + 8));
-      for (int c = 0; c < C; ++c) {
-        const size_t i = size_t(n) * C + c;
-        const double x = std::fabs(inp[i]), dws = std::fabs(double(dout[i]) * weight[c] * s);
-        dinp_bound[i] = x * coef_err + gamma(7) * (dws + coef * x + std::fabs(dinp_init[i]));
-      }
-    }
-    std::vector<double> dw_bound(C);
-    for (int c = 0; c < C; ++c) dw_bound[c] = gamma(N + 5) * dw_mag[c];
-    EXPECT_TRUE(within_bounds(dinp_c, dinp_r, dinp_bound, "dinp"));
-    EXPECT_TRUE(within_bounds(dw_c, dw_r, dw_bound, "dweight"));
+    // Both get the same rstd.
+    const auto grad_bound =
+        testing::rmsnorm_backward_bounds(inp, weight, dout, rstd_r, dinp_init, dw_init, N, C);
+    EXPECT_TRUE(within_bounds(dinp_c, dinp_r, grad_bound.dinp, "dinp"));
+    EXPECT_TRUE(within_bounds(dw_c, dw_r, grad_bound.dweight, "dweight"));
   }
 }
 

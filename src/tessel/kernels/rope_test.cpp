@@ -4,11 +4,12 @@
 
 #include <cmath>
 #include <complex>
+#include <utility>
 #include <vector>
 
 #include "tessel/core/error.h"
+#include "tessel/testing/attention_bounds.h"
 #include "tessel/testing/gradcheck.h"
-#include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::kernels {
@@ -19,31 +20,11 @@ using testing::expect_gradient_matches;
 using testing::max_abs_error;
 using testing::random_normal;
 
-using testing::gamma;
 using testing::within_bounds;
 
-// cos and sin of the angle t theta^(-2i/D), in double, and how far either kernel's double cos and
-// sin can be from them: both form the angle as t * pow(theta, -2i/D) (the exponent rounded once,
-// pow within 1 ulp, the product once: |angle| (3 + ln theta) 2^-53, since pow(theta, y) moves by
-// ln(theta) |y| times y's error) and glibc's cos and sin are within 1 ulp (2^-52).
-struct Angle {
-  double c, s, err;
-  Angle(int t, int i, int D, double theta) {
-    const double angle = t * std::pow(theta, -2.0 * i / D);
-    c = std::cos(angle);
-    s = std::sin(angle);
-    err = (std::fabs(angle) * (3 + std::log(theta)) + 2) * 0x1p-53;
-  }
-};
-
-// Bound on one rotated component x1' = x1 c - x2 s (or x2' = x2 c + x1 s, x1 and x2 swapped)
-// computed in float from the float table: the table's u |c|, u |s| plus the two products and
-// the sum (an FMA fuses one): gamma(3) (|x1 c| + |x2 s|), plus the angle's error in the table's
-// double evaluation times |x1| + |x2|.
-double rotation_error(double x1, double x2, const Angle& a) {
-  return gamma(3) * (std::fabs(x1 * a.c) + std::fabs(x2 * a.s)) +
-         (std::fabs(x1) + std::fabs(x2)) * a.err;
-}
+using testing::rope_component_bound;
+using testing::rope_rotation_error;
+using testing::RopeAngle;
 
 struct Config {
   int B, T, H, D;
@@ -67,26 +48,7 @@ TEST(Rope, CpuMatchesReference) {
       auto a = x, b = x;
       ref_fn(a.data(), c.B, c.T, c.H, c.D, c.stride, c.theta);
       cpu_fn(b.data(), c.B, c.T, c.H, c.D, c.stride, c.theta);
-      // The cpu kernel's error (rotation_error), the reference's rounding of its double result
-      // (u of it) and its double arithmetic and angle (below u of the terms, and err): the cpu
-      // bound with gamma(4) and the angle error twice. Gaps are untouched: bound 0.
-      std::vector<double> bound(x.size(), 0.0);
-      const int half = c.D / 2;
-      for (int64_t n = 0; n < int64_t(c.B) * c.T; ++n) {
-        const int t = int(n % c.T);
-        for (int h = 0; h < c.H; ++h) {
-          for (int i = 0; i < half; ++i) {
-            const size_t i1 = size_t(n * c.stride + int64_t(h) * c.D + i), i2 = i1 + half;
-            const Angle ang(t, i, c.D, c.theta);
-            const double x1 = x[i1], x2 = x[i2];
-            const double terms1 = std::fabs(x1 * ang.c) + std::fabs(x2 * ang.s);
-            const double terms2 = std::fabs(x2 * ang.c) + std::fabs(x1 * ang.s);
-            const double both = 2 * (std::fabs(x1) + std::fabs(x2)) * ang.err;
-            bound[i1] = gamma(4) * terms1 + both;
-            bound[i2] = gamma(4) * terms2 + both;
-          }
-        }
-      }
+      const auto bound = testing::rope_bounds(x, c.B, c.T, c.H, c.D, c.stride, c.theta);
       EXPECT_TRUE(within_bounds(b, a, bound, "rotated"));
       // Entries between the heads of one token and the next are untouched.
       for (int64_t n = 0; n < int64_t(c.B) * c.T; ++n) {
@@ -106,21 +68,23 @@ TEST(Rope, BackwardUndoesForward) {
     fwd(y.data(), B, T, H, D, H * D, 10000.0f);
     EXPECT_GT(max_abs_error(y, x), 0.1);  // it did rotate
     bwd(y.data(), B, T, H, D, H * D, 10000.0f);
-    // Forward gives y = R x + e (|e| <= rotation_error), backward z = R^T y + e'; R^T R = I for
-    // the exact cos and sin, so z - x = R^T e + e': |c| e1 + |s| e2 + rotation_error of y.
+    // Forward gives y = R x + e (|e| <= rope_rotation_error), backward z = R^T y + e'; R^T R = I
+    // for the exact cos and sin, so z - x = R^T e + e': |c| e1 + |s| e2 + rope_rotation_error of y.
     std::vector<double> bound(x.size());
     for (int64_t n = 0; n < int64_t(B) * T; ++n) {
       for (int h = 0; h < H; ++h) {
         for (int i = 0; i < D / 2; ++i) {
           const size_t i1 = size_t((n * H + h) * D + i), i2 = i1 + D / 2;
-          const Angle ang(int(n % T), i, D, 10000.0);
+          const RopeAngle ang(int(n % T), i, D, 10000.0);
           const double x1 = x[i1], x2 = x[i2];
-          const double e1 = rotation_error(x1, x2, ang), e2 = rotation_error(x2, x1, ang);
+          const double e1 = rope_rotation_error(x1, x2, ang), e2 = rope_rotation_error(x2, x1, ang);
           // |y| bounds for the backward's own rounding.
           const double y1 = std::fabs(x1 * ang.c - x2 * ang.s) + e1;
           const double y2 = std::fabs(x2 * ang.c + x1 * ang.s) + e2;
-          bound[i1] = std::fabs(ang.c) * e1 + std::fabs(ang.s) * e2 + rotation_error(y1, y2, ang);
-          bound[i2] = std::fabs(ang.c) * e2 + std::fabs(ang.s) * e1 + rotation_error(y2, y1, ang);
+          bound[i1] =
+              std::fabs(ang.c) * e1 + std::fabs(ang.s) * e2 + rope_rotation_error(y1, y2, ang);
+          bound[i2] =
+              std::fabs(ang.c) * e2 + std::fabs(ang.s) * e1 + rope_rotation_error(y2, y1, ang);
         }
       }
     }
@@ -143,18 +107,15 @@ TEST(Rope, MatchesComplexRotation) {
           const size_t base = (size_t(t) * H + h) * D;
           const std::complex<double> z(x[base + i], x[base + i + D / 2]);
           const std::complex<double> r = z * std::polar(1.0, t * std::pow(theta, -2.0 * i / D));
-          // The cpu kernel's rotation_error (the reference's double rotation rounded once is
-          // within it), plus this double evaluation's own (gamma(4) covers both).
-          const Angle ang(t, i, D, theta);
+          // The cpu kernel's rope_rotation_error (the reference's double rotation rounded once is
+          // within it), plus this double evaluation's own: rope_component_bound covers both.
+          const RopeAngle ang(t, i, D, theta);
           const double x1 = z.real(), x2 = z.imag();
-          const double both = 2 * (std::fabs(x1) + std::fabs(x2)) * ang.err;
-          EXPECT_TRUE(testing::within_bound(
-              y[base + i], r.real(),
-              gamma(4) * (std::fabs(x1 * ang.c) + std::fabs(x2 * ang.s)) + both, "real"))
+          EXPECT_TRUE(testing::within_bound(y[base + i], r.real(),
+                                            rope_component_bound(x1, x2, ang), "real"))
               << "t=" << t << " h=" << h << " i=" << i;
-          EXPECT_TRUE(testing::within_bound(
-              y[base + i + D / 2], r.imag(),
-              gamma(4) * (std::fabs(x2 * ang.c) + std::fabs(x1 * ang.s)) + both, "imag"))
+          EXPECT_TRUE(testing::within_bound(y[base + i + D / 2], r.imag(),
+                                            rope_component_bound(x2, x1, ang), "imag"))
               << "t=" << t << " h=" << h << " i=" << i;
         }
       }

@@ -14,6 +14,12 @@ double gamma64(int64_t terms) {
   return nu / (1 - nu);
 }
 
+double compose(std::initializer_list<double> rel) {
+  double p = 1;
+  for (double r : rel) p *= 1 + r;
+  return p - 1;
+}
+
 double exp_error(double arg_error, double rel_error) {
   return std::expm1(arg_error) * (1 + rel_error) + rel_error;
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <vector>
 
@@ -22,6 +23,9 @@ namespace tessel::testing {
 
 // gamma with the float64 unit roundoff 2^-53: the references' sums.
 double gamma64(int64_t terms);
+
+// (1 + a)(1 + b)... - 1: relative errors composed exactly.
+double compose(std::initializer_list<double> rel);
 
 // Relative error of cpu::fast_exp (kernels/cpu/vec_math.h) on [-87.33, 88], from its code:
 //   * the Cephes polynomial itself differs from e^r by at most 2.7e-9 = 0.05 u on |r| <= ln2/2

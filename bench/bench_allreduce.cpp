@@ -17,7 +17,6 @@
 //
 // Usage: bench_allreduce [--mib 64] [--reps 7] [--nproc 2]
 // Last line: one JSON object.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gloo/allreduce.h>
@@ -43,6 +42,7 @@
 
 #include "tessel/comm/communicator.h"
 #include "tessel/comm/store.h"
+#include "tessel/process/fork_children.h"
 
 namespace {
 
@@ -193,39 +193,22 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string dir = tmpl;
-  std::fflush(stdout);
-  std::vector<pid_t> pids;
-  for (int rank = 0; rank < a.nproc; ++rank) {
-    pid_t pid = fork();
-    if (pid < 0) {
-      std::perror("bench_allreduce: fork");
-      for (pid_t q : pids) kill(q, SIGKILL);
-      break;
-    }
-    if (pid == 0) {
-      int rc = 1;
-      try {
-        rc = worker(a, dir, rank);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_allreduce rank %d: %s\n", rank, e.what());
-      }
-      std::fflush(stdout);
-      std::fflush(stderr);
-      _exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  int failed = int(pids.size()) == a.nproc ? 0 : 1;
-  for (size_t left = pids.size(); left > 0; --left) {
-    int status = 0;
-    pid_t pid = waitpid(-1, &status, 0);
-    if (pid < 0) break;
-    std::erase(pids, pid);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+  // A dead peer leaves the others blocked until their timeout; do not wait that long.
+  tessel::process::ForkOptions how;
+  how.deadline = std::chrono::hours(2);
+  how.stop_on_failure = true;
+  int failed = 0;
+  try {
+    const auto outcomes = tessel::process::run_forked(
+        a.nproc, [&](int rank) { return worker(a, dir, rank); }, how);
+    for (size_t r = 0; r < outcomes.size(); ++r) {
+      if (outcomes[r].ok()) continue;
+      std::fprintf(stderr, "bench_allreduce rank %zu: %s\n", r, outcomes[r].describe().c_str());
       failed = 1;
-      // A dead peer leaves the others blocked until their timeout; do not wait that long.
-      for (pid_t q : pids) kill(q, SIGKILL);
     }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_allreduce: %s\n", e.what());
+    failed = 1;
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);

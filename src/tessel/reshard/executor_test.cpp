@@ -9,6 +9,7 @@
 
 #include "tessel/comm/multiprocess_test_util.h"
 #include "tessel/core/error.h"
+#include "tessel/process/fork_children.h"  // run_ranks runs the processes
 #include "tessel/reshard/reshard_test_util.h"
 #include "tessel/testing/testing.h"
 

@@ -89,21 +89,14 @@ std::vector<std::span<const StatePiece>> pieces_by_buffer(const StateLayout& L, 
   return out;
 }
 
-}  // namespace
+// The build steps, in the order TransferPlan::build runs them.
 
-TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
-                                 const std::vector<int>& host_of_old_rank,
-                                 const std::vector<int>& host_of_new_rank) {
-  std::vector<int> old_ids(size_t(from.world())), new_ids(size_t(to.world()));
-  std::iota(old_ids.begin(), old_ids.end(), 0);
-  std::iota(new_ids.begin(), new_ids.end(), 0);
-  return build(from, to, host_of_old_rank, host_of_new_rank, old_ids, new_ids);
-}
-
-TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
-                                 const std::vector<int>& host_of_old_rank,
-                                 const std::vector<int>& host_of_new_rank,
-                                 const std::vector<int>& old_ids, const std::vector<int>& new_ids) {
+// Rejects every inconsistent argument before any work, so a bad call fails with a message that
+// names the argument at fault, and the steps below may index the lists without checks.
+void check_arguments(const StateLayout& from, const StateLayout& to,
+                     const std::vector<int>& host_of_old_rank,
+                     const std::vector<int>& host_of_new_rank, const std::vector<int>& old_ids,
+                     const std::vector<int>& new_ids) {
   check_same_model(from, to);
   for (StateKind k : to.kinds()) {
     TESSEL_CHECK(from.has_kind(k), ConfigError,
@@ -121,54 +114,72 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
                new_ids.size(), host_of_new_rank.size());
   check_ids(old_ids, "old", true);
   check_ids(new_ids, "new", false);
-  auto lost = [&](int old_rank) { return old_ids[size_t(old_rank)] == kLost; };
-  for (int i = 0; i < from.world(); ++i) {
-    TESSEL_CHECK(lost(i) || host_of_old_rank[size_t(i)] >= 0, ConfigError,
-                 "host ids must be >= 0 (got {})", host_of_old_rank[size_t(i)]);
+  for (size_t i = 0; i < old_ids.size(); ++i) {
+    TESSEL_CHECK(old_ids[i] == TransferPlan::kLost || host_of_old_rank[i] >= 0, ConfigError,
+                 "host ids must be >= 0 (got {})", host_of_old_rank[i]);
   }
   for (int h : host_of_new_rank)
     TESSEL_CHECK(h >= 0, ConfigError, "host ids must be >= 0 (got {})", h);
+}
 
-  TransferPlan P;
-  P.old_ids_ = old_ids;
-  P.new_ids_ = new_ids;
+// Every process of the transition once, ascending (survivors are in both lists, lost old ranks in
+// neither): the members of the union world the executor communicates in, whose ranks index the
+// per-process tables below.
+std::vector<int> union_of_processes(const std::vector<int>& old_ids,
+                                    const std::vector<int>& new_ids) {
+  std::vector<int> processes;
   for (int id : old_ids)
-    if (id != kLost) P.processes_.push_back(id);
-  P.processes_.insert(P.processes_.end(), new_ids.begin(), new_ids.end());
-  std::sort(P.processes_.begin(), P.processes_.end());
-  P.processes_.erase(std::unique(P.processes_.begin(), P.processes_.end()), P.processes_.end());
-  const size_t U = P.processes_.size();
-  std::vector<int> host(U, -1);
-  for (int i = 0; i < from.world(); ++i)
-    if (!lost(i)) host[size_t(P.union_rank(old_ids[size_t(i)]))] = host_of_old_rank[size_t(i)];
-  for (int j = 0; j < to.world(); ++j) {
-    int& h = host[size_t(P.union_rank(new_ids[size_t(j)]))];
+    if (id != TransferPlan::kLost) processes.push_back(id);
+  processes.insert(processes.end(), new_ids.begin(), new_ids.end());
+  std::sort(processes.begin(), processes.end());
+  processes.erase(std::unique(processes.begin(), processes.end()), processes.end());
+  return processes;
+}
+
+// The host of each process by union rank, which the choice of sources (same host first) and the
+// cross-host statistics need. A survivor appears in both lists: it must name the same host
+// twice, since a process cannot move. `P` already knows its processes.
+std::vector<int> hosts_by_union_rank(const TransferPlan& P,
+                                     const std::vector<int>& host_of_old_rank,
+                                     const std::vector<int>& host_of_new_rank) {
+  std::vector<int> host(P.processes().size(), -1);
+  for (int i = 0; i < P.old_world(); ++i) {
+    const int p = P.process_of_old_rank(i);
+    if (p != TransferPlan::kLost) host[size_t(P.union_rank(p))] = host_of_old_rank[size_t(i)];
+  }
+  for (int j = 0; j < P.new_world(); ++j) {
+    const int q = P.process_of_new_rank(j);
+    int& h = host[size_t(P.union_rank(q))];
     TESSEL_CHECK(h < 0 || h == host_of_new_rank[size_t(j)], ConfigError,
                  "process {} is old rank {} on host {} but new rank {} on host {}; a surviving "
                  "process keeps its host",
-                 new_ids[size_t(j)], P.old_rank_of(new_ids[size_t(j)]), h, j,
-                 host_of_new_rank[size_t(j)]);
+                 q, P.old_rank_of(q), h, j, host_of_new_rank[size_t(j)]);
     h = host_of_new_rank[size_t(j)];
   }
+  return host;
+}
 
-  P.hosts_ = host;
-
-  for (int i = 0; i < from.world(); ++i) {
+// Each rank's buffer sizes (floats), kept in the plan so the executor can size and check the
+// buffers without the layouts.
+std::vector<std::vector<int64_t>> buffer_sizes(const StateLayout& L) {
+  std::vector<std::vector<int64_t>> out;
+  for (int r = 0; r < L.world(); ++r) {
     std::vector<int64_t> sizes;
-    for (const auto& b : from.buffers(i)) sizes.push_back(b.numel);
-    P.old_sizes_.push_back(std::move(sizes));
+    for (const auto& b : L.buffers(r)) sizes.push_back(b.numel);
+    out.push_back(std::move(sizes));
   }
-  for (int j = 0; j < to.world(); ++j) {
-    std::vector<int64_t> sizes;
-    for (const auto& b : to.buffers(j)) sizes.push_back(b.numel);
-    P.new_sizes_.push_back(std::move(sizes));
-  }
+  return out;
+}
 
-  // Buffers a surviving process holds already, exactly as the new layout wants them.
-  P.kept_.resize(size_t(to.world()));
+// For each new buffer, the old buffer of the same process that already holds exactly its contents
+// in exactly its layout, or -1: such a buffer needs no transfer at all (the runtime may keep it as
+// it is), which is what makes an unchanged layout move nothing. Adds their bytes to kept_bytes.
+std::vector<std::vector<int>> kept_buffers(const TransferPlan& P, const StateLayout& from,
+                                           const StateLayout& to, int64_t& kept_bytes) {
+  std::vector<std::vector<int>> kept(size_t(to.world()));
   for (int j = 0; j < to.world(); ++j) {
-    P.kept_[size_t(j)].assign(to.buffers(j).size(), -1);
-    const int i = P.old_rank_of(new_ids[size_t(j)]);
+    kept[size_t(j)].assign(to.buffers(j).size(), -1);
+    const int i = P.old_rank_of(P.process_of_new_rank(j));
     if (i < 0) continue;
     const auto old_pieces = pieces_by_buffer(from, i);
     const auto new_pieces = pieces_by_buffer(to, j);
@@ -178,116 +189,166 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
         const auto& o = from.buffers(i)[ob];
         if (o.kind == nb.kind && o.numel == nb.numel &&
             same_contents(old_pieces[ob], new_pieces[b])) {
-          P.kept_[size_t(j)][b] = int(ob);
-          P.stats_.kept_bytes += nb.numel * int64_t(sizeof(float));
+          kept[size_t(j)][b] = int(ob);
+          kept_bytes += nb.numel * int64_t(sizeof(float));
           break;
         }
       }
     }
   }
+  return kept;
+}
 
-  // The pieces to write, largest first (greedy balancing works best on big items first).
+// The new pieces that transfers must write (those outside kept buffers), largest first: the
+// greedy balancing of senders works best when the big items are placed first. Adds the bytes of
+// every new piece, kept or not, to total_bytes.
+std::vector<const StatePiece*> pieces_to_write(const StateLayout& to,
+                                               const std::vector<std::vector<int>>& kept,
+                                               int64_t& total_bytes) {
   std::vector<const StatePiece*> dests;
   for (int j = 0; j < to.world(); ++j) {
     for (const StatePiece& p : to.pieces(j)) {
-      P.stats_.total_bytes += p.global.volume() * int64_t(sizeof(float));
-      if (P.kept_[size_t(j)][size_t(p.buffer)] < 0) dests.push_back(&p);
+      total_bytes += p.global.volume() * int64_t(sizeof(float));
+      if (kept[size_t(j)][size_t(p.buffer)] < 0) dests.push_back(&p);
     }
   }
   std::stable_sort(dests.begin(), dests.end(), [](const StatePiece* a, const StatePiece* b) {
     return a->global.volume() > b->global.volume();
   });
+  return dests;
+}
 
-  std::vector<int64_t> load(U, 0);  // bytes each process sends so far
-  std::vector<Box> remaining, next;
-  for (const StatePiece* d : dests) {
-    const int q = new_ids[size_t(d->rank)];
-    const int hq = host[size_t(P.union_rank(q))];
+// Chooses the sources of the new pieces, one piece at a time in the order given (see "Sources"
+// in the header), and records the transfers. It carries what the pieces share: the bytes each
+// process sends so far (the load the choice balances) and the transfers made.
+class SourceChooser {
+ public:
+  SourceChooser(const TransferPlan& P, const StateLayout& from, const StateLayout& to)
+      : P_(P), from_(from), to_(to), load_(P.processes().size(), 0) {}
+
+  // Writes new piece `d`: first from the receiving process's own old copies (a local copy moves
+  // nothing between processes), then from the best other copy until nothing is missing. Adds to
+  // min_bytes what the process must receive (no exact plan moves less). Throws ConfigError when
+  // some element has no copy on an old rank that is not lost.
+  void write(const StatePiece& d, int64_t& min_bytes) {
+    const int q = P_.process_of_new_rank(d.rank);
     // Copies on lost ranks do not exist any more.
-    auto cands = from.replicas(d->tensor, d->kind, d->global);
+    auto cands = from_.replicas(d.tensor, d.kind, d.global);
     std::erase_if(cands, [&](const StatePiece* c) { return lost(c->rank); });
-    remaining.assign(1, d->global);
-    // Moves what `c` holds of the remaining boxes into transfers; returns the elements taken.
-    auto take = [&](const StatePiece& c) {
-      int64_t taken = 0;
-      next.clear();
-      for (const Box& r : remaining) {
-        const Box part = r.intersect(c.global);
-        if (part.empty()) {
-          next.push_back(r);
-          continue;
-        }
-        Transfer t;
-        t.tensor = d->tensor;
-        t.kind = d->kind;
-        t.global = part;
-        t.src_rank = c.rank;
-        t.src_buffer = c.buffer;
-        t.src = c.region(part);
-        t.dst_rank = d->rank;
-        t.dst_buffer = d->buffer;
-        t.dst = d->region(part);
-        t.src_process = old_ids[size_t(c.rank)];
-        t.dst_process = q;
-        taken += part.volume();
-        P.transfers_.push_back(std::move(t));
-        subtract(r, part, next);
-      }
-      remaining.swap(next);
-      return taken;
-    };
+    remaining_.assign(1, d.global);
     for (const StatePiece* c : cands) {
-      if (old_ids[size_t(c->rank)] == q) take(*c);
+      if (P_.process_of_old_rank(c->rank) == q) take(d, *c);
     }
-    for (const Box& r : remaining) P.stats_.min_bytes += r.volume() * int64_t(sizeof(float));
-    while (!remaining.empty()) {
-      const StatePiece* best = nullptr;
-      std::tuple<bool, int64_t, int> best_key;
-      for (const StatePiece* c : cands) {
-        const int p = old_ids[size_t(c->rank)];
-        if (p == q) continue;
-        const bool overlaps = std::any_of(remaining.begin(), remaining.end(), [&](const Box& r) {
-          return !r.intersect(c->global).empty();
-        });
-        if (!overlaps) continue;
-        const int u = P.union_rank(p);
-        const std::tuple<bool, int64_t, int> key{host[size_t(u)] != hq, load[size_t(u)], c->rank};
-        if (best == nullptr || key < best_key) {
-          best = c;
-          best_key = key;
-        }
-      }
-      if (best == nullptr) {
-        // Every copy of this box was on a lost rank (or, for inconsistent layouts, nowhere).
-        const Box& missing = remaining.front();
-        std::vector<int> holders;
-        for (const StatePiece* c : from.replicas(d->tensor, d->kind, missing))
-          if (lost(c->rank)) holders.push_back(c->rank);
-        TESSEL_CHECK(holders.empty(), ConfigError,
-                     "the state {} of '{}' ({}) that the new layout ({}) needs was lost: only "
-                     "old rank(s) {} of the old layout ({}) held it and their state is not "
-                     "available; restore it from a checkpoint (lost_state() lists all that was "
-                     "lost)",
-                     missing.str(), from.spec()[size_t(d->tensor)].name,
-                     layout::state_kind_name(d->kind), to.plan().describe(),
-                     fmt::join(holders, ", "), from.plan().describe());
-        TESSEL_THROW(ConfigError,
-                     "the old layout ({}) holds no copy of {} of '{}' ({}) that the new layout "
-                     "({}) needs",
-                     from.plan().describe(), missing.str(), from.spec()[size_t(d->tensor)].name,
-                     layout::state_kind_name(d->kind), to.plan().describe());
-      }
-      const int u = P.union_rank(old_ids[size_t(best->rank)]);
-      load[size_t(u)] += take(*best) * int64_t(sizeof(float));
+    for (const Box& r : remaining_) min_bytes += r.volume() * int64_t(sizeof(float));
+    while (!remaining_.empty()) {
+      const StatePiece* best = best_remote_copy(cands, q);
+      if (best == nullptr) throw_lost(d);
+      const int u = P_.union_rank(P_.process_of_old_rank(best->rank));
+      load_[size_t(u)] += take(d, *best) * int64_t(sizeof(float));
     }
   }
 
-  // One message per (sender, receiver) pair.
+  std::vector<Transfer> transfers() && { return std::move(transfers_); }
+
+ private:
+  bool lost(int old_rank) const { return P_.process_of_old_rank(old_rank) == TransferPlan::kLost; }
+
+  // Moves what copy `c` holds of the boxes of `d` still missing into transfers, one per box it
+  // meets, and leaves the rest missing; returns the elements taken.
+  int64_t take(const StatePiece& d, const StatePiece& c) {
+    int64_t taken = 0;
+    next_.clear();
+    for (const Box& r : remaining_) {
+      const Box part = r.intersect(c.global);
+      if (part.empty()) {
+        next_.push_back(r);
+        continue;
+      }
+      Transfer t;
+      t.tensor = d.tensor;
+      t.kind = d.kind;
+      t.global = part;
+      t.src_rank = c.rank;
+      t.src_buffer = c.buffer;
+      t.src = c.region(part);
+      t.dst_rank = d.rank;
+      t.dst_buffer = d.buffer;
+      t.dst = d.region(part);
+      t.src_process = P_.process_of_old_rank(c.rank);
+      t.dst_process = P_.process_of_new_rank(d.rank);
+      taken += part.volume();
+      transfers_.push_back(std::move(t));
+      subtract(r, part, next_);
+    }
+    remaining_.swap(next_);
+    return taken;
+  }
+
+  // Among the other processes' copies holding something still missing: one on the receiver's
+  // host before one elsewhere (cross-host links are the slow ones), then the least-loaded sender
+  // (so no sender becomes the bottleneck), then the lower old rank (so every process builds the
+  // same plan). Null when no such copy exists.
+  const StatePiece* best_remote_copy(const std::vector<const StatePiece*>& cands, int q) const {
+    const int hq = P_.host_of(q);
+    const StatePiece* best = nullptr;
+    std::tuple<bool, int64_t, int> best_key;
+    for (const StatePiece* c : cands) {
+      const int p = P_.process_of_old_rank(c->rank);
+      if (p == q) continue;
+      const bool overlaps = std::any_of(remaining_.begin(), remaining_.end(), [&](const Box& r) {
+        return !r.intersect(c->global).empty();
+      });
+      if (!overlaps) continue;
+      const int u = P_.union_rank(p);
+      const std::tuple<bool, int64_t, int> key{P_.host_of(p) != hq, load_[size_t(u)], c->rank};
+      if (best == nullptr || key < best_key) {
+        best = c;
+        best_key = key;
+      }
+    }
+    return best;
+  }
+
+  // Every copy of the first missing box of `d` was on a lost rank (or, for inconsistent layouts,
+  // nowhere): the error says which, so the caller can decide to restore a checkpoint instead.
+  [[noreturn]] void throw_lost(const StatePiece& d) const {
+    const Box& missing = remaining_.front();
+    std::vector<int> holders;
+    for (const StatePiece* c : from_.replicas(d.tensor, d.kind, missing))
+      if (lost(c->rank)) holders.push_back(c->rank);
+    TESSEL_CHECK(holders.empty(), ConfigError,
+                 "the state {} of '{}' ({}) that the new layout ({}) needs was lost: only "
+                 "old rank(s) {} of the old layout ({}) held it and their state is not "
+                 "available; restore it from a checkpoint (lost_state() lists all that was "
+                 "lost)",
+                 missing.str(), from_.spec()[size_t(d.tensor)].name,
+                 layout::state_kind_name(d.kind), to_.plan().describe(), fmt::join(holders, ", "),
+                 from_.plan().describe());
+    TESSEL_THROW(ConfigError,
+                 "the old layout ({}) holds no copy of {} of '{}' ({}) that the new layout "
+                 "({}) needs",
+                 from_.plan().describe(), missing.str(), from_.spec()[size_t(d.tensor)].name,
+                 layout::state_kind_name(d.kind), to_.plan().describe());
+  }
+
+  const TransferPlan& P_;
+  const StateLayout& from_;
+  const StateLayout& to_;
+  std::vector<int64_t> load_;          // bytes each process sends so far, by union rank
+  std::vector<Box> remaining_, next_;  // what the current piece still misses
+  std::vector<Transfer> transfers_;
+};
+
+// The transfers between processes grouped into one message per (sender, receiver) pair, ordered
+// by the pair: the executor sends each message as one buffer, so a pair pays one latency.
+// Transfers within a process are no message; their bytes go to local_copy_bytes.
+std::vector<Message> group_into_messages(const std::vector<Transfer>& transfers,
+                                         int64_t& local_copy_bytes) {
   std::map<std::pair<int, int>, Message> by_pair;
-  for (size_t t = 0; t < P.transfers_.size(); ++t) {
-    const Transfer& tr = P.transfers_[t];
+  for (size_t t = 0; t < transfers.size(); ++t) {
+    const Transfer& tr = transfers[t];
     if (tr.src_process == tr.dst_process) {
-      P.stats_.local_copy_bytes += tr.numel() * int64_t(sizeof(float));
+      local_copy_bytes += tr.numel() * int64_t(sizeof(float));
       continue;
     }
     Message& m = by_pair[{tr.src_process, tr.dst_process}];
@@ -296,20 +357,59 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
     m.transfers.push_back(int(t));
     m.numel += tr.numel();
   }
+  std::vector<Message> messages;
+  for (auto& [pair, m] : by_pair) messages.push_back(std::move(m));
+  return messages;
+}
+
+// The traffic statistics of the messages (bytes moved, across hosts, the most one process sends
+// and receives), which callers log and use to choose between plans.
+void count_traffic(const TransferPlan& P, TransferStats& stats) {
+  const size_t U = P.processes().size();
   std::vector<int64_t> sent(U, 0), received(U, 0);
-  for (auto& [pair, m] : by_pair) {
-    P.stats_.bytes_moved += m.bytes();
-    const size_t s = size_t(P.union_rank(m.src_process)), r = size_t(P.union_rank(m.dst_process));
-    if (host[s] != host[r]) P.stats_.bytes_cross_host += m.bytes();
-    sent[s] += m.bytes();
-    received[r] += m.bytes();
-    P.messages_.push_back(std::move(m));
+  for (const Message& m : P.messages()) {
+    stats.bytes_moved += m.bytes();
+    if (P.host_of(m.src_process) != P.host_of(m.dst_process)) stats.bytes_cross_host += m.bytes();
+    sent[size_t(P.union_rank(m.src_process))] += m.bytes();
+    received[size_t(P.union_rank(m.dst_process))] += m.bytes();
   }
-  P.stats_.messages = int64_t(P.messages_.size());
+  stats.messages = int64_t(P.messages().size());
   for (size_t u = 0; u < U; ++u) {
-    P.stats_.max_send_bytes = std::max(P.stats_.max_send_bytes, sent[u]);
-    P.stats_.max_recv_bytes = std::max(P.stats_.max_recv_bytes, received[u]);
+    stats.max_send_bytes = std::max(stats.max_send_bytes, sent[u]);
+    stats.max_recv_bytes = std::max(stats.max_recv_bytes, received[u]);
   }
+}
+
+}  // namespace
+
+TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
+                                 const std::vector<int>& host_of_old_rank,
+                                 const std::vector<int>& host_of_new_rank) {
+  std::vector<int> old_ids(size_t(from.world())), new_ids(size_t(to.world()));
+  std::iota(old_ids.begin(), old_ids.end(), 0);
+  std::iota(new_ids.begin(), new_ids.end(), 0);
+  return build(from, to, host_of_old_rank, host_of_new_rank, old_ids, new_ids);
+}
+
+TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
+                                 const std::vector<int>& host_of_old_rank,
+                                 const std::vector<int>& host_of_new_rank,
+                                 const std::vector<int>& old_ids, const std::vector<int>& new_ids) {
+  check_arguments(from, to, host_of_old_rank, host_of_new_rank, old_ids, new_ids);
+  TransferPlan P;
+  P.old_ids_ = old_ids;
+  P.new_ids_ = new_ids;
+  P.processes_ = union_of_processes(old_ids, new_ids);
+  P.hosts_ = hosts_by_union_rank(P, host_of_old_rank, host_of_new_rank);
+  P.old_sizes_ = buffer_sizes(from);
+  P.new_sizes_ = buffer_sizes(to);
+  P.kept_ = kept_buffers(P, from, to, P.stats_.kept_bytes);
+  SourceChooser sources(P, from, to);
+  for (const StatePiece* d : pieces_to_write(to, P.kept_, P.stats_.total_bytes))
+    sources.write(*d, P.stats_.min_bytes);
+  P.transfers_ = std::move(sources).transfers();
+  P.messages_ = group_into_messages(P.transfers_, P.stats_.local_copy_bytes);
+  count_traffic(P, P.stats_);
   return P;
 }
 

@@ -2,9 +2,7 @@
 #include "tessel/planner/profile_harness.h"
 
 #include <fmt/format.h>
-#include <signal.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,9 +10,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
-#include <thread>
 
 #include "tessel/core/check.h"
+#include "tessel/process/fork_children.h"
 
 namespace tessel::planner::detail {
 
@@ -81,68 +79,39 @@ std::string read_text(const fs::path& path) {
 std::vector<std::string> run_children(int n, std::chrono::milliseconds timeout,
                                       const std::string& what, const fs::path& dir,
                                       const std::function<std::string(int)>& body) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::vector<pid_t> pids;
-  auto kill_all = [&pids] {
-    for (pid_t p : pids) {
-      if (p > 0) kill(p, SIGKILL);
+  auto child = [&](int i) {
+    try {
+      write_text(dir / fmt::format("child-{}.out", i), body(i));
+      return 0;
+    } catch (const std::exception& e) {
+      write_text(dir / fmt::format("child-{}.err", i), e.what());
+    } catch (...) {
+      write_text(dir / fmt::format("child-{}.err", i), "unknown exception");
     }
-    for (pid_t p : pids) {
-      if (p > 0) waitpid(p, nullptr, 0);
-    }
+    return 1;
   };
+  process::ForkOptions how;
+  how.deadline = timeout;
+  how.stop_on_failure = true;  // the others would wait for the failed one at a barrier
+  std::vector<process::ChildOutcome> outcomes;
+  try {
+    outcomes = process::run_forked(n, child, how);
+  } catch (const IoError& e) {
+    TESSEL_THROW(IoError, "profile: {}: {}", what, e.what());
+  }
   for (int i = 0; i < n; ++i) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      int code = 0;
-      try {
-        write_text(dir / fmt::format("child-{}.out", i), body(i));
-      } catch (const std::exception& e) {
-        write_text(dir / fmt::format("child-{}.err", i), e.what());
-        code = 1;
-      } catch (...) {
-        write_text(dir / fmt::format("child-{}.err", i), "unknown exception");
-        code = 1;
-      }
-      std::fflush(stdout);
-      std::fflush(stderr);
-      _exit(code);
-    }
-    if (pid < 0) {
-      kill_all();
-      TESSEL_THROW(IoError, "profile: fork failed for {} (process {} of {})", what, i, n);
-    }
-    pids.push_back(pid);
+    const auto& o = outcomes[size_t(i)];
+    if (o.ok() || o.killed_after_failure || o.killed_at_deadline) continue;
+    const fs::path err = dir / fmt::format("child-{}.err", i);
+    TESSEL_THROW(Error, "profile: {} failed in process {} of {}: {}", what, i, n,
+                 fs::exists(err) ? read_text(err) : o.describe());
   }
-  const auto deadline = Clock::now() + timeout;
-  int left = n;
-  while (left > 0) {
-    for (int i = 0; i < n; ++i) {
-      if (pids[size_t(i)] <= 0) continue;
-      int status = 0;
-      if (waitpid(pids[size_t(i)], &status, WNOHANG) != pids[size_t(i)]) continue;
-      pids[size_t(i)] = 0;
-      --left;
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-      kill_all();
-      const fs::path err = dir / fmt::format("child-{}.err", i);
-      const std::string why = fs::exists(err) ? read_text(err)
-                              : WIFSIGNALED(status)
-                                  ? fmt::format("killed by signal {}", WTERMSIG(status))
-                                  : fmt::format("exit status {}", WEXITSTATUS(status));
-      TESSEL_THROW(Error, "profile: {} failed in process {} of {}: {}", what, i, n, why);
-    }
-    if (left == 0) break;
-    if (Clock::now() > deadline) {
-      kill_all();
-      TESSEL_THROW(TimeoutError,
-                   "profile: {} did not finish within {:.0f} s (the machine may be overloaded, "
-                   "or the sizes too large); the processes were killed",
-                   what, std::chrono::duration<double>(timeout).count());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
+  TESSEL_CHECK(std::none_of(outcomes.begin(), outcomes.end(),
+                            [](const auto& o) { return o.killed_at_deadline; }),
+               TimeoutError,
+               "profile: {} did not finish within {:.0f} s (the machine may be overloaded, or the "
+               "sizes too large); the processes were killed",
+               what, std::chrono::duration<double>(timeout).count());
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) out.push_back(read_text(dir / fmt::format("child-{}.out", i)));
   return out;

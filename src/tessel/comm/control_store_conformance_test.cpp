@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "tessel/comm/control_store.h"
+#include "tessel/comm/etcd_store.h"
+#include "tessel/comm/etcd_test_util.h"
 #include "tessel/comm/memory_store.h"
 #include "tessel/core/error.h"
 
@@ -18,21 +20,47 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// A fresh, empty store, with what it runs on (an etcd server) kept alive as long as the store; or
+// why this kind of store cannot be tested here.
+struct MadeStore {
+  std::shared_ptr<void> backend;
+  std::unique_ptr<ControlStore> store;
+  std::string skip;
+};
+
 struct StoreKind {
   std::string name;
-  std::function<std::unique_ptr<ControlStore>()> make;
+  std::function<MadeStore()> make;
 };
 
 const std::vector<StoreKind>& kStores() {
   static const std::vector<StoreKind> stores = {
-      {"memory", [] { return std::make_unique<MemoryStore>(); }},
+      {"memory",
+       [] {
+         return MadeStore{nullptr, std::make_unique<MemoryStore>(), ""};
+       }},
+      // One etcd server per test: each starts from an empty store at revision 1.
+      {"etcd",
+       [] {
+         const auto binary = testing::find_etcd();
+         if (!binary) return MadeStore{nullptr, nullptr, testing::kNoEtcd};
+         auto server = std::make_shared<testing::EtcdServer>(*binary);
+         auto store = std::make_unique<EtcdStore>(server->endpoint(), 10s);
+         return MadeStore{server, std::move(store), ""};
+       }},
   };
   return stores;
 }
 
 class Conformance : public ::testing::TestWithParam<StoreKind> {
  protected:
-  void SetUp() override { store = GetParam().make(); }
+  void SetUp() override {
+    MadeStore made = GetParam().make();
+    if (!made.skip.empty()) GTEST_SKIP() << made.skip;
+    backend = std::move(made.backend);
+    store = std::move(made.store);
+  }
+  std::shared_ptr<void> backend;  // destroyed after the store
   std::unique_ptr<ControlStore> store;
 };
 

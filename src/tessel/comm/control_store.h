@@ -38,7 +38,9 @@ struct WatchEvent {
 };
 
 // What watch() returns: the events after the revision asked for, and the revision to ask from
-// next (the newest event's, or the store's revision when none came).
+// next: the newest event's, or when none came a revision from which asking again misses nothing
+// (at least the one asked for; MemoryStore gives its current revision, etcd the one asked for,
+// as a watch that started in the past may still deliver older events).
 struct WatchResult {
   std::vector<WatchEvent> events;
   int64_t revision = 0;

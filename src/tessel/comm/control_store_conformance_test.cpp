@@ -5,6 +5,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +33,11 @@ struct StoreKind {
   std::string name;
   std::function<MadeStore()> make;
 };
+
+// Test names and CTest's listing show the store's name, not the object's bytes.
+void PrintTo(const StoreKind& kind, std::ostream* os) {
+  *os << kind.name;
+}
 
 const std::vector<StoreKind>& kStores() {
   static const std::vector<StoreKind> stores = {

@@ -46,6 +46,10 @@ struct WatchResult {
   int64_t revision = 0;
 };
 
+// The value add() finds at `key`: the decimal integer in `value`. Throws CorruptDataError naming
+// the key when it holds anything else (every store's add() reads counters this way).
+int64_t parse_counter(const std::string& key, const std::string& value);
+
 class ControlStore {
  public:
   virtual ~ControlStore() = default;

@@ -224,14 +224,7 @@ int64_t EtcdStore::add(const std::string& key, int64_t delta) {
   std::optional<KeyValue> current = get(key);
   const auto deadline = Clock::now() + timeout_;
   for (;;) {
-    int64_t value = 0;
-    if (current) {
-      const std::string& s = current->value;
-      const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-      TESSEL_CHECK(ec == std::errc() && end == s.data() + s.size(), CorruptDataError,
-                   "control store: key '{}' holds '{}', not a counter", key, s);
-    }
-    value += delta;
+    const int64_t value = (current ? parse_counter(key, current->value) : 0) + delta;
     const json txn = {{"compare",
                        {{{"key", base64_encode(key)},
                          {"target", "MOD"},

@@ -1,7 +1,6 @@
 #include "tessel/comm/memory_store.h"
 
 #include <algorithm>
-#include <charconv>
 
 #include "tessel/core/check.h"
 
@@ -101,10 +100,7 @@ int64_t MemoryStore::add(const std::string& key, int64_t delta) {
   int64_t value = 0;
   LeaseId lease = 0;
   if (auto it = keys_.find(key); it != keys_.end()) {
-    const std::string& s = it->second.value;
-    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-    TESSEL_CHECK(ec == std::errc() && end == s.data() + s.size(), CorruptDataError,
-                 "control store: key '{}' holds '{}', not a counter", key, s);
+    value = parse_counter(key, it->second.value);
     lease = it->second.lease;
   }
   value += delta;

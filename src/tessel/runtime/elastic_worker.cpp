@@ -268,9 +268,8 @@ std::optional<PreparedChunks> ElasticWorker::take_prepared(const SwitchMarker& s
 }
 
 std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const SwitchMarker& sw) const {
-  if (preparing && preparing->planned && preparing->sw.generation == sw.generation &&
-      preparing->planned->is_for(sw))
-    return preparing->planned;
+  // The plan depends only on the two layouts and their members, which is_for compares.
+  if (preparing && preparing->planned && preparing->planned->is_for(sw)) return preparing->planned;
   auto from =
       std::make_shared<const layout::StateLayout>(layout::StateLayout::build(cfg.model, sw.from));
   auto to =

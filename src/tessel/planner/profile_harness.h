@@ -11,13 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "tessel/core/clock.h"  // seconds_since
+
 namespace tessel::planner::detail {
 
 using Clock = std::chrono::steady_clock;
-
-inline double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // The median of `v`; throws InvalidArgumentError when it is empty.
 double median(std::vector<double> v);

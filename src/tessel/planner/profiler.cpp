@@ -24,7 +24,6 @@ using detail::compute_worker;
 using detail::median;
 using detail::run_children;
 using detail::ScratchDir;
-using detail::seconds_since;
 using detail::SharedBarrier;
 namespace fs = std::filesystem;
 

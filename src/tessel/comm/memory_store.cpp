@@ -198,4 +198,17 @@ void MemoryStore::revoke(LeaseId lease) {
   end_lease(lease);
 }
 
+std::optional<std::chrono::milliseconds> MemoryStore::lease_ttl(LeaseId lease) {
+  std::lock_guard lock(mu_);
+  expire_leases();
+  auto it = leases_.find(lease);
+  if (it == leases_.end()) return std::nullopt;
+  return it->second.ttl;
+}
+
+int64_t MemoryStore::compacted_revision() {
+  std::lock_guard lock(mu_);
+  return compacted_;
+}
+
 }  // namespace tessel::comm

@@ -34,6 +34,12 @@ class MemoryStore final : public ControlStore {
   void keep_alive(LeaseId lease) override;
   void revoke(LeaseId lease) override;
 
+  // For the embedded store's server (store_server.h), which answers what etcd would: the time to
+  // live `lease` was granted with, or nothing when it has expired or was revoked;
+  std::optional<std::chrono::milliseconds> lease_ttl(LeaseId lease);
+  // and the newest revision whose change is no longer kept (watch() serves the changes after it).
+  int64_t compacted_revision();
+
  private:
   using Clock = std::chrono::steady_clock;
   struct Lease {

@@ -14,6 +14,7 @@
 #include "tessel/comm/etcd_store.h"
 #include "tessel/comm/etcd_test_util.h"
 #include "tessel/comm/memory_store.h"
+#include "tessel/comm/store_server.h"
 #include "tessel/core/error.h"
 
 namespace tessel::comm {
@@ -21,8 +22,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A fresh, empty store, with what it runs on (an etcd server) kept alive as long as the store; or
-// why this kind of store cannot be tested here.
+// A fresh, empty store, with what it runs on (an etcd server, the embedded server) kept alive as
+// long as the store; or why this kind of store cannot be tested here.
 struct MadeStore {
   std::shared_ptr<void> backend;
   std::unique_ptr<ControlStore> store;
@@ -51,6 +52,13 @@ const std::vector<StoreKind>& kStores() {
          const auto binary = testing::find_etcd();
          if (!binary) return MadeStore{nullptr, nullptr, testing::kNoEtcd};
          auto server = std::make_shared<testing::EtcdServer>(*binary);
+         auto store = std::make_unique<EtcdStore>(server->endpoint(), 10s);
+         return MadeStore{server, std::move(store), ""};
+       }},
+      // The embedded store: a MemoryStore served over etcd's gateway protocol, through EtcdStore.
+      {"embedded",
+       [] {
+         auto server = std::make_shared<StoreServer>(std::make_shared<MemoryStore>());
          auto store = std::make_unique<EtcdStore>(server->endpoint(), 10s);
          return MadeStore{server, std::move(store), ""};
        }},

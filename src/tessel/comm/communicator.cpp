@@ -308,12 +308,12 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
     TESSEL_CHECK(message.find("File already exists") == std::string::npos, ConfigError,
                  "{}: rank {} is already registered in rendezvous store '{}' under prefix '{}'; "
                  "every new world needs a new generation: {}",
-                 state->where(op, -1), rank, store.path, group_store.prefix(), message);
+                 state->where(op, -1), rank, group_store.location(), group_store.prefix(), message);
     state->fail(op, -1, FailureKind::kOther, store.timeout, message);
   } catch (const gloo::IoException& e) {
     state->fail(op, -1, detail::classify_gloo_message(e.what()), store.timeout,
-                std::string(e.what()) +
-                    fmt::format(" [store '{}', prefix '{}']", store.path, group_store.prefix()));
+                std::string(e.what()) + fmt::format(" [store '{}', prefix '{}']",
+                                                    group_store.location(), group_store.prefix()));
   } catch (const gloo::Exception& e) {
     state->fail(op, -1, FailureKind::kOther, store.timeout, e.what());
   }

@@ -110,7 +110,8 @@ class Communicator {
   using Timeout = std::optional<std::chrono::milliseconds>;  // nullopt: the communicator's
 
   // Joins group `group_name` as `rank` of `size` through the store described by `store`
-  // (prefix "<job>/<generation>/<group_name>"). Blocks until all `size` members are connected
+  // (a directory or the control store, prefix store_prefix(store, group_name); see store.h).
+  // Blocks until all `size` members are connected
   // to each other (it ends with a barrier);
   // rendezvous is bounded by store.timeout, and `timeout` becomes the communicator's default
   // timeout for every later call. Throws ConfigError for bad arguments or a (job, generation,

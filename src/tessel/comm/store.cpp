@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <thread>
 
+#include "tessel/comm/control_rendezvous.h"
+#include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm {
@@ -46,8 +48,12 @@ class TimedFileStore : public gloo::rendezvous::FileStore {
 }  // namespace
 
 void validate(const StoreOptions& options) {
-  TESSEL_CHECK(!options.path.empty(), ConfigError,
-               "rendezvous store path is empty; set it to a directory every worker can reach");
+  TESSEL_CHECK(!options.path.empty() || !options.control_endpoint.empty(), ConfigError,
+               "rendezvous store path is empty; set it to a directory every worker can reach, or "
+               "set the control endpoint to rendezvous through the control store");
+  TESSEL_CHECK(options.control_endpoint.empty() || options.control_endpoint.starts_with("http://"),
+               ConfigError, "rendezvous control endpoint '{}' must look like http://host:port",
+               options.control_endpoint);
   TESSEL_CHECK(!options.job_id.empty(), ConfigError,
                "rendezvous job id is empty; give every job a unique id");
   TESSEL_CHECK(options.job_id.find('/') == std::string::npos, ConfigError,
@@ -68,18 +74,30 @@ void validate_group_name(const std::string& group_name) {
 std::string store_prefix(const StoreOptions& options, const std::string& group_name) {
   validate(options);
   validate_group_name(group_name);
-  return options.job_id + "/" + std::to_string(options.generation) + "/" + group_name;
+  const std::string generation = std::to_string(options.generation);
+  if (!options.control_endpoint.empty()) {
+    // The control store holds the whole job's state; rendezvous keys keep to their own subtree.
+    return "/tessel/" + options.job_id + "/rendezvous/" + generation + "/" + group_name;
+  }
+  return options.job_id + "/" + generation + "/" + group_name;
 }
 
 GroupStore::GroupStore(const StoreOptions& options, const std::string& group_name)
     : prefix_(store_prefix(options, group_name)), timeout_(options.timeout) {
-  std::error_code ec;
-  std::filesystem::create_directories(options.path, ec);
-  TESSEL_CHECK(!ec && std::filesystem::is_directory(options.path), IoError,
-               "cannot create rendezvous store directory '{}': {}", options.path,
-               ec ? ec.message() : "not a directory");
-  file_store_ = std::make_unique<TimedFileStore>(options.path, options.timeout);
-  prefix_store_ = std::make_unique<gloo::rendezvous::PrefixStore>(prefix_, *file_store_);
+  if (options.control_endpoint.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.path, ec);
+    TESSEL_CHECK(!ec && std::filesystem::is_directory(options.path), IoError,
+                 "cannot create rendezvous store directory '{}': {}", options.path,
+                 ec ? ec.message() : "not a directory");
+    location_ = options.path;
+    base_store_ = std::make_unique<TimedFileStore>(options.path, options.timeout);
+  } else {
+    location_ = options.control_endpoint;
+    control_ = std::make_unique<EtcdStore>(options.control_endpoint);
+    base_store_ = std::make_unique<ControlRendezvousStore>(*control_, options.timeout);
+  }
+  prefix_store_ = std::make_unique<gloo::rendezvous::PrefixStore>(prefix_, *base_store_);
 }
 
 GroupStore::~GroupStore() = default;

@@ -1,13 +1,17 @@
 // Rendezvous store for forming communicators.
 //
-// Processes find each other through Gloo's FileStore: a directory every process can reach (one
-// host, or a shared file system). Every key a group writes lives under the prefix
-// "<job_id>/<generation>/<group_name>/", so
+// Processes find each other through one of two stores, chosen by StoreOptions::control_endpoint:
+//   - empty: Gloo's FileStore on StoreOptions::path, a directory every process can reach (one
+//     host, or a shared file system); a group's keys live under "<job_id>/<generation>/<group>/";
+//   - "http://host:port": the job's control store (control_store.h) through an EtcdStore client
+//     of that endpoint -- etcd, or the embedded store a single-host job serves (store_server.h);
+//     a group's keys live under "/tessel/<job_id>/rendezvous/<generation>/<group>/".
+// Either way
 //   - two groups of one world (tp.0, dp.1, ...) never see each other's keys, and
 //   - a later generation of the same job (an elastic restart with a new world) forms fresh
-//     groups in the same directory without tripping over the keys of the dead generation.
-// Gloo's FileStore refuses to overwrite a key; re-using a (job, generation, group, rank) that is
-// already in the directory is reported as a ConfigError telling the caller to bump the generation.
+//     groups in the same store without tripping over the keys of the dead generation.
+// Both stores refuse to overwrite a key; re-using a (job, generation, group, rank) that is already
+// in the store is reported as a ConfigError telling the caller to bump the generation.
 //
 // Every wait on the store is bounded by StoreOptions::timeout (Gloo's own FileStore measures
 // timeouts in whole seconds and defaults to 30 s; this layer enforces ours to the millisecond).
@@ -24,30 +28,40 @@ class Store;
 
 namespace tessel::comm {
 
+class ControlStore;
+
 struct StoreOptions {
   std::string path;                          // directory for Gloo's FileStore; created if missing
   std::string job_id;                        // non-empty, no '/'
   int64_t generation = 0;                    // >= 0; bump it whenever a new world forms
   std::chrono::milliseconds timeout{60000};  // bound on every rendezvous wait (> 0)
+  // The control store's "http://host:port"; when set, rendezvous goes through it and `path` is
+  // not used (it may be empty). Initialized so that StoreOptions{path, job, generation, timeout}
+  // stays warning-free.
+  std::string control_endpoint = {};
 };
 
-// Throws ConfigError when the options cannot form a valid prefix (empty path or job id, '/' in
-// the job id, negative generation, non-positive timeout).
+// Throws ConfigError when the options cannot form a valid prefix (no store: empty path and
+// control endpoint; a control endpoint that is not http://; empty job id or '/' in it; negative
+// generation; non-positive timeout).
 void validate(const StoreOptions& options);
 
 // Throws ConfigError unless `group_name` is non-empty and contains no '/'.
 void validate_group_name(const std::string& group_name);
 
-// "<job_id>/<generation>/<group_name>", the key prefix of one group of one generation.
+// The key prefix of one group of one generation: "<job_id>/<generation>/<group_name>" in a
+// FileStore, "/tessel/<job_id>/rendezvous/<generation>/<group_name>" in the control store.
 std::string store_prefix(const StoreOptions& options, const std::string& group_name);
 
-// The rendezvous store of one group: a FileStore on options.path, wrapped so every wait honours
-// options.timeout, under a gloo::rendezvous::PrefixStore with store_prefix(options, group).
-// Owns all three layers; store() stays valid while this object lives.
+// The rendezvous store of one group: a FileStore on options.path, or a ControlRendezvousStore
+// (control_rendezvous.h) over an EtcdStore client of options.control_endpoint, wrapped so every
+// wait honours options.timeout, under a gloo::rendezvous::PrefixStore with
+// store_prefix(options, group). Owns every layer; store() stays valid while this object lives.
 class GroupStore {
  public:
-  // Creates options.path if needed. Throws ConfigError for invalid options and IoError when the
-  // directory cannot be created.
+  // Creates options.path if needed (FileStore only; the control store is reached lazily, at the
+  // first call). Throws ConfigError for invalid options and IoError when the directory cannot be
+  // created.
   GroupStore(const StoreOptions& options, const std::string& group_name);
   ~GroupStore();
   GroupStore(const GroupStore&) = delete;
@@ -57,13 +71,17 @@ class GroupStore {
   // from it propagate unchanged (the Communicator maps them).
   gloo::rendezvous::Store& store();
   const std::string& prefix() const { return prefix_; }
+  // Where the keys are, for messages: the FileStore's directory or the control store's endpoint.
+  const std::string& location() const { return location_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
  private:
   std::string prefix_;
+  std::string location_;
   std::chrono::milliseconds timeout_;
-  std::unique_ptr<gloo::rendezvous::Store> file_store_;    // timed FileStore
-  std::unique_ptr<gloo::rendezvous::Store> prefix_store_;  // refers to *file_store_
+  std::unique_ptr<ControlStore> control_;                  // the control store's client, if used
+  std::unique_ptr<gloo::rendezvous::Store> base_store_;    // timed FileStore, or over *control_
+  std::unique_ptr<gloo::rendezvous::Store> prefix_store_;  // refers to *base_store_
 };
 
 }  // namespace tessel::comm

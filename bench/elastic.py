@@ -18,8 +18,12 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 SEQ = 64
 GLOBAL_BATCH = 4
@@ -37,7 +41,8 @@ def flow(d):
     return "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"
 
 
-def config(args, name, parallel, timeline=None, stop_at=0, resume_dir=None, prepare_steps=None):
+def config(args, name, parallel, timeline=None, stop_at=0, resume_dir=None, prepare_steps=None,
+           control_store=None):
     text = f"""model: {{preset: {args.model}}}
 data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0, seed: 1}}
 training: {{steps: {STEPS}, stop_at: {stop_at}, global_batch: {GLOBAL_BATCH}, seed: 1234, log_every: 1}}
@@ -47,8 +52,13 @@ parallel: {flow(parallel)}
 """
     if resume_dir:
         text += f"checkpoint: {{dir: {resume_dir}}}\n"
+    elastic = {}
     if prepare_steps is not None:
-        text += f"elastic: {{prepare_steps: {prepare_steps}}}\n"
+        elastic["prepare_steps"] = prepare_steps
+    if control_store:
+        elastic["control_store"] = control_store
+    if elastic:
+        text += f"elastic: {flow(elastic)}\n"
     if timeline:
         text += "timeline:\n" + "".join(f"  - {{at_step: {s}, parallel: {flow(p)}}}\n"
                                          for s, p in timeline)
@@ -88,6 +98,48 @@ def pauses(recs, switch_steps):
     return out
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """A throwaway etcd (Debian's etcd-server) for the run on etcd; None when it is not installed."""
+
+    def __init__(self, work):
+        self.proc = None
+        binary = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+        if not binary:
+            return
+        client, peer = free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{client}"
+        data = pathlib.Path(work) / "etcd-data"
+        subprocess.run(["rm", "-rf", str(data)], check=True)
+        self.proc = subprocess.Popen(
+            [binary, "--data-dir", str(data), "--listen-client-urls", self.endpoint,
+             "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.close()
+        sys.exit("bench elastic: etcd did not become healthy")
+
+    def close(self):
+        if self.proc:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tessel", required=True)
@@ -113,6 +165,18 @@ def main():
     bare_cfg = config(args, "bare", PLANS[0][1], timeline=PLANS[1:], prepare_steps=0)
     train(args, "bare", bare_cfg, max(workers(p) for _, p in PLANS))
     bare = pauses(records(pathlib.Path(args.work) / "bare.metrics.jsonl"), switch_steps)
+    # The live run again with the control store on etcd instead of the embedded one.
+    etcd = Etcd(args.work)
+    etcd_events = None
+    if etcd.proc:
+        try:
+            etcd_cfg = config(args, "etcd", PLANS[0][1], timeline=PLANS[1:],
+                              control_store=etcd.endpoint)
+            train(args, "etcd", etcd_cfg, max(workers(p) for _, p in PLANS))
+        finally:
+            etcd.close()
+        etcd_live = pauses(records(pathlib.Path(args.work) / "etcd.metrics.jsonl"), switch_steps)
+        etcd_events = records(pathlib.Path(args.work) / "etcd.events.jsonl")
 
     # Restart: one run per plan, each stopping at the next switch with a checkpoint.
     ck = pathlib.Path(args.work) / "restart-ck"
@@ -144,9 +208,17 @@ def main():
         print(f"{str(PLANS[i][1]) + '->' + str(PLANS[i + 1][1]):<28} {live[i]:>12.3f} "
               f"{restart[i]:>16.3f} {restart[i] / live[i]:>8.1f} {bare[i]:>13.3f}  "
               f"total {e['total_pause_s']:.3f} "
-              f"(plan {e['planning_s']:.3f}, connect {e['connect_s']:.3f}, rebuild "
+              f"(control {e['control_s']:.4f}, plan {e['planning_s']:.3f}, connect {e['connect_s']:.3f}, rebuild "
               f"{e['rebuild_s']:.3f}, transfer {e['transfer_s']:.3f}; "
               f"{e['bytes_moved'] / 1e6:.0f} MB moved{prep})")
+    # The control plane's share of each pause: from the step boundary (or the decision, when it
+    # came later) to the last process's go, embedded store against etcd.
+    for i, s in enumerate(switch_steps):
+        line = f"control plane at switch {i + 1}: embedded {events[i]['control_s']:.4f} s"
+        if etcd_events:
+            line += (f", etcd {etcd_events[i]['control_s']:.4f} s (pause on etcd "
+                     f"{etcd_live[i]:.3f} s, connect {etcd_events[i]['connect_s']:.3f} s)")
+        print(line)
     # End to end, for the whole picture: from the start of step 1 to the end of the last step.
     span = {}
     for name in ("live", "bare", "restart"):
@@ -163,6 +235,9 @@ def main():
                       "run_live_s": round(span["live"], 3),
                       "run_unprepared_s": round(span["bare"], 3),
                       "run_restart_s": round(span["restart"], 3),
+                      "control_embedded_s": [round(e["control_s"], 5) for e in events],
+                      "control_etcd_s": [round(e["control_s"], 5) for e in etcd_events or []],
+                      "pauses_etcd_s": [round(x, 4) for x in (etcd_live if etcd_events else [])],
                       "switches": [f"{PLANS[i][1]}->{PLANS[i + 1][1]}" for i in range(len(switch_steps))]}))
 
 

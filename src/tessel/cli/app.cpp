@@ -80,11 +80,16 @@ int launch_training(const Args& args) {
   opt.extra_env["TESSEL_RESUME_FROM"] = resume ? resume->path : "";
   opt.world_size = cfg.max_workers();
   opt.job_id = random_job_id();
-  opt.tick = std::chrono::milliseconds(50);
   opt.extra_env["TESSEL_ELASTIC"] = "1";
-  auto coordinator = std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc);
+  auto coordinator =
+      std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc, resume ? resume->step : 0);
+  opt.extra_env["TESSEL_CONTROL_STORE"] = coordinator->endpoint();
+  // The coordinator acts when something happens (wake_fds); the tick bounds only its deadlines
+  // (a recovery whose reports do not come).
+  opt.wake_fds = coordinator->wake_fds();
+  opt.tick = std::chrono::milliseconds(1000);
   opt.on_tick = [coordinator](const process::LaunchOptions::Spawn& spawn,
-                              const process::LaunchResult& job) { coordinator->tick(spawn, job); };
+                              const process::LaunchResult&) { coordinator->tick(spawn); };
   // A worker killed by a signal is recovered from; the others keep running.
   opt.on_exit = [coordinator](const process::WorkerExit& e) { return coordinator->on_exit(e); };
   spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);

@@ -245,6 +245,12 @@ TrainConfig TrainConfig::load(const std::string& path) {
   el.read_choice("reshard_transport", c.reshard_transport, {"direct", "network"});
   TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
                el.where("prepare_steps"), c.prepare_steps);
+  el.read("control_store", c.control_store);
+  TESSEL_CHECK(c.control_store == "embedded" || c.control_store.rfind("http://", 0) == 0,
+               ConfigError,
+               "{}: '{}' is neither 'embedded' nor an etcd endpoint 'http://host:port' (etcd's "
+               "--advertise-client-urls)",
+               el.where("control_store"), c.control_store);
   el.reject_unknown_keys();
   c.hosts_file = resolve(c.hosts_file, base);
 

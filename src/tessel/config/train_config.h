@@ -12,7 +12,7 @@
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport}
+//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, control_store}
 //               (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
@@ -154,6 +154,10 @@ struct TrainConfig {
   // "direct" (the receiver reads the sender's memory, one copy; the network where the system
   // does not allow it) or "network" (always through the transition world's connections).
   std::string reshard_transport = "direct";
+  // elastic.control_store: where the coordinator and the workers keep the job's decisions,
+  // reports and rendezvous (elastic/reconfiguration.h). "embedded" (the default): `tessel train`
+  // serves them itself, nothing to start. Else an etcd v3 endpoint, "http://host:port".
+  std::string control_store = "embedded";
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/inotify.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -16,11 +18,12 @@
 #include <sstream>
 #include <vector>
 
-#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/comm/etcd_store.h"
+#include "tessel/comm/memory_store.h"
+#include "tessel/comm/store_server.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
-#include "tessel/elastic/recovery.h"
-#include "tessel/elastic/switch_marker.h"
+#include "tessel/elastic/reconfiguration.h"
 
 namespace tessel::elastic {
 
@@ -68,12 +71,28 @@ void write_all(int fd, const std::string& s) {
 
 }  // namespace
 
-Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initial_workers)
-    : cfg_(std::move(cfg)),
-      job_id_(std::move(job_id)),
-      workers_(initial_workers),
-      next_process_id_(initial_workers) {
-  for (int p = 0; p < initial_workers; ++p) running_.insert(p);
+Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initial_workers,
+                         int64_t start_step)
+    : cfg_(std::move(cfg)), job_id_(std::move(job_id)) {
+  if (cfg_.control_store == "embedded") {
+    auto memory = std::make_shared<comm::MemoryStore>();
+    server_ = std::make_unique<comm::StoreServer>(memory);
+    endpoint_ = server_->endpoint();
+    store_ = std::move(memory);  // this process reads its own store without HTTP
+  } else {
+    endpoint_ = cfg_.control_store;
+    store_ = std::make_shared<comm::EtcdStore>(endpoint_);
+    try {
+      store_->revision();
+    } catch (const Error& e) {
+      TESSEL_THROW(PeerLostError,
+                   "elastic.control_store: no etcd answers at {}: {} (start etcd there, or use "
+                   "control_store: embedded for a job on one host)",
+                   endpoint_, e.what());
+    }
+  }
+  decider_ = std::make_unique<Decider>(cfg_, store_, job_id_, initial_workers, start_step);
+
   const std::string dir = control_dir();
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -90,195 +109,87 @@ Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initia
     TESSEL_THROW(IoError, "cannot listen on control socket {}: {}", socket_path_,
                  std::strerror(err));
   }
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  TESSEL_CHECK(wake_fd_ >= 0, IoError, "cannot create an eventfd: {}", std::strerror(errno));
+  if (!cfg_.hosts_file.empty()) {
+    // The directory, not the file: editors and `mv` replace the file.
+    hosts_fd_ = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    const auto parent = fs::path(cfg_.hosts_file).parent_path();
+    if (hosts_fd_ >= 0 &&
+        ::inotify_add_watch(hosts_fd_, parent.empty() ? "." : parent.c_str(),
+                            IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_ATTRIB | IN_DELETE) < 0)
+      spdlog::warn("cannot watch {} for changes: {}", parent.string(), std::strerror(errno));
+  }
+  reports_watcher_ = std::thread([this] { watch_reports(); });
 }
 
 Coordinator::~Coordinator() {
-  if (listen_fd_ >= 0) ::close(listen_fd_);
+  stop_ = true;
+  if (reports_watcher_.joinable()) reports_watcher_.join();
+  for (int fd : {listen_fd_, wake_fd_, hosts_fd_})
+    if (fd >= 0) ::close(fd);
   ::unlink(socket_path_.c_str());
+  if (!server_) {
+    // etcd outlives the job: leave nothing behind (a later job may reuse the id).
+    try {
+      for (const auto& kv : store_->list(job_prefix(job_id_))) store_->erase(kv.key);
+    } catch (const std::exception& e) {
+      spdlog::warn("could not remove job {}'s keys from {}: {}", job_id_, endpoint_, e.what());
+    }
+  }
 }
 
-std::string Coordinator::handle(const std::string& line, const std::string& store_dir) {
+std::vector<int> Coordinator::wake_fds() const {
+  std::vector<int> fds = {wake_fd_, listen_fd_};
+  if (hosts_fd_ >= 0) fds.push_back(hosts_fd_);
+  return fds;
+}
+
+void Coordinator::watch_reports() {
+  // One long watch on what workers write; each change wakes the launcher's loop.
+  const std::string prefix = job_prefix(job_id_) + "reports/";
+  int64_t after = 0;
+  while (!stop_) {
+    try {
+      if (after == 0) after = store_->revision();
+      auto got = store_->watch(prefix, after, std::chrono::milliseconds(200));
+      after = got.revision;
+      if (got.events.empty()) continue;
+    } catch (const CorruptDataError&) {
+      after = 0;  // compacted: start from now, tick() reads the keys themselves
+    } catch (const std::exception& e) {
+      // The store is unreachable: tick() meets the same error and ends the job with it.
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    const uint64_t one = 1;
+    if (::write(wake_fd_, &one, sizeof one) < 0) {
+      // The counter is full: a wakeup is pending anyway.
+    }
+  }
+}
+
+std::string Coordinator::handle(const std::string& line) {
   std::istringstream in(line);
   std::string cmd;
   in >> cmd;
-  if (cmd == "status") {
-    return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches, {} failures",
-                       job_id_, workers_, requests_, next_generation_ - 1, failures_);
-  }
+  if (cmd == "status") return decider_->status();
   if (cmd != "scale")
     return fmt::format("refused: unknown command '{}'; try: scale N, status", cmd);
   int n = 0;
-  if (!(in >> n) || n < 1) return "refused: scale needs a worker count >= 1 (scale N)";
-  layout::Plan plan;
-  try {
-    plan = cfg_.plan_for_workers(n);
-  } catch (const Error& e) {
-    return fmt::format("refused: {}", e.what());
-  }
-  const int64_t r = ++requests_;
-  const nlohmann::json req = {{"request", r}, {"workers", n}, {"plan", layout::to_json(plan)}};
-  write_json_file(scale_request_path(store_dir, job_id_, r), req);
-  const std::string when =
-      cfg_.prepare_steps > 0
-          ? fmt::format("prepared from the next step boundary on, switched {} steps later",
-                        cfg_.prepare_steps)
-          : std::string("at the next step boundary");
-  spdlog::info("scale request {}: {} workers ({}) {}", r, n, plan.describe(), when);
-  return fmt::format("ok: request {}: {} workers ({}) {}", r, n, plan.describe(), when);
+  if (!(in >> n)) return "refused: scale needs a worker count >= 1 (scale N)";
+  return decider_->scale(n);
 }
 
-void Coordinator::start_joiners(const process::LaunchOptions::Spawn& spawn,
-                                const std::string& store_dir) {
-  if (pending_) return;  // a failure is being recovered from: its decision says who starts
-  auto start = [&](const SwitchMarker& m) {
-    for (int p : m.spawn) {
-      spawn(p, {{"TESSEL_JOIN_GENERATION", std::to_string(next_generation_)}});
-      running_.insert(p);
-    }
-  };
-  for (;;) {
-    const auto path = switch_marker_path(store_dir, job_id_, next_generation_);
-    if (!fs::exists(path)) {
-      // Announced ahead: its processes start now and prepare while the job trains.
-      const auto early = prepare_marker_path(store_dir, job_id_, next_generation_);
-      if (prepared_generation_ == next_generation_ || !fs::exists(early)) return;
-      const auto m = SwitchMarker::from_json(read_json_file(early), early);
-      start(m);
-      preparing_.insert(m.spawn.begin(), m.spawn.end());
-      prepared_generation_ = next_generation_;
-      next_process_id_ = std::max(next_process_id_, m.next_process_id);
-      return;
-    }
-    const auto m = SwitchMarker::from_json(read_json_file(path), path);
-    if (prepared_generation_ != next_generation_) start(m);  // else started from its announcement
-    preparing_.clear();
-    next_process_id_ = std::max(next_process_id_, m.next_process_id);
-    workers_ = m.to.world();
-    ++next_generation_;
-  }
-}
-
-bool Coordinator::on_exit(const process::WorkerExit& e) {
-  const int process = e.rank;
-  running_.erase(process);
-  preparing_.erase(process);
-  if (e.ok()) {
-    if (pending_) {
-      pending_->expected.erase(process);
-      pending_->someone_finished = true;
-    }
-    return true;
-  }
-  // Only a death by a signal is a lost worker; an error exit ends the job with its message.
-  if (!e.signaled) return false;
-  const std::string cause = fmt::format("worker {} {}", process, e.describe());
-  if (pending_)
-    pending_->cause += "; " + cause;
-  else
-    start_recovery(cause);
-  pending_->dead.insert(process);
-  pending_->expected = state_holders();
-  return true;
-}
-
-std::set<int> Coordinator::state_holders() const {
-  std::set<int> out;
-  for (int p : running_)
-    if (!preparing_.contains(p)) out.insert(p);
-  return out;
-}
-
-void Coordinator::start_recovery(const std::string& cause) {
-  ++failures_;
-  pending_.emplace();
-  pending_->cause = cause;
-  pending_->detected = std::chrono::steady_clock::now();
-  pending_->deadline = pending_->detected + recovery_deadline(cfg_.comm_timeout_s);
-  pending_->expected = state_holders();
-  spdlog::warn("{}: recovering (failure {})", cause, failures_);
-}
-
-void Coordinator::notice_reported_failures(const std::string& store_dir) {
-  if (pending_) return;
-  // Workers that met a failure nobody died of (a collective timed out, a connection reset) report
-  // it as the next failure; recover from it the same way, with every process surviving.
-  for (int process : running_) {
-    const auto path = failure_report_path(store_dir, job_id_, failures_ + 1, process);
-    if (!fs::exists(path)) continue;
-    const auto r = FailureReport::from_json(read_json_file(path), path);
-    start_recovery(fmt::format("process {} met: {}", process, r.error));
-    return;
-  }
-}
-
-void Coordinator::recover(const std::string& store_dir) {
-  auto& p = *pending_;
-  std::vector<FailureReport> reports;
-  std::vector<int> missing;
-  for (int process : p.expected) {
-    const auto path = failure_report_path(store_dir, job_id_, failures_, process);
-    if (!fs::exists(path)) {
-      missing.push_back(process);
-      continue;
-    }
-    reports.push_back(FailureReport::from_json(read_json_file(path), path));
-  }
-  if (!missing.empty()) {
-    std::string list;
-    for (int m : missing) list += fmt::format("{}{}", list.empty() ? "" : ", ", m);
-    TESSEL_CHECK(std::chrono::steady_clock::now() < p.deadline, TimeoutError,
-                 "{}: workers {} did not report within {} s of it; stopping the job", p.cause, list,
-                 int64_t(cfg_.comm_timeout_s * 2) + 30);
-    return;
-  }
-  if (reports.empty() && p.someone_finished) {
-    spdlog::info("{}: every other worker had finished the run; nothing to recover", p.cause);
-    pending_.reset();
-    return;
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  RecoveryInput in;
-  in.reports = std::move(reports);
-  in.dead.assign(p.dead.begin(), p.dead.end());
-  in.cause = p.cause;
-  in.failures = failures_;
-  // Above every generation used so far, including switch markers not yet read...
-  int g = next_generation_;
-  while (fs::exists(switch_marker_path(store_dir, job_id_, g)) ||
-         fs::exists(prepare_marker_path(store_dir, job_id_, g)))
-    ++g;
-  for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
-  // ...and above the one after them: a switch every rank agrees on is begun without waiting for
-  // its marker, so processes (dead ones too, which report nothing) may have registered in that
-  // generation's store prefix already. None can be further on: finishing that switch needs the old
-  // rank 0, which writes the marker first.
-  ++g;
-  in.generation = g;
-  in.next_process_id = next_process_id_;
-  in.replace_failed = cfg_.replace_failed;
-  if (!cfg_.checkpoint.dir.empty())
-    in.checkpoint = checkpoint::latest_sharded_checkpoint(cfg_.checkpoint.dir);
-  auto m = decide_recovery(cfg_, in);
-  const auto now = std::chrono::steady_clock::now();
-  m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
-  m.record["planning_s_coordinator"] = std::chrono::duration<double>(now - t0).count();
-  write_json_file(switch_marker_path(store_dir, job_id_, g), m.to_json());
-  write_json_file(recovery_path(store_dir, job_id_, failures_), m.to_json());
-  spdlog::warn(
-      "failure {}: continuing at step {} with {} workers ({}) {}{}", failures_, m.step,
-      m.to.world(), m.to.describe(),
-      m.checkpoint.empty() ? "from the survivors' state" : "from checkpoint " + m.checkpoint,
-      m.record.contains("lost") ? " (lost: " + m.record["lost"].get<std::string>() + ")"
-                                : std::string());
-  pending_.reset();
-  // Markers before g were written before the failure and are void now: their switches failed.
-  // Processes started for one of them leave (they see this decision).
-  next_generation_ = g;
-  preparing_.clear();
-}
-
-void Coordinator::watch_hosts_file(const std::string& store_dir) {
+void Coordinator::watch_hosts_file() {
   if (cfg_.hosts_file.empty()) return;
+  if (hosts_read_) {
+    // Only when the directory changed (the first reading always).
+    char buf[4096];
+    bool changed = false;
+    while (hosts_fd_ >= 0 && ::read(hosts_fd_, buf, sizeof buf) > 0) changed = true;
+    if (!changed) return;
+  }
+  hosts_read_ = true;
   std::error_code ec;
   const auto t = fs::last_write_time(cfg_.hosts_file, ec);
   if (ec) return;  // absent for now (being rewritten): keep the current count
@@ -294,24 +205,30 @@ void Coordinator::watch_hosts_file(const std::string& store_dir) {
   // A new count (the file's first reading included) that differs from the job's asks for it.
   const bool changed = slots != hosts_slots_;
   hosts_slots_ = slots;
-  if (!changed || slots == workers_) return;
-  const std::string reply = handle(fmt::format("scale {}", slots), store_dir);
+  if (!changed || slots == decider_->workers()) return;
+  const std::string reply = handle(fmt::format("scale {}", slots));
   spdlog::info("{} lists {} worker slots: {}", cfg_.hosts_file, slots, reply);
 }
 
-void Coordinator::tick(const process::LaunchOptions::Spawn& spawn,
-                       const process::LaunchResult& job) {
-  watch_hosts_file(job.store_dir);
+void Coordinator::tick(const process::LaunchOptions::Spawn& spawn) {
+  uint64_t wakeups = 0;
+  if (::read(wake_fd_, &wakeups, sizeof wakeups) < 0) {
+    // EAGAIN: this tick was not woken by a report.
+  }
+  watch_hosts_file();
   for (;;) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) break;  // EAGAIN: nobody waiting
     const std::string line = read_line(fd, 1000);
-    write_all(fd, handle(line, job.store_dir) + "\n");
+    write_all(fd, handle(line) + "\n");
     ::close(fd);
   }
-  notice_reported_failures(job.store_dir);
-  if (pending_) recover(job.store_dir);
-  start_joiners(spawn, job.store_dir);
+  for (const auto& s : decider_->update())
+    spawn(s.process, {{"TESSEL_JOIN_GENERATION", std::to_string(s.generation)}});
+}
+
+bool Coordinator::on_exit(const process::WorkerExit& e) {
+  return decider_->on_exit(e.rank, e.ok(), e.signaled, e.describe());
 }
 
 std::string send_control_command(const std::string& job_id, const std::string& command,

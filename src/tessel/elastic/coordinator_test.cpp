@@ -13,9 +13,12 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "tessel/comm/etcd_store.h"
+#include "tessel/comm/etcd_test_util.h"
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
-#include "tessel/elastic/switch_marker.h"
+#include "tessel/elastic/decider.h"
+#include "tessel/elastic/reconfiguration.h"
 #include "tessel/runtime/reference_trainer.h"
 #include "tessel/runtime/step_check_test_util.h"
 #include "tessel/testing/testing.h"
@@ -31,34 +34,53 @@ const std::string kTraining =
     "optimizer: {lr: 0.003, warmup_steps: 1}\n"
     "output: {metrics: metrics.jsonl, events: events.jsonl}\n";
 
-TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndWrittenForTheWorkers) {
+// The record a command leads to, as the workers read it from the job's control store.
+std::optional<Reconfiguration> record_of(Coordinator& c, const std::string& job, int g) {
+  auto kv = c.store().get(record_key(job, g));
+  if (!kv) return std::nullopt;
+  return Reconfiguration::from_json(nlohmann::json::parse(kv->value), kv->key);
+}
+
+TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
   auto cfg = config::TrainConfig::load(config::testing::write_config(
       dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
   Coordinator c(cfg, "job1", 2);
   EXPECT_TRUE(std::filesystem::exists(c.socket_path()));
-  const std::string store = dir.path().string();
-  auto ok = c.handle("scale 3", store);
+  EXPECT_EQ(c.endpoint().rfind("http://127.0.0.1:", 0), 0u) << c.endpoint();
+  std::vector<std::pair<int, std::string>> spawned;
+  auto spawn = [&](int p, const std::map<std::string, std::string>& env) {
+    spawned.emplace_back(p, env.at("TESSEL_JOIN_GENERATION"));
+  };
+  auto ok = c.handle("scale 3");
   EXPECT_EQ(ok.rfind("ok: request 1: 3 workers", 0), 0u) << ok;
-  auto req = nlohmann::json::parse(std::ifstream(dir / "job1.request-1.json"));
-  EXPECT_EQ(req.at("workers").get<int>(), 3);
-  EXPECT_EQ(layout::plan_from_json(req.at("plan")).world(), 3);
-  // A count no layout fits: refused with the planner's reason, nothing written.
-  auto refused = c.handle("scale 13", store);
+  c.tick(spawn);
+  auto r = record_of(c, "job1", 1);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->to.world(), 3);
+  EXPECT_EQ(r->request, 1);
+  EXPECT_EQ(spawned, (std::vector<std::pair<int, std::string>>{{2, "1"}}));
+  // A count no layout fits: refused with the planner's reason, nothing published.
+  auto refused = c.handle("scale 13");
   EXPECT_EQ(refused.rfind("refused:", 0), 0u) << refused;
   EXPECT_NE(refused.find("13 workers"), std::string::npos) << refused;
-  EXPECT_FALSE(std::filesystem::exists(dir / "job1.request-2.json"));
-  EXPECT_EQ(c.handle("scale 0", store).rfind("refused:", 0), 0u);
-  EXPECT_EQ(c.handle("grow", store).rfind("refused: unknown command", 0), 0u);
-  EXPECT_EQ(c.handle("status", store).rfind("ok: job job1", 0), 0u);
+  c.tick(spawn);
+  EXPECT_FALSE(record_of(c, "job1", 2));
+  EXPECT_EQ(c.handle("scale 0").rfind("refused:", 0), 0u);
+  EXPECT_EQ(c.handle("grow").rfind("refused: unknown command", 0), 0u);
+  EXPECT_EQ(c.handle("status").rfind("ok: job job1", 0), 0u);
+  // A second coordinator of the same job on the same store would split its decisions.
+  EXPECT_THROW(
+      Decider(cfg, std::shared_ptr<comm::ControlStore>(&c.store(), [](auto*) {}), "job1", 2, 0),
+      ConfigError);
   // No job: a clear error, not a hang.
   EXPECT_THROW(send_control_command("nope", "status", 500), IoError);
   unsetenv("TESSEL_CTL_DIR");
 }
 
 // The watched hosts file: a changed count of worker slots becomes a scale request; the same
-// count, blank lines and comments do not; a count the planner refuses writes nothing.
+// count, blank lines and comments do not; a count the planner refuses publishes nothing.
 TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
   TempDir dir;
   setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
@@ -67,9 +89,6 @@ TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
       kTraining + "parallel: {dp: 2}\nelastic: {hosts_file: hosts.txt}\n"));
   EXPECT_EQ(cfg.hosts_file, (dir / "hosts.txt").string());
   Coordinator c(cfg, "job2", 2);
-  process::LaunchResult job;
-  job.store_dir = dir.path().string();
-  job.job_id = "job2";
   auto spawn = [](int, const std::map<std::string, std::string>&) {};
   auto write_hosts = [&](const std::string& text) {
     std::ofstream(dir / "hosts.txt") << text;
@@ -79,101 +98,24 @@ TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
         dir / "hosts.txt",
         std::filesystem::file_time_type::clock::now() + std::chrono::seconds(++bump));
   };
-  c.tick(spawn, job);                     // no file yet: nothing
+  c.tick(spawn);                          // no file yet: nothing
   write_hosts("localhost\nlocalhost\n");  // 2 slots: what the job has
-  c.tick(spawn, job);
-  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-1.json"));
+  c.tick(spawn);
+  EXPECT_FALSE(record_of(c, "job2", 1));
   write_hosts("# three slots\nlocalhost\n\nlocalhost\nlocalhost\n");
-  c.tick(spawn, job);
-  ASSERT_TRUE(std::filesystem::exists(dir / "job2.request-1.json"));
-  auto req = nlohmann::json::parse(std::ifstream(dir / "job2.request-1.json"));
-  EXPECT_EQ(req.at("workers").get<int>(), 3);
-  c.tick(spawn, job);  // unchanged file: no second request
-  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-2.json"));
+  c.tick(spawn);
+  auto r = record_of(c, "job2", 1);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->to.world(), 3);
+  // The workers apply it.
+  c.store().set(progress_key("job2"), Progress{1, 5, 0}.to_json().dump());
+  c.tick(spawn);  // unchanged file: no second request
+  EXPECT_FALSE(record_of(c, "job2", 2));
   std::string thirteen;
   for (int i = 0; i < 13; ++i) thirteen += "localhost\n";
-  write_hosts(thirteen);  // no layout for 13 workers: refused, nothing written
-  c.tick(spawn, job);
-  EXPECT_FALSE(std::filesystem::exists(dir / "job2.request-2.json"));
-  unsetenv("TESSEL_CTL_DIR");
-}
-
-// A failure nobody died of (a timed-out collective): once every worker has reported, the
-// coordinator decides to go on live with all of them.
-TEST(Coordinator, AReportedFailureWithoutADeathIsRecoveredFrom) {
-  TempDir dir;
-  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = config::TrainConfig::load(config::testing::write_config(
-      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
-  Coordinator c(cfg, "job3", 2);
-  process::LaunchResult job;
-  job.store_dir = dir.path().string();
-  job.job_id = "job3";
-  std::vector<int> spawned;
-  auto spawn = [&](int p, const std::map<std::string, std::string>&) { spawned.push_back(p); };
-  auto report = [&](int process) {
-    elastic::FailureReport r;
-    r.process = process;
-    r.valid = true;
-    r.plan = cfg.plan;
-    r.rank = process;
-    r.step = 9;
-    r.cursor = 108;
-    r.error = "all_reduce_sum on group 'dp.0' timed out";
-    write_json_file(elastic::failure_report_path(job.store_dir, "job3", 1, process), r.to_json());
-  };
-  report(1);
-  c.tick(spawn, job);  // a recovery starts; process 0 has not reported yet
-  EXPECT_FALSE(std::filesystem::exists(elastic::recovery_path(job.store_dir, "job3", 1)));
-  report(0);
-  c.tick(spawn, job);
-  const auto path = elastic::recovery_path(job.store_dir, "job3", 1);
-  ASSERT_TRUE(std::filesystem::exists(path));
-  const auto m = elastic::SwitchMarker::from_json(read_json_file(path), path);
-  EXPECT_TRUE(m.recovery);
-  EXPECT_TRUE(m.checkpoint.empty());
-  EXPECT_EQ(m.step, 9);
-  EXPECT_EQ(m.to.world(), 2);
-  EXPECT_TRUE(spawned.empty());
-  EXPECT_NE(m.cause.find("timed out"), std::string::npos) << m.cause;
-  EXPECT_NE(c.handle("status", job.store_dir).find("1 failures"), std::string::npos);
-  unsetenv("TESSEL_CTL_DIR");
-}
-
-// Every rank decides a switch alike and begins it without waiting for rank 0's marker, so when
-// one fails, processes may already have registered under its generation's store prefix; dead ones
-// cannot say so. A recovery goes one generation further (reusing it made the new world's
-// rendezvous fail with "rank 2 is already registered").
-TEST(Coordinator, ARecoveryGoesPastTheGenerationASwitchMayHaveBegun) {
-  TempDir dir;
-  setenv("TESSEL_CTL_DIR", (dir / "ctl").c_str(), 1);
-  auto cfg = config::TrainConfig::load(config::testing::write_config(
-      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
-  Coordinator c(cfg, "job4", 2);
-  process::LaunchResult job;
-  job.store_dir = dir.path().string();
-  job.job_id = "job4";
-  auto spawn = [](int, const std::map<std::string, std::string>&) {};
-  for (int process : {0, 1}) {
-    elastic::FailureReport r;
-    r.process = process;
-    r.valid = true;
-    r.generation = 0;
-    r.plan = cfg.plan;
-    r.rank = process;
-    r.step = 4;
-    r.cursor = 48;
-    r.error = "connect on group 'reshard' timed out";
-    write_json_file(elastic::failure_report_path(job.store_dir, "job4", 1, process), r.to_json());
-  }
-  c.tick(spawn, job);
-  c.tick(spawn, job);
-  const auto path = elastic::recovery_path(job.store_dir, "job4", 1);
-  ASSERT_TRUE(std::filesystem::exists(path));
-  const auto m = elastic::SwitchMarker::from_json(read_json_file(path), path);
-  EXPECT_EQ(m.generation, 2);
-  EXPECT_TRUE(std::filesystem::exists(elastic::switch_marker_path(job.store_dir, "job4", 2)));
-  EXPECT_FALSE(std::filesystem::exists(elastic::switch_marker_path(job.store_dir, "job4", 1)));
+  write_hosts(thirteen);  // no layout for 13 workers: refused, nothing published
+  c.tick(spawn);
+  EXPECT_FALSE(record_of(c, "job2", 2));
   unsetenv("TESSEL_CTL_DIR");
 }
 
@@ -231,6 +173,61 @@ TEST(Coordinator, CtlScaleChangesTheWorkersOfARunningJob) {
   for (const auto& e : events)
     EXPECT_EQ(e.value("announced_at_step", int64_t(-1)), e.at("step").get<int64_t>() - 2)
         << e.dump();
+}
+
+// The control plane on etcd (Debian's etcd-server, started here) instead of the embedded store:
+// a timeline run that grows and shrinks equals one single-process run step for step, and the job
+// leaves no key behind.
+TEST(Coordinator, AJobRunsOnEtcd) {
+  const auto etcd = comm::testing::find_etcd();
+  if (!etcd) GTEST_SKIP() << comm::testing::kNoEtcd;
+  comm::testing::EtcdServer server(*etcd);
+  TempDir dir;
+  auto corpus = config::testing::make_corpus(dir);
+  constexpr int64_t kShort = 8;
+  const std::string training =
+      "training: {steps: 8, global_batch: 12, micro_batch: 2, threads: 1}\n"
+      "optimizer: {lr: 0.003, warmup_steps: 1}\n"
+      "output: {metrics: metrics.jsonl, events: events.jsonl}\n";
+  const auto single_cfg = config::testing::write_config(dir, corpus, training, "single.yaml");
+  auto cfg = config::testing::write_config(
+      dir, corpus,
+      training + "parallel: {dp: 2}\n" +
+          fmt::format("elastic: {{control_store: {}}}\n", server.endpoint()) +
+          "timeline: [{at_step: 3, workers: 3}, {at_step: 5, workers: 1}]\n" +
+          runtime::testing::every_step_checkpoints(kShort));
+  std::string out;
+  int rc = tessel::testing::run_command(
+      fmt::format("cd {} && OMP_NUM_THREADS=1 timeout 120 {} train {}", dir.path().string(),
+                  tessel::testing::tessel_binary().string(), cfg),
+      &out);
+  ASSERT_EQ(rc, 0) << out;
+  runtime::testing::expect_steps_match_one_process(
+      single_cfg, dir / "steps", runtime::testing::read_step_losses(dir / "metrics.jsonl"), 1,
+      kShort);
+  std::ifstream ev(dir / "events.jsonl");
+  int events = 0;
+  for (std::string line; std::getline(ev, line);) events += !line.empty();
+  EXPECT_EQ(events, 2) << out;
+  comm::EtcdStore store(server.endpoint());
+  EXPECT_TRUE(store.list("/tessel/").empty());
+}
+
+// A control store that does not answer: one clear error naming it and the fix, before any
+// worker starts.
+TEST(Coordinator, AnUnreachableEtcdIsOneClearError) {
+  TempDir dir;
+  auto cfg = config::testing::write_config(
+      dir, (dir / "none.tok").string(),
+      kTraining + "parallel: {dp: 2}\nelastic: {control_store: 'http://127.0.0.1:9'}\n");
+  std::string out;
+  int rc = tessel::testing::run_command(
+      fmt::format("TESSEL_CTL_DIR={}/ctl timeout 60 {} train {} 2>&1", dir.path().string(),
+                  tessel::testing::tessel_binary().string(), cfg),
+      &out);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("no etcd answers at http://127.0.0.1:9"), std::string::npos) << out;
+  EXPECT_EQ(out.find("[rank"), std::string::npos) << out;  // no worker was started
 }
 
 }  // namespace

@@ -13,8 +13,8 @@
 
 namespace tessel::elastic {
 
-SwitchMarker decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in) {
-  SwitchMarker m;
+Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in) {
+  Reconfiguration m;
   m.recovery = true;
   m.generation = in.generation;
   m.failures = in.failures;

@@ -1,7 +1,7 @@
 // The coordinator's decision after workers died: which state to continue from, with which
 // processes, in which plan.
 //
-// Input: the failure reports of every surviving process (elastic/switch_marker.h: the state each
+// Input: the failure reports of every surviving process (elastic/reconfiguration.h: the state each
 // holds -- plan, rank, step, and whether it is consistent) and the processes that died.
 // Decision:
 //  1. State. Valid reports are grouped by (step, generation) -- after a failure inside a step's
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "tessel/config/train_config.h"
-#include "tessel/elastic/switch_marker.h"
+#include "tessel/elastic/reconfiguration.h"
 
 namespace tessel::elastic {
 
@@ -40,10 +40,10 @@ struct RecoveryInput {
   std::optional<std::string> checkpoint;  // the newest published checkpoint (a step-N directory)
 };
 
-// The recovery's switch description (SwitchMarker with recovery set; `record` carries lost,
+// The recovery's switch description (Reconfiguration with recovery set; `record` carries lost,
 // steps_lost, dead and survivors). Throws Error naming the lost state and the fix (set
 // checkpoint.every) when state was lost and there is no checkpoint, and ConfigError when no
 // worker count from the survivors' down to 1 has a plan.
-SwitchMarker decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in);
+Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryInput& in);
 
 }  // namespace tessel::elastic

@@ -150,7 +150,9 @@ LaunchResult launch(const LaunchOptions& o) {
       wait = std::clamp(std::chrono::ceil<milliseconds>(term_at - Clock::now()), milliseconds(0),
                         wait);
     }
-    auto exits = sup.poll(wait);
+    // The wake fds only while on_tick runs: nobody would consume them otherwise.
+    const bool ticking = o.on_tick && result.failure.empty() && !sup.interrupted();
+    auto exits = sup.poll(wait, ticking ? o.wake_fds : std::vector<int>{});
     // An interruption seen in the same poll as exits came first: the signal is processed before
     // the reaping, and forwarding it may be what ended them.
     if (sup.interrupted()) {

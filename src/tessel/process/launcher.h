@@ -81,6 +81,9 @@ struct LaunchOptions {
   // `job` holds the job id and store dir the workers see.
   std::function<void(const Spawn& spawn, const struct LaunchResult& job)> on_tick;
   std::chrono::milliseconds tick{1000};
+  // on_tick also runs as soon as one of these is readable (on_tick consumes what made it so): a
+  // coordinator acts on events instead of polling for them.
+  std::vector<int> wake_fds;
   // Called for every worker exit (e.rank set) before the failure policy looks at it. Returning
   // true for a failed worker says the job goes on without it (the elastic coordinator recovers
   // from it): it is then not THE failure and the others keep running. The launch ends when no

@@ -602,8 +602,9 @@ struct Supervisor::Impl {
   }
 
   // One round: due deadlines, a wait of at most `wait` for output/signals, pumping, signals,
-  // reaping. Returns true when a SIGINT/SIGTERM arrived.
-  bool step(milliseconds wait) {
+  // reaping. Returns true when a SIGINT/SIGTERM arrived; sets *woken when one of `wake` became
+  // readable.
+  bool step(milliseconds wait, const std::vector<int>& wake = {}, bool* woken = nullptr) {
     auto now = Clock::now();
     send_due_kills(now);
     finish_drained(now);
@@ -618,6 +619,10 @@ struct Supervisor::Impl {
     std::vector<std::pair<Worker*, Stream*>> owners;
     fds.push_back({signals.fd(), POLLIN, 0});
     owners.emplace_back(nullptr, nullptr);
+    for (int fd : wake) {
+      fds.push_back({fd, POLLIN, 0});
+      owners.emplace_back(nullptr, nullptr);
+    }
     for (auto& [id, w] : workers) {
       for (Stream* s : {&w->out, &w->err}) {
         if (!s->fd) continue;
@@ -632,7 +637,11 @@ struct Supervisor::Impl {
     now = Clock::now();
     if (n > 0) {
       for (size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents) pump(*owners[i].first, *owners[i].second);
+        if (!fds[i].revents) continue;
+        if (owners[i].first != nullptr)
+          pump(*owners[i].first, *owners[i].second);
+        else if (woken != nullptr)
+          *woken = true;
       }
     }
     bool interrupt = false;
@@ -657,11 +666,12 @@ struct Supervisor::Impl {
     return out;
   }
 
-  std::vector<WorkerExit> poll(milliseconds timeout) {
+  std::vector<WorkerExit> poll(milliseconds timeout, const std::vector<int>& wake) {
     auto deadline = Clock::now() + std::max(timeout, milliseconds(0));
     for (;;) {
-      bool interrupt = step(until(deadline, Clock::now()));
-      if (interrupt || !ready.empty() || Clock::now() >= deadline) break;
+      bool woken = false;
+      bool interrupt = step(until(deadline, Clock::now()), wake, &woken);
+      if (interrupt || woken || !ready.empty() || Clock::now() >= deadline) break;
     }
     return take_ready();
   }
@@ -697,8 +707,9 @@ pid_t Supervisor::spawn(const WorkerSpec& spec) {
   return impl_->spawn(spec);
 }
 
-std::vector<WorkerExit> Supervisor::poll(std::chrono::milliseconds timeout) {
-  return impl_->poll(timeout);
+std::vector<WorkerExit> Supervisor::poll(std::chrono::milliseconds timeout,
+                                         const std::vector<int>& wake_fds) {
+  return impl_->poll(timeout, wake_fds);
 }
 
 bool Supervisor::terminate(int id) {

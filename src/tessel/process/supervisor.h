@@ -121,8 +121,11 @@ class Supervisor {
 
   // Pumps every worker's output, handles due SIGKILL deadlines and received signals, reaps, and
   // returns the exits that became reportable (in reap order). Returns as soon as at least one
-  // exit is reportable or a SIGINT/SIGTERM arrived, else after `timeout` (0: one pass, no wait).
-  std::vector<WorkerExit> poll(std::chrono::milliseconds timeout);
+  // exit is reportable, a SIGINT/SIGTERM arrived or one of `wake_fds` is readable (the caller
+  // consumes what made it so: the fds are only watched), else after `timeout` (0: one pass, no
+  // wait).
+  std::vector<WorkerExit> poll(std::chrono::milliseconds timeout,
+                               const std::vector<int>& wake_fds = {});
 
   // SIGTERM to the worker's process group, SIGKILL stop_timeout later. False (nothing sent) when
   // the worker has already ended. Throws InvalidArgumentError for an id never spawned.

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <thread>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
 #include "tessel/core/json_file.h"
@@ -20,16 +20,16 @@ namespace tessel::runtime {
 using checkpoint::check_resumable;
 using checkpoint::load_rank_state;
 using config::PlanSwitch;
-using elastic::failure_report_path;
 using elastic::FailureReport;
-using elastic::prepare_marker_path;
+using elastic::Reconfiguration;
+using elastic::RecordFeed;
 using elastic::recovery_deadline;
-using elastic::recovery_path;
-using elastic::scale_request_path;
-using elastic::switch_marker_path;
-using elastic::SwitchMarker;
 
 namespace {
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 int index_of(const std::vector<int>& v, int x) {
   auto it = std::find(v.begin(), v.end(), x);
@@ -58,7 +58,7 @@ PlannedSwitch::Kept PlannedSwitch::kept_chunks(int old_rank, int new_rank) const
   return kept;
 }
 
-bool PlannedSwitch::is_for(const SwitchMarker& sw) const {
+bool PlannedSwitch::is_for(const Reconfiguration& sw) const {
   return from->plan() == sw.from && to->plan() == sw.to && from_members == sw.from_members &&
          to_members == sw.to_members;
 }
@@ -69,28 +69,33 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
   // Workers of a timeline or of scale requests are started as the plans need them, so the
   // world size in the environment is only checked against a fixed run.
   cfg.validate_for_workers(cfg.timeline.empty() && !elastic() ? env.world_size : cfg.max_workers());
+  TESSEL_CHECK(elastic() || cfg.timeline.empty(), ConfigError,
+               "the config's timeline switches plans while training, which needs the coordinator "
+               "of `tessel train CONFIG` (this worker was started by a fixed launch)");
   plan = cfg.plan;
+  if (elastic()) {
+    control = std::make_shared<comm::EtcdStore>(
+        env.control_store, std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
+    feed = std::make_unique<RecordFeed>(control, env.job_id);
+    progress = std::make_unique<elastic::Reporter>(control, elastic::progress_key(env.job_id));
+  }
   const int64_t join = env.join_generation;
   if (join > 0) {
+    TESSEL_CHECK(feed != nullptr, ConfigError,
+                 "TESSEL_JOIN_GENERATION={} needs the job's control store (TESSEL_CONTROL_STORE)",
+                 join);
     // Started for the switch to generation `join`: take part in it as a receiver only. Its
-    // description was written before this process was started.
-    // Announced ahead (prepare-<g>) unless the switch itself is already there.
-    auto path = switch_marker_path(env.store_dir, env.job_id, int(join));
-    if (!std::filesystem::exists(path)) {
-      path = prepare_marker_path(env.store_dir, env.job_id, int(join));
-      joining_early = true;
-    }
-    auto m = SwitchMarker::from_json(read_json_file(path), path);
+    // record was published before this process was started.
+    auto m = wait_for_record(int(join), "the switch this process was started for");
     TESSEL_CHECK(index_of(m.to_members, env.rank) >= 0, ConfigError,
-                 "TESSEL_JOIN_GENERATION={}: process {} has no place in {} ({})", join, env.rank,
-                 m.to.describe(), path);
+                 "TESSEL_JOIN_GENERATION={}: process {} has no place in {}", join, env.rank,
+                 m.to.describe());
     generation = int(join) - 1;
     plan = m.from;
     members = m.from_members;
-    next_process_id = m.next_process_id;
     failures = m.failures;
     applied_request = m.applied_request;
-    skip_timeline_through(m.step);
+    skip_timeline_through(m.recovery ? m.step : m.step - 1);
     joining = std::move(m);
     return;
   }
@@ -100,8 +105,8 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
                "need them",
                env.rank, plan.describe());
   members = iota_members(plan.world());
-  next_process_id = plan.world();
   world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, true);
+  entered = true;  // a switch may be due before the first step (one prepared from step 0)
 }
 
 void ElasticWorker::skip_timeline_through(int64_t step) {
@@ -127,102 +132,104 @@ bool ElasticWorker::resume() {
                "worker rank {} has no place in {}, the plan at step {}", env.rank, plan.describe(),
                step);
   members = iota_members(plan.world());
-  next_process_id = plan.world();
   world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, false);
   load_rank_state(reader, world->layout(), env.rank, world->state_buffers());
   world->step = step;
   world->cursor = meta.at("cursor").get<int64_t>();
+  entered = true;
   if (env.rank == 0)
     spdlog::info("resumed from {} at step {} (saved under {}, continuing under {})", *path, step,
                  layout::plan_from_json(meta.at("plan")).describe(), world->plan.describe());
   return true;
 }
 
-std::optional<SwitchMarker> ElasticWorker::next_switch() {
-  const int64_t step = world->step;
-  std::optional<SwitchMarker> sw;
-  if (preparing) {
-    // Requests wait (queued) while a switch is prepared; it happens at its step.
-    if (preparing->at_step > step) return std::nullopt;
-    if (preparing->timeline) ++next_static;
-    sw = preparing->sw;  // the buffers stay in `preparing` for transition()
-  } else if (next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step == step) {
-    sw = timeline_switch(cfg.timeline[next_static++]);
-  } else if (elastic()) {
-    // The newest request any rank has seen; the request files only ever appear, so every rank
-    // can read the agreed one after the all-reduce.
-    int64_t seen = applied_request;
-    while (std::filesystem::exists(scale_request_path(env.store_dir, env.job_id, seen + 1))) ++seen;
-    std::vector<int64_t> all(size_t(world->groups.world->size()));
-    world->groups.world->all_gather(&seen, 1, all.data());
-    seen = *std::max_element(all.begin(), all.end());
-    if (seen <= applied_request) return std::nullopt;
-    const auto req = read_json_file(scale_request_path(env.store_dir, env.job_id, seen));
-    auto to = layout::plan_from_json(req.at("plan")).with_defaults(cfg.model);
-    applied_request = seen;
-    if (to == plan) return std::nullopt;
-    sw = make_switch(std::move(to), "scale request");
-    sw->request = seen;
-    // Prepared over the next elastic.prepare_steps steps, unless the timeline switches first
-    // or the run ends before (then now, built during the pause).
-    const int64_t at = step + cfg.prepare_steps;
-    const bool timeline_first =
-        next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= at;
-    if (cfg.prepare_steps > 0 && at < cfg.training.end_step() && !timeline_first) {
-      start_preparation(std::move(*sw), at, false);
-      return std::nullopt;
-    }
-  }
-  if (!sw) return std::nullopt;
-  sw->step = step;
-  sw->cursor = world->cursor;
-  return sw;
+void ElasticWorker::report_progress(int entering) {
+  if (progress && world && world->rank == 0)
+    progress->post(elastic::Progress{generation, world->step, entering}.to_json().dump());
 }
 
-SwitchMarker ElasticWorker::make_switch(layout::Plan to, const std::string& cause) {
-  SwitchMarker sw;
-  sw.to = std::move(to);
-  sw.cause = cause;
-  sw.generation = generation + 1;
-  sw.from = plan;
-  sw.from_members = members;
-  const int n = sw.to.world();
-  sw.to_members.assign(members.begin(),
-                       members.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members.size())));
-  while (int(sw.to_members.size()) < n) {
-    sw.to_members.push_back(next_process_id);
-    sw.spawn.push_back(next_process_id++);
+Reconfiguration ElasticWorker::wait_for_record(int g, const std::string& why) {
+  const auto limit = recovery_deadline(cfg.comm_timeout_s);
+  const int64_t known_failures = failures;
+  bool failed = false;
+  const bool got = feed->wait_until(
+      [&](const RecordFeed::View& v) {
+        failed = v.failure > known_failures;
+        return v.record(g) != nullptr || failed;
+      },
+      RecordFeed::Clock::now() + limit);
+  const auto view = feed->view();
+  if (const auto* r = view.record(g)) return *r;
+  TESSEL_CHECK(!failed, PeerLostError,
+               "process {}: the coordinator is recovering from failure {} (waiting for {})",
+               env.rank, known_failures + 1, why);
+  TESSEL_CHECK(got, TimeoutError,
+               "process {}: the coordinator published no record of generation {} ({}) within {} "
+               "s; is `tessel train` still running?",
+               env.rank, g, why, limit.count() / 1000);
+  TESSEL_THROW(TimeoutError, "process {}: no record of generation {} ({})", env.rank, g, why);
+}
+
+std::optional<Reconfiguration> ElasticWorker::next_switch() {
+  boundary_at = unix_seconds();
+  report_progress();
+  if (!feed) return std::nullopt;  // a fixed launch: no switches
+  const int64_t b = world->step;
+  const auto view = feed->view();
+  TESSEL_CHECK(view.failure <= failures, PeerLostError,
+               "process {}: the coordinator is recovering from failure {}", env.rank, view.failure);
+  // The record after this world's generation (a recovery's record is not: it is waited for by
+  // those who report), if this process has it; the ranks agree on whether any of them has.
+  const int g = generation + 1;
+  const auto* next = view.record(g);
+  int64_t seen = next != nullptr && !next->recovery ? g : 0;
+  std::vector<int64_t> all(size_t(world->groups.world->size()));
+  world->groups.world->all_gather(&seen, 1, all.data());
+  seen = *std::max_element(all.begin(), all.end());
+  // A timeline entry's record is due elastic.prepare_steps before its step (at it when nothing
+  // is prepared), so that every rank starts preparing at the same boundary; the coordinator
+  // publishes it a step before that, so this waits only when the coordinator was slower than a
+  // step (or a scale request's switch came just before).
+  bool timeline_due = false;
+  if (next_static < cfg.timeline.size() && b < cfg.training.end_step()) {
+    const int64_t at = cfg.timeline[next_static].at_step;
+    const bool prepared = preparing && preparing->sw.generation == g;
+    timeline_due = at >= b && at - b <= cfg.prepare_steps && !prepared;
   }
-  sw.next_process_id = next_process_id;
-  sw.applied_request = applied_request;
-  sw.failures = failures;
-  sw.step = world->step;
+  if (seen == 0 && !timeline_due) return std::nullopt;
+  Reconfiguration r = wait_for_record(g, "the next switch");
+  Reconfiguration sw;
+  if (preparing && preparing->sw.generation == g) {
+    if (preparing->at_step > b) return std::nullopt;
+    sw = preparing->sw;  // the buffers stay in `preparing` for transition()
+  } else {
+    int64_t at = r.at_step >= 0 ? r.at_step : b;
+    if (r.at_step < 0 && cfg.prepare_steps > 0) {
+      // A scale request: prepared over the next elastic.prepare_steps steps, unless the run ends
+      // or the timeline switches first (then now, built during the pause).
+      const int64_t later = b + cfg.prepare_steps;
+      const bool timeline_first =
+          next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= later;
+      if (later < cfg.training.end_step() && !timeline_first) at = later;
+    }
+    if (at > b) {
+      if (cfg.prepare_steps > 0 && at - b <= cfg.prepare_steps) {
+        r.step = b;  // announced at this step
+        start_preparation(std::move(r), at);
+      }
+      return std::nullopt;
+    }
+    sw = std::move(r);
+  }
+  sw.step = b;
   sw.cursor = world->cursor;
   return sw;
 }
 
-SwitchMarker ElasticWorker::timeline_switch(const PlanSwitch& e) {
-  return make_switch(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
-}
-
-void ElasticWorker::maybe_prepare() {
-  if (preparing || cfg.prepare_steps <= 0 || next_static >= cfg.timeline.size()) return;
-  const auto& e = cfg.timeline[next_static];
-  const int64_t step = world->step;
-  if (e.at_step <= step || e.at_step - step > cfg.prepare_steps ||
-      e.at_step >= cfg.training.end_step())
-    return;
-  start_preparation(timeline_switch(e), e.at_step, true);
-}
-
-void ElasticWorker::start_preparation(SwitchMarker sw, int64_t at_step, bool timeline) {
+void ElasticWorker::start_preparation(Reconfiguration sw, int64_t at_step) {
   Preparation p;
   p.sw = std::move(sw);
   p.at_step = at_step;
-  p.timeline = timeline;
-  if (world->rank == 0 && !p.sw.spawn.empty())
-    write_json_file(prepare_marker_path(env.store_dir, env.job_id, p.sw.generation),
-                    p.sw.to_json());
   p.planned = plan_switch(p.sw);
   if (const int new_rank = index_of(p.sw.to_members, env.rank); new_rank >= 0) {
     const auto kept = p.planned->kept_chunks(world->rank, new_rank).new_chunks;
@@ -247,7 +254,7 @@ void ElasticWorker::drop_preparation() noexcept {
   preparing.reset();
 }
 
-std::optional<PreparedChunks> ElasticWorker::take_prepared(const SwitchMarker& sw,
+std::optional<PreparedChunks> ElasticWorker::take_prepared(const Reconfiguration& sw,
                                                            nlohmann::json& record) {
   if (!preparing || sw.recovery || preparing->sw.generation != sw.generation) return {};
   auto p = std::move(*preparing);
@@ -267,7 +274,7 @@ std::optional<PreparedChunks> ElasticWorker::take_prepared(const SwitchMarker& s
   }
 }
 
-std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const SwitchMarker& sw) const {
+std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const Reconfiguration& sw) const {
   // The plan depends only on the two layouts and their members, which is_for compares.
   if (preparing && preparing->planned && preparing->planned->is_for(sw)) return preparing->planned;
   auto from =
@@ -281,7 +288,7 @@ std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const SwitchMark
       std::move(from), std::move(to), sw.from_members, sw.to_members, std::move(transfer)});
 }
 
-std::optional<SwitchMarker> ElasticWorker::await_switch(const SwitchMarker& announced) {
+std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration& announced) {
   const int new_rank = index_of(announced.to_members, env.rank);
   Preparation p;
   p.sw = announced;
@@ -291,31 +298,38 @@ std::optional<SwitchMarker> ElasticWorker::await_switch(const SwitchMarker& anno
         std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend)), {});
   });
   preparing = std::move(p);
-  const auto go = switch_marker_path(env.store_dir, env.job_id, announced.generation);
-  const auto overtaken = recovery_path(env.store_dir, env.job_id, announced.failures + 1);
+  const int g = announced.generation;
   const auto limit = recovery_deadline(cfg.comm_timeout_s) * (cfg.prepare_steps + 1);
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    if (std::filesystem::exists(go)) {
-      auto sw = SwitchMarker::from_json(read_json_file(go), go);
-      skip_timeline_through(sw.step);
-      return sw;
-    }
-    if (std::filesystem::exists(overtaken)) {
-      drop_preparation();
-      spdlog::info(
-          "process {}: a failure recovery overtook the switch to generation {} it "
-          "was started for; leaving",
-          env.rank, announced.generation);
-      return std::nullopt;
-    }
-    fatal = std::chrono::steady_clock::now() >= deadline;  // no recovery helps this
-    TESSEL_CHECK(!fatal, TimeoutError,
-                 "process {} was started for the switch to generation {} ({}), which did not "
-                 "happen within {} s ({} did not appear)",
-                 env.rank, announced.generation, announced.to.describe(), limit.count() / 1000, go);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto deadline = RecordFeed::Clock::now() + limit;
+  // The go: rank 0 began the switch (or, its report overwritten since, finished it: that needed
+  // this process, so it cannot have happened without it). A recovery record for a later failure
+  // than the switch's voids the switch.
+  auto go = [&](const RecordFeed::View& v) {
+    return v.progress.entering >= g || v.progress.generation >= g;
+  };
+  auto overtaken = [&](const RecordFeed::View& v) {
+    for (const auto& [gen, r] : v.records)
+      if (r.recovery && r.failures > announced.failures) return true;
+    return false;
+  };
+  feed->wait_until([&](const RecordFeed::View& v) { return go(v) || overtaken(v); }, deadline);
+  const auto view = feed->view();
+  if (overtaken(view)) {
+    drop_preparation();
+    spdlog::info(
+        "process {}: a failure recovery overtook the switch to generation {} it was started for; "
+        "leaving",
+        env.rank, g);
+    return std::nullopt;
   }
+  fatal = !go(view);  // no recovery helps this
+  TESSEL_CHECK(!fatal, TimeoutError,
+               "process {} was started for the switch to generation {} ({}), which did not "
+               "begin within {} s",
+               env.rank, g, announced.to.describe(), limit.count() / 1000);
+  auto sw = announced;
+  sw.step = view.progress.step;
+  return sw;
 }
 
 void ElasticWorker::write_event(const nlohmann::json& record) {
@@ -323,7 +337,7 @@ void ElasticWorker::write_event(const nlohmann::json& record) {
   events->write(record);
 }
 
-void ElasticWorker::write_switch_event(nlohmann::json record, const SwitchMarker& sw,
+void ElasticWorker::write_switch_event(nlohmann::json record, const Reconfiguration& sw,
                                        double total_s) {
   for (const auto& [k, v] : sw.record.items()) record[k] = v;
   record["total_pause_s"] = sw.recovery ? record.value("detection_s", 0.0) +
@@ -332,21 +346,18 @@ void ElasticWorker::write_switch_event(nlohmann::json record, const SwitchMarker
   write_event(record);
 }
 
-void ElasticWorker::transition(const SwitchMarker& sw) {
+void ElasticWorker::transition(const Reconfiguration& sw) {
   const int me = env.rank;
   const int new_rank = index_of(sw.to_members, me);
   const int old_rank = world != nullptr ? index_of(sw.from_members, me) : -1;
   const auto t0 = std::chrono::steady_clock::now();
-  if (!sw.recovery && world != nullptr && world->rank == 0) {
-    // Tells the coordinator (which starts the processes this switch adds) and those processes
-    // what it is.
-    write_json_file(switch_marker_path(env.store_dir, env.job_id, sw.generation), sw.to_json());
-  }
+  // The go for the processes started for this switch (they wait for it, buffers built).
+  if (!sw.recovery) report_progress(sw.generation);
   auto enter = [&] {
     generation = sw.generation;
     plan = sw.to;
     members = sw.to_members;
-    next_process_id = std::max(next_process_id, sw.next_process_id);
+    if (sw.timeline) skip_timeline_through(sw.at_step);
     failures = std::max(failures, sw.failures);
     applied_request = std::max(applied_request, sw.applied_request);
   };
@@ -355,10 +366,19 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
     enter();
     return;
   }
+  // The control plane's share of the pause, on this process: from the step boundary (or the
+  // decision, when it came later; a recovery: the decision) to here. Processes started for the
+  // switch were not paused: they count 0.
+  const double control_s =
+      world == nullptr
+          ? 0.0
+          : unix_seconds() - (sw.recovery ? sw.decided_at : std::max(sw.decided_at, boundary_at));
   const int64_t store_generation = env.generation + sw.generation;
   if (!sw.checkpoint.empty()) {
     restore_from_checkpoint(sw, new_rank, store_generation, t0);
     enter();
+    entered = world != nullptr;
+    report_progress();
     return;
   }
   // A survivor whose state is not a source drops it first (its memory is needed).
@@ -382,6 +402,7 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
   double rebuild_s = 0, transfer_s = 0;
   nlohmann::json prepare_record = nlohmann::json::object();
   reshard::ExecuteStats moved;
+  double control_max_s = 0;
   layout::ScalarState shared{sw.step, sw.step, sw.cursor, {}};
   try {
     // Prepared ahead (maybe_prepare, await_switch): waits for the build if it still runs.
@@ -401,6 +422,11 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
     int64_t by[2] = {moved.bytes_read_directly, moved.bytes_received};
     union_world->all_reduce_sum(by, 2);  // the whole transition's, for the event line
     moved = {by[0], by[1]};
+    // The last process's go sets the control plane's share (microseconds: whole numbers gather).
+    int64_t mine_us = int64_t(std::max(control_s, 0.0) * 1e6);
+    std::vector<int64_t> all_us(size_t(union_world->size()));
+    union_world->all_gather(&mine_us, 1, all_us.data());
+    control_max_s = double(*std::max_element(all_us.begin(), all_us.end())) / 1e6;
     if (!sw.recovery) {
       layout::ScalarState mine;
       if (world) mine = {world->step, world->step, world->cursor, {}};
@@ -417,6 +443,12 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
   world->generation = generation;
   world->step = shared.step;
   world->cursor = shared.data_cursor;
+  // Timeline entries before the switch's step are past (a process that joined knew only about
+  // when it would come); the one at it is the switch's own when it carried it.
+  skip_timeline_through(world->step - 1);
+  if (sw.timeline) skip_timeline_through(sw.at_step);
+  entered = true;
+  report_progress();
   if (world->rank == 0) {
     const auto& st = tplan.stats();
     const double total_s = seconds_since(t0);
@@ -435,6 +467,7 @@ void ElasticWorker::transition(const SwitchMarker& sw) {
                              {"new_workers", sw.to.world()},
                              {"restored_from", "survivors"},
                              {"detection_s", 0.0},
+                             {"control_s", control_max_s},
                              {"planning_s", planning_s},
                              {"connect_s", connect_s},
                              {"rebuild_s", rebuild_s},
@@ -458,7 +491,7 @@ void ElasticWorker::release_unkept_buffers(const PlannedSwitch& ps, int new_rank
     HostAllocator::instance().release_cached();
 }
 
-void ElasticWorker::restore_from_checkpoint(const SwitchMarker& sw, int new_rank,
+void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_rank,
                                             int64_t store_generation,
                                             std::chrono::steady_clock::time_point t0) {
   world.reset();
@@ -521,20 +554,25 @@ void ElasticWorker::recover(const std::string& what) {
   }
   spdlog::warn("process {}: {}; reporting to the coordinator (failure {}, {} at step {})", env.rank,
                what, failures, r.valid ? "state valid" : "no usable state", r.step);
-  write_json_file(failure_report_path(env.store_dir, env.job_id, failures, env.rank), r.to_json());
-  const auto path = recovery_path(env.store_dir, env.job_id, failures);
+  TESSEL_CHECK(control != nullptr, PeerLostError, "{}", what);
+  control->set(elastic::report_key(env.job_id, failures, env.rank), r.to_json().dump());
   // The coordinator's bound on gathering the reports (this wait starts after its own).
   const auto limit = recovery_deadline(cfg.comm_timeout_s);
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!std::filesystem::exists(path)) {
-    fatal = std::chrono::steady_clock::now() >= deadline;
-    TESSEL_CHECK(!fatal, TimeoutError,
-                 "process {}: the coordinator decided nothing about failure {} within {} s "
-                 "({} did not appear)",
-                 env.rank, failures, limit.count() / 1000, path);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  auto sw = SwitchMarker::from_json(read_json_file(path), path);
+  const int64_t e = failures;
+  auto decision = [e](const RecordFeed::View& v) -> const Reconfiguration* {
+    for (const auto& [g, rec] : v.records)
+      if (rec.recovery && rec.failures == e) return &rec;
+    return nullptr;
+  };
+  feed->wait_until([&](const RecordFeed::View& v) { return decision(v) != nullptr; },
+                   RecordFeed::Clock::now() + limit);
+  const auto view = feed->view();
+  const auto* found = decision(view);
+  fatal = found == nullptr;
+  TESSEL_CHECK(!fatal, TimeoutError,
+               "process {}: the coordinator decided nothing about failure {} within {} s", env.rank,
+               failures, limit.count() / 1000);
+  auto sw = *found;
   skip_timeline_through(sw.step);
   transition(sw);
 }

@@ -1,9 +1,11 @@
 // This process across the generations of an elastic job: the plan in force and its members,
 // the RankTrainer of its rank in it (rank_trainer.h, none while the plan has no place for it), and
-// the plan switches -- from the config's timeline, from scale requests (`tessel ctl scale`), and
-// from failure recoveries the coordinator decides (elastic/coordinator.h). A switch known ahead
-// is prepared while training goes on (prepared_chunks.h); a switch moves the training state
-// between the two plans' layouts directly between processes (reshard/).
+// the member side of the plan switches. The coordinator decides every switch -- a timeline entry,
+// a scale request, a failure recovery -- and publishes it as a record (elastic/reconfiguration.h);
+// this process only follows the records (elastic/record_feed.h), agrees with its world on the step
+// boundary where one applies, reports its progress and failures, and carries the switch out. A
+// switch known ahead is prepared while training goes on (prepared_chunks.h); a switch moves the
+// training state between the two plans' layouts directly between processes (reshard/).
 #pragma once
 
 #include <chrono>
@@ -15,8 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "tessel/comm/control_store.h"
 #include "tessel/config/train_config.h"
-#include "tessel/elastic/switch_marker.h"
+#include "tessel/elastic/reconfiguration.h"
+#include "tessel/elastic/record_feed.h"
+#include "tessel/elastic/reporter.h"
 #include "tessel/layout/plan.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/reshard/transfer_plan.h"
@@ -41,41 +46,48 @@ struct PlannedSwitch {
   Kept kept_chunks(int old_rank, int new_rank) const;
 
   // Whether this plan is for `sw` (the same layouts and processes on both sides).
-  bool is_for(const elastic::SwitchMarker& sw) const;
+  bool is_for(const elastic::Reconfiguration& sw) const;
 };
 
 struct ElasticWorker {
   config::TrainConfig cfg;
-  WorkerEnv env;  // env.rank: this process's id (switch_marker.h), fixed for its lifetime
+  WorkerEnv env;  // env.rank: this process's id (reconfiguration.h), fixed for its lifetime
   // Switches so far: the current world lives under store generation env.generation + generation.
   int generation = 0;
   layout::Plan plan;            // in force now (also known while this process has no rank)
   std::vector<int> members;     // the process of each rank of `plan`
-  int next_process_id = 0;      // the id the next process a switch adds gets
   int64_t failures = 0;         // failures of the job recovered from (or being recovered from)
   size_t next_static = 0;       // the next timeline entry
   int64_t applied_request = 0;  // the newest scale request applied
   std::unique_ptr<RankTrainer> world;  // null while this process has no rank in the plan
-  std::optional<elastic::SwitchMarker>
-      joining;                 // started to join this switch (TESSEL_JOIN_GENERATION)
-  bool joining_early = false;  // ... from its announcement (prepare-<g>): wait for the switch
-  // A switch announced ahead (a timeline entry or a scale request, elastic.prepare_steps): made
-  // after `at_step` steps; until then this process builds its buffers in the new plan in the
-  // background.
+  std::optional<elastic::Reconfiguration>
+      joining;  // started to join this switch (TESSEL_JOIN_GENERATION)
+  // The job's control store (an elastic job only): the records, and this process's reports.
+  std::shared_ptr<comm::ControlStore> control;
+  std::unique_ptr<elastic::RecordFeed> feed;
+  std::unique_ptr<elastic::Reporter> progress;  // reports/progress, written while rank 0
+  // A switch known ahead (elastic.prepare_steps): made after `at_step` steps; until then this
+  // process builds its buffers in the new plan in the background.
   struct Preparation {
-    elastic::SwitchMarker sw;
+    elastic::Reconfiguration sw;
     int64_t at_step = 0;
-    bool timeline = false;               // the next timeline entry (else a scale request)
     std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
     // The transfer, planned at the announcement (null: to be planned at the switch).
     std::shared_ptr<const PlannedSwitch> planned;
   };
   std::optional<Preparation> preparing;
+  // When the newest step ended (Unix time): a switch's control-plane share of its pause runs
+  // from the later of this and the record's decision to the switch's start.
+  double boundary_at = 0;
+  // The current world was just entered (started, resumed or made by a switch): the loop asks for
+  // switches due at this boundary before the next step.
+  bool entered = false;
   std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
   bool fatal = false;  // a failure recovery cannot help (the coordinator gave no answer)
 
-  // Joins the job: as a receiver of the switch it was started for (env.join_generation), or from
-  // the newest checkpoint (checkpoint.resume), or as rank env.rank of the config's plan.
+  // Joins the job: as a receiver of the switch it was started for (env.join_generation, read from
+  // its record), or from the newest checkpoint (checkpoint.resume), or as rank env.rank of the
+  // config's plan.
   ElasticWorker(config::TrainConfig c, const WorkerEnv& e);
 
   // Whether the launcher takes scale requests for this job (`tessel ctl scale`) and recovers
@@ -92,26 +104,23 @@ struct ElasticWorker {
   // when there is none (or resume is off).
   bool resume();
 
-  // The switch to make after the step just finished, if any (collective over the world when the
-  // job takes scale requests: every rank must decide alike, and every rank computes the same
-  // new members).
-  std::optional<elastic::SwitchMarker> next_switch();
+  // After a step: rank 0 reports it, and the switch to make now, if any. Collective over the
+  // world in an elastic job: the ranks agree (one all-gather) on the newest record any of them
+  // has seen, so every rank applies it at the same boundary. A record due at a timeline entry's
+  // step is waited for there. Throws PeerLostError when the coordinator is recovering from a
+  // failure this process has not met (it reports then, like its peers).
+  std::optional<elastic::Reconfiguration> next_switch();
 
-  // The switch from the current world to plan `to` (the next generation). The first ranks keep
-  // their processes; ranks beyond the old world get new processes, whose ids it takes.
-  elastic::SwitchMarker make_switch(layout::Plan to, const std::string& cause);
+  // Record g from the feed, waited for up to the recovery bound; throws PeerLostError when a
+  // failure is announced meanwhile and TimeoutError when it does not come.
+  elastic::Reconfiguration wait_for_record(int g, const std::string& why);
 
-  elastic::SwitchMarker timeline_switch(const config::PlanSwitch& e);
+  // Rank 0's report of where the world is (the go of a switch when `entering` > 0).
+  void report_progress(int entering = 0);
 
-  // Prepares the next timeline switch once it is elastic.prepare_steps or fewer steps away
-  // (every rank decides alike, from the config).
-  void maybe_prepare();
-
-  // Announces switch `sw`, to be made after `at_step` steps: rank 0 writes prepare-<g>, so the
-  // coordinator starts the processes it adds now, and this process starts building, on a
-  // background thread, the chunks it will hold in the new plan and cannot take over from its
-  // current world.
-  void start_preparation(elastic::SwitchMarker sw, int64_t at_step, bool timeline);
+  // Starts building, on a background thread, the chunks this process will hold in switch sw's
+  // plan and cannot take over from its current world; the switch is made after `at_step` steps.
+  void start_preparation(elastic::Reconfiguration sw, int64_t at_step);
 
   // Drops a preparation (its switch will not happen: a failure came first), after its
   // background build ended.
@@ -119,26 +128,27 @@ struct ElasticWorker {
 
   // The buffers prepared for switch `sw`, if it is the prepared one, after their build ended;
   // `record` gets when it was announced and how long the switch waited for the build.
-  std::optional<PreparedChunks> take_prepared(const elastic::SwitchMarker& sw,
+  std::optional<PreparedChunks> take_prepared(const elastic::Reconfiguration& sw,
                                               nlohmann::json& record);
 
   // The layouts of both plans and the transfer between them. One host: every process is local.
   // The layouts and the transfer of `sw`: the preparation's when it planned this switch.
-  std::shared_ptr<const PlannedSwitch> plan_switch(const elastic::SwitchMarker& sw) const;
+  std::shared_ptr<const PlannedSwitch> plan_switch(const elastic::Reconfiguration& sw) const;
 
-  // A process started for a switch announced ahead (joining_early): builds its chunks while the
-  // job still trains, then waits for the switch itself (switch-<g>, with the step it happens
-  // at) and returns it. Returns nothing when a failure recovery overtook the switch (its
-  // decision for the failure after sw.failures appeared first): this process is not needed.
-  // Throws TimeoutError when neither comes within the bound.
-  std::optional<elastic::SwitchMarker> await_switch(const elastic::SwitchMarker& announced);
+  // A process started for a switch: builds its chunks while the job still trains, then waits for
+  // the go (rank 0's progress report entering the switch's generation) and returns the switch.
+  // Returns nothing when a failure recovery overtook the switch (a recovery record for a later
+  // failure appeared first): this process is not needed. Throws TimeoutError when neither comes
+  // within the bound.
+  std::optional<elastic::Reconfiguration> await_switch(const elastic::Reconfiguration& announced);
 
   void write_event(const nlohmann::json& record);
 
   // The event line of a switch this process measured for `total_s`, with what the switch's
   // author recorded (the coordinator's detection and planning times, steps lost, ...). The pause
   // of a recovery runs from the failure's detection.
-  void write_switch_event(nlohmann::json record, const elastic::SwitchMarker& sw, double total_s);
+  void write_switch_event(nlohmann::json record, const elastic::Reconfiguration& sw,
+                          double total_s);
 
   // Enters generation sw.generation: every process of the old or the new world joins one
   // transition world, the training state moves by the TransferPlan (each piece from the nearest
@@ -148,7 +158,7 @@ struct ElasticWorker {
   // (sw.recovery) takes its sources from sw.from_members only (the others' ranks are lost), or
   // reads the whole state from sw.checkpoint. If the switch fails, this process keeps its old
   // world and state (chunks a successor took over are given back), so it can report them.
-  void transition(const elastic::SwitchMarker& sw);
+  void transition(const elastic::Reconfiguration& sw);
 
   // Before the successor is built: the gradients and activations of old chunks the successor
   // will not take over are not state, so they are freed and handed back to the OS. The
@@ -158,7 +168,7 @@ struct ElasticWorker {
 
   // A recovery from a checkpoint: the new world's members read their share of it (each only
   // what its rank holds) and continue from its step and data cursor.
-  void restore_from_checkpoint(const elastic::SwitchMarker& sw, int new_rank,
+  void restore_from_checkpoint(const elastic::Reconfiguration& sw, int new_rank,
                                int64_t store_generation, std::chrono::steady_clock::time_point t0);
 
   // After a peer failed (`what`): breaks this process's communicators (so every peer notices),

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
@@ -52,9 +53,10 @@ TrainSummary ParallelTrainer::run() {
         failed.reset();
         s.recover(what);
       } else if (s.joining) {
-        std::optional<elastic::SwitchMarker> sw = std::move(s.joining);
+        std::optional<elastic::Reconfiguration> sw = std::move(s.joining);
         s.joining.reset();
-        if (s.joining_early) sw = s.await_switch(*sw);
+        // Started for a switch: wait for its go (a recovery's processes join at once).
+        if (!sw->recovery) sw = s.await_switch(*sw);
         if (!sw) break;  // overtaken by a failure recovery: not needed
         s.transition(*sw);
       }
@@ -73,9 +75,15 @@ TrainSummary ParallelTrainer::run() {
       };
       while (s.world && s.world->step < cfg.training.end_step()) {
         resave_cancelled(*s.world);
-        // Here, not after a switch: every way into a world (a switch, joining, a recovery, a
-        // resume) passes, so all ranks decide alike whether a preparation runs.
-        s.maybe_prepare();
+        // A world entered at a step boundary (a switch, a recovery, joining one) may have more
+        // switches due there (a scale request's, then the timeline's). Every process of the new
+        // world came through transition(), so all of them ask here, in step.
+        if (std::exchange(s.entered, false)) {
+          if (auto sw = s.next_switch()) {
+            s.transition(*sw);
+            continue;
+          }
+        }
         RankTrainer& w = *s.world;
         tracker.show_progress(s.lead(), cfg.training.steps, cfg.training.log_every);
         tracker.begin_step();

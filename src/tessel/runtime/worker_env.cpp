@@ -34,7 +34,8 @@ WorkerEnv WorkerEnv::from_environment() {
   WorkerEnv e;
   e.rank = int(env_int("TESSEL_RANK", true));
   e.world_size = int(env_int("TESSEL_WORLD_SIZE", true));
-  e.store_dir = env_string("TESSEL_STORE_DIR", true);
+  e.control_store = env_string("TESSEL_CONTROL_STORE", false);
+  e.store_dir = env_string("TESSEL_STORE_DIR", e.control_store.empty());
   e.job_id = env_string("TESSEL_JOB_ID", true);
   e.generation = env_int("TESSEL_GENERATION", false);
   e.join_generation = env_int("TESSEL_JOIN_GENERATION", false);
@@ -42,6 +43,9 @@ WorkerEnv WorkerEnv::from_environment() {
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
   // A worker started for a switch may take a rank beyond the world the job started with: its
   // place comes from the switch.
+  TESSEL_CHECK(!e.elastic || !e.control_store.empty(), ConfigError,
+               "TESSEL_ELASTIC=1 needs TESSEL_CONTROL_STORE (the job's control store): start "
+               "elastic jobs with `tessel train`");
   TESSEL_CHECK(e.world_size >= 1 && (e.rank < e.world_size || e.join_generation > 0), ConfigError,
                "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
   return e;
@@ -50,6 +54,7 @@ WorkerEnv WorkerEnv::from_environment() {
 comm::StoreOptions WorkerEnv::store(int64_t store_generation, double timeout_s) const {
   comm::StoreOptions options;
   options.path = store_dir;
+  options.control_endpoint = control_store;
   options.job_id = job_id;
   options.generation = store_generation;
   options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));

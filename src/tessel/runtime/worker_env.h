@@ -10,9 +10,12 @@
 namespace tessel::runtime {
 
 struct WorkerEnv {
-  int rank = 0;  // this process's id in the job (elastic/switch_marker.h), fixed for its lifetime
+  int rank = 0;  // this process's id in the job (elastic/reconfiguration.h), fixed for its lifetime
   int world_size = 1;     // workers the job started with
-  std::string store_dir;  // the rendezvous store and the elastic files
+  std::string store_dir;  // the rendezvous directory of a fixed launch (`tessel launch`)
+  // The job's control store (elastic/reconfiguration.h), an HTTP endpoint; when set, every
+  // rendezvous goes through it too and store_dir is unused.
+  std::string control_store;
   std::string job_id;
   int64_t generation = 0;       // the store generation the job's first world uses
   int64_t join_generation = 0;  // > 0: started for the switch to this generation
@@ -21,9 +24,9 @@ struct WorkerEnv {
   // launcher chose: the worker looks for it itself, checkpoint::find_resume_point).
   std::optional<std::string> resume_from;
 
-  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_STORE_DIR, TESSEL_JOB_ID (required),
-  // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset) and
-  // TESSEL_RESUME_FROM (may be unset). Throws
+  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_JOB_ID (required), TESSEL_STORE_DIR or
+  // TESSEL_CONTROL_STORE (one of them), TESSEL_GENERATION, TESSEL_JOIN_GENERATION and
+  // TESSEL_ELASTIC (0 when unset) and TESSEL_RESUME_FROM (may be unset). Throws
   // ConfigError naming the missing or malformed variable.
   static WorkerEnv from_environment();
 

@@ -1,4 +1,4 @@
-#include "tessel/elastic/switch_marker.h"
+#include "tessel/elastic/reconfiguration.h"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 
 namespace tessel::elastic {
 
-nlohmann::json SwitchMarker::to_json() const {
+nlohmann::json Reconfiguration::to_json() const {
   return {{"generation", generation},
           {"from", layout::to_json(from)},
           {"to", layout::to_json(to)},
@@ -18,6 +18,9 @@ nlohmann::json SwitchMarker::to_json() const {
           {"request", request},
           {"applied_request", applied_request},
           {"failures", failures},
+          {"at_step", at_step},
+          {"timeline", timeline},
+          {"decided_at", decided_at},
           {"recovery", recovery},
           {"checkpoint", checkpoint},
           {"step", step},
@@ -25,9 +28,9 @@ nlohmann::json SwitchMarker::to_json() const {
           {"record", record}};
 }
 
-SwitchMarker SwitchMarker::from_json(const nlohmann::json& d, const std::string& what) {
+Reconfiguration Reconfiguration::from_json(const nlohmann::json& d, const std::string& what) {
   try {
-    SwitchMarker m;
+    Reconfiguration m;
     m.generation = d.at("generation").get<int>();
     m.from = layout::plan_from_json(d.at("from"));
     m.to = layout::plan_from_json(d.at("to"));
@@ -39,6 +42,9 @@ SwitchMarker SwitchMarker::from_json(const nlohmann::json& d, const std::string&
     m.request = d.at("request").get<int64_t>();
     m.applied_request = d.at("applied_request").get<int64_t>();
     m.failures = d.at("failures").get<int64_t>();
+    m.at_step = d.at("at_step").get<int64_t>();
+    m.timeline = d.at("timeline").get<bool>();
+    m.decided_at = d.at("decided_at").get<double>();
     m.recovery = d.at("recovery").get<bool>();
     m.checkpoint = d.at("checkpoint").get<std::string>();
     m.step = d.at("step").get<int64_t>();
@@ -82,29 +88,69 @@ FailureReport FailureReport::from_json(const nlohmann::json& d, const std::strin
   }
 }
 
-std::string scale_request_path(const std::string& store_dir, const std::string& job, int64_t r) {
-  return fmt::format("{}/{}.request-{}.json", store_dir, job, r);
+nlohmann::json Progress::to_json() const {
+  return {{"generation", generation}, {"step", step}, {"entering", entering}};
+}
+
+Progress Progress::from_json(const nlohmann::json& d, const std::string& what) {
+  try {
+    return Progress{d.at("generation").get<int>(), d.at("step").get<int64_t>(),
+                    d.at("entering").get<int>()};
+  } catch (const nlohmann::json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "{} is not a valid progress report: {}", what, e.what());
+  }
 }
 
 std::chrono::milliseconds recovery_deadline(double comm_timeout_s) {
   return std::chrono::milliseconds(int64_t(comm_timeout_s * 2000) + 30000);
 }
 
-std::string switch_marker_path(const std::string& store_dir, const std::string& job, int g) {
-  return fmt::format("{}/{}.switch-{}.json", store_dir, job, g);
+std::string job_prefix(const std::string& job) {
+  return "/tessel/" + job + "/";
 }
 
-std::string prepare_marker_path(const std::string& store_dir, const std::string& job, int g) {
-  return fmt::format("{}/{}.prepare-{}.json", store_dir, job, g);
+std::string owner_key(const std::string& job) {
+  return job_prefix(job) + "owner";
 }
 
-std::string failure_report_path(const std::string& store_dir, const std::string& job,
-                                int64_t failure, int process) {
-  return fmt::format("{}/{}.report-{}-{}.json", store_dir, job, failure, process);
+std::string generation_key(const std::string& job) {
+  return job_prefix(job) + "decisions/generation";
 }
 
-std::string recovery_path(const std::string& store_dir, const std::string& job, int64_t failure) {
-  return fmt::format("{}/{}.recovery-{}.json", store_dir, job, failure);
+std::string records_prefix(const std::string& job) {
+  return job_prefix(job) + "decisions/records/";
+}
+
+std::string record_key(const std::string& job, int g) {
+  // Zero-padded: list() returns records in generation order.
+  return fmt::format("{}{:08d}", records_prefix(job), g);
+}
+
+std::string failure_key(const std::string& job) {
+  return job_prefix(job) + "decisions/failure";
+}
+
+std::string progress_key(const std::string& job) {
+  return job_prefix(job) + "reports/progress";
+}
+
+std::string reports_prefix(const std::string& job, int64_t failure) {
+  return fmt::format("{}reports/failures/{:06d}/", job_prefix(job), failure);
+}
+
+std::string report_key(const std::string& job, int64_t failure, int process) {
+  return fmt::format("{}{}", reports_prefix(job, failure), process);
+}
+
+int record_generation(const std::string& job, const std::string& key) {
+  const std::string prefix = records_prefix(job);
+  if (key.size() != prefix.size() + 8 || key.compare(0, prefix.size(), prefix) != 0) return -1;
+  int g = 0;
+  for (size_t i = prefix.size(); i < key.size(); ++i) {
+    if (key[i] < '0' || key[i] > '9') return -1;
+    g = g * 10 + (key[i] - '0');
+  }
+  return g;
 }
 
 }  // namespace tessel::elastic

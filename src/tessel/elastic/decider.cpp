@@ -1,0 +1,297 @@
+#include "tessel/elastic/decider.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/core/check.h"
+#include "tessel/core/log.h"
+#include "tessel/elastic/recovery.h"
+
+namespace tessel::elastic {
+
+namespace {
+
+std::vector<int> first_processes(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
+  return v;
+}
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
+                 std::string job, int initial_workers, int64_t start_step)
+    : cfg_(std::move(cfg)), store_(std::move(store)), job_(std::move(job)) {
+  const auto claimed = store_->compare_and_set(generation_key(job_), 0, "0");
+  TESSEL_CHECK(claimed.has_value(), ConfigError,
+               "job {} already has decisions in the control store ({} exists): another `tessel "
+               "train` of this job runs, or an earlier one left them behind; give this job "
+               "another id, or remove them (etcdctl del --prefix {})",
+               job_, generation_key(job_), job_prefix(job_));
+  generation_revision_ = *claimed;
+  plan_ = cfg_.plan_at(start_step);
+  members_ = first_processes(initial_workers);
+  next_process_id_ = initial_workers;
+  running_ = {members_.begin(), members_.end()};
+  step_ = start_step;
+  skip_timeline_through(start_step);
+}
+
+void Decider::skip_timeline_through(int64_t step) {
+  next_timeline_ = 0;
+  while (next_timeline_ < cfg_.timeline.size() && cfg_.timeline[next_timeline_].at_step <= step)
+    ++next_timeline_;
+}
+
+std::string Decider::scale(int workers) {
+  if (workers < 1) return "refused: scale needs a worker count >= 1 (scale N)";
+  layout::Plan plan;
+  try {
+    plan = cfg_.plan_for_workers(workers);
+  } catch (const Error& e) {
+    return fmt::format("refused: {}", e.what());
+  }
+  const int64_t r = ++requests_;
+  queued_ = {r, plan};
+  const std::string when =
+      cfg_.prepare_steps > 0
+          ? fmt::format("prepared from the next step boundary on, switched {} steps later",
+                        cfg_.prepare_steps)
+          : std::string("at the next step boundary");
+  spdlog::info("scale request {}: {} workers ({}) {}", r, workers, plan.describe(), when);
+  return fmt::format("ok: request {}: {} workers ({}) {}", r, workers, plan.describe(), when);
+}
+
+std::string Decider::status() const {
+  return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches, {} failures", job_,
+                     members_.size(), requests_, generation_, failures_);
+}
+
+bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& how) {
+  running_.erase(process);
+  preparing_.erase(process);
+  if (ok) {
+    if (recovery_) {
+      recovery_->expected.erase(process);
+      recovery_->someone_finished = true;
+    }
+    return true;
+  }
+  // Only a death by a signal is a lost worker; an error exit ends the job with its message.
+  if (!signaled) return false;
+  const std::string cause = fmt::format("worker {} {}", process, how);
+  if (recovery_)
+    recovery_->cause += "; " + cause;
+  else
+    start_recovery(cause);
+  recovery_->dead.insert(process);
+  recovery_->expected = state_holders();
+  return true;
+}
+
+std::set<int> Decider::state_holders() const {
+  std::set<int> out;
+  for (int p : running_)
+    if (!preparing_.contains(p)) out.insert(p);
+  return out;
+}
+
+void Decider::start_recovery(const std::string& cause) {
+  ++failures_;
+  recovery_.emplace();
+  recovery_->cause = cause;
+  recovery_->detected = Clock::now();
+  recovery_->deadline = recovery_->detected + recovery_deadline(cfg_.comm_timeout_s);
+  recovery_->expected = state_holders();
+  // Workers waiting on the store rather than on a peer (for a record, for the go) hear of it
+  // here and report too.
+  store_->set(failure_key(job_), std::to_string(failures_));
+  spdlog::warn("{}: recovering (failure {})", cause, failures_);
+}
+
+Reconfiguration Decider::switch_to(layout::Plan to, const std::string& cause) const {
+  Reconfiguration r;
+  r.generation = generation_ + 1;
+  r.cause = cause;
+  r.from = plan_;
+  r.from_members = members_;
+  r.to = std::move(to);
+  const int n = r.to.world();
+  int next = next_process_id_;
+  r.to_members.assign(members_.begin(),
+                      members_.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members_.size())));
+  while (int(r.to_members.size()) < n) {
+    r.to_members.push_back(next);
+    r.spawn.push_back(next++);
+  }
+  r.next_process_id = next;
+  r.applied_request = applied_request_;
+  r.failures = failures_;
+  r.step = step_;
+  return r;
+}
+
+std::vector<Decider::Start> Decider::publish(Reconfiguration r) {
+  TESSEL_CHECK(r.generation > generation_, InvalidArgumentError,
+               "record of generation {} published after generation {}", r.generation, generation_);
+  const auto rev = store_->compare_and_set(generation_key(job_), generation_revision_,
+                                           std::to_string(r.generation));
+  TESSEL_CHECK(rev.has_value(), ConfigError,
+               "job {}: {} was changed by someone else (a second coordinator of this job, or a "
+               "hand edit); stopping rather than letting two deciders split the job",
+               job_, generation_key(job_));
+  generation_revision_ = *rev;
+  r.decided_at = unix_seconds();
+  store_->set(record_key(job_, r.generation), r.to_json().dump());
+  generation_ = r.generation;
+  plan_ = r.to;
+  members_ = r.to_members;
+  next_process_id_ = std::max(next_process_id_, r.next_process_id);
+  applied_request_ = std::max(applied_request_, r.applied_request);
+  accept_progress_from_ = r.recovery ? r.generation : r.generation - 1;
+  pending_ = r.generation;
+  pending_request_ = r.request;
+  std::vector<Start> starts;
+  for (int p : r.spawn) {
+    starts.push_back({p, r.generation});
+    running_.insert(p);
+    // Until the switch, a process started for it holds no state (a recovery's are state holders
+    // at once: they join its transition).
+    if (!r.recovery) preparing_.insert(p);
+  }
+  return starts;
+}
+
+std::vector<Decider::Start> Decider::update() {
+  if (auto kv = store_->get(progress_key(job_))) {
+    try {
+      const auto p = Progress::from_json(nlohmann::json::parse(kv->value), kv->key);
+      // Reports of a world a failure replaced say nothing about the one in force.
+      if (p.generation >= accept_progress_from_) {
+        step_ = p.step;
+        if (pending_ && p.generation >= *pending_) {
+          pending_.reset();
+          preparing_.clear();
+        }
+      }
+    } catch (const std::exception& e) {
+      spdlog::warn("ignoring {}: {}", kv->key, e.what());
+    }
+  }
+  if (!recovery_) {
+    // A failure nobody died of (a collective timed out, a connection reset) is reported as the
+    // next failure; it is recovered from the same way, with every process surviving.
+    const auto reports = store_->list(reports_prefix(job_, failures_ + 1));
+    if (!reports.empty()) {
+      std::string error = "a failure";
+      try {
+        error = FailureReport::from_json(nlohmann::json::parse(reports.front().value),
+                                         reports.front().key)
+                    .error;
+      } catch (const std::exception&) {
+      }
+      start_recovery(fmt::format("a worker met: {}", error));
+    }
+  }
+  if (recovery_) return recover();
+  if (pending_) return {};
+  if (next_timeline_ < cfg_.timeline.size()) {
+    const auto& e = cfg_.timeline[next_timeline_];
+    // A step before the members need it (they prepare prepare_steps before the entry).
+    const int64_t ahead = cfg_.prepare_steps + 1;
+    if (e.at_step < cfg_.training.end_step() && step_ >= e.at_step - ahead) {
+      auto r = switch_to(e.plan, e.workers > 0 ? "timeline (workers)" : "timeline (plan)");
+      r.at_step = e.at_step;
+      r.timeline = true;
+      ++next_timeline_;
+      return publish(std::move(r));
+    }
+  }
+  if (queued_) {
+    auto [request, plan] = std::move(*queued_);
+    queued_.reset();
+    applied_request_ = std::max(applied_request_, request);
+    if (plan == plan_) return {};  // what the job runs already
+    auto r = switch_to(std::move(plan), "scale request");
+    r.request = request;
+    r.applied_request = request;
+    last_request_ = {request, r.to};
+    return publish(std::move(r));
+  }
+  return {};
+}
+
+std::vector<Decider::Start> Decider::recover() {
+  auto& p = *recovery_;
+  std::map<int, FailureReport> reported;
+  for (const auto& kv : store_->list(reports_prefix(job_, failures_))) {
+    try {
+      auto r = FailureReport::from_json(nlohmann::json::parse(kv.value), kv.key);
+      reported.insert_or_assign(r.process, std::move(r));
+    } catch (const std::exception& e) {
+      spdlog::warn("ignoring {}: {}", kv.key, e.what());
+    }
+  }
+  std::vector<FailureReport> reports;
+  std::string missing;
+  for (int process : p.expected) {
+    auto it = reported.find(process);
+    if (it == reported.end()) {
+      missing += fmt::format("{}{}", missing.empty() ? "" : ", ", process);
+      continue;
+    }
+    reports.push_back(it->second);
+  }
+  if (!missing.empty()) {
+    TESSEL_CHECK(Clock::now() < p.deadline, TimeoutError,
+                 "{}: workers {} did not report within {} s of it; stopping the job", p.cause,
+                 missing, int64_t(cfg_.comm_timeout_s * 2) + 30);
+    return {};
+  }
+  if (reports.empty() && p.someone_finished) {
+    spdlog::info("{}: every other worker had finished the run; nothing to recover", p.cause);
+    recovery_.reset();
+    return {};
+  }
+  const auto t0 = Clock::now();
+  RecoveryInput in;
+  in.reports = std::move(reports);
+  in.dead.assign(p.dead.begin(), p.dead.end());
+  in.cause = p.cause;
+  in.failures = failures_;
+  // Above every generation published, a pending one included: some processes may have begun
+  // its transition (registered under its rendezvous prefix), dead ones too.
+  int g = generation_ + 1;
+  for (const auto& r : in.reports) g = std::max(g, r.generation + 1);
+  in.generation = g;
+  in.next_process_id = next_process_id_;
+  in.replace_failed = cfg_.replace_failed;
+  if (!cfg_.checkpoint.dir.empty())
+    in.checkpoint = checkpoint::latest_sharded_checkpoint(cfg_.checkpoint.dir);
+  auto m = decide_recovery(cfg_, in);
+  m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
+  m.record["planning_s_coordinator"] = std::chrono::duration<double>(Clock::now() - t0).count();
+  spdlog::warn(
+      "failure {}: continuing at step {} with {} workers ({}) {}{}", failures_, m.step,
+      m.to.world(), m.to.describe(),
+      m.checkpoint.empty() ? "from the survivors' state" : "from checkpoint " + m.checkpoint,
+      m.record.contains("lost") ? " (lost: " + m.record["lost"].get<std::string>() + ")"
+                                : std::string());
+  recovery_.reset();
+  // Processes started for a record the failure voided leave when they see this one.
+  preparing_.clear();
+  // A scale request whose record the failure voided is made again, unless a newer one waits.
+  if (last_request_ && last_request_->first > m.applied_request && !queued_)
+    queued_ = last_request_;
+  step_ = m.step;
+  skip_timeline_through(m.step);
+  return publish(std::move(m));
+}
+
+}  // namespace tessel::elastic

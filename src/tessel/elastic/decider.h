@@ -1,0 +1,115 @@
+// The coordinator's decisions (reconfiguration.h): the one place where an elastic job's plan,
+// members, ranks and generations are chosen, for every cause. It holds no sockets and starts no
+// processes: it reads the workers' reports from the control store, publishes records there and
+// says which processes to start, so the whole protocol can be driven and checked against a
+// MemoryStore without processes (decider_test.cpp). The Coordinator (coordinator.h) feeds it
+// commands and process exits and carries out its starts.
+//
+// Causes and when each becomes a record:
+//  * a timeline entry at step s: once rank 0 reports a step within elastic.prepare_steps + 1 of s
+//    and no other record is pending; at_step = s (the members wait for it prepare_steps before s,
+//    where they start preparing it);
+//  * a scale request (`tessel ctl scale`, the hosts file): at once when no record is pending,
+//    else when the pending one has been applied (the newest request wins; none is lost, and one
+//    whose record a failure voided is made again);
+//  * a failure (a worker killed, or a failure a worker reports that no death explains): once every
+//    surviving state holder has reported (recovery.h decides what to continue from), with a
+//    generation above every one published, which voids a pending record.
+// A record is pending from its publication until rank 0 reports its generation.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tessel/comm/control_store.h"
+#include "tessel/config/train_config.h"
+#include "tessel/elastic/reconfiguration.h"
+
+namespace tessel::elastic {
+
+class Decider {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // A process to start, for the switch to `generation` (TESSEL_JOIN_GENERATION).
+  struct Start {
+    int process = 0;
+    int generation = 0;
+  };
+
+  // The job's processes 0..initial_workers-1 run the plan in force at `start_step` (0, or the
+  // step of the checkpoint the job resumes from) as generation 0. Claims the job's decisions in
+  // the store: throws ConfigError when the job already has some (another coordinator of the same
+  // job, or a store not cleaned after an earlier job of that name).
+  Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store, std::string job,
+          int initial_workers, int64_t start_step);
+
+  // `scale N`: the planner's plan for N workers, or the reason there is none ("refused: ...").
+  std::string scale(int workers);
+  std::string status() const;
+
+  // A worker process ended. Returns true when the job goes on without it (it finished, or died of
+  // a signal: a lost machine, recovered from); false for an error exit, which ends the job.
+  bool on_exit(int process, bool ok, bool signaled, const std::string& how);
+
+  // Reads the workers' reports and makes every decision now due; returns the processes to
+  // start. Throws TimeoutError when survivors of a failure did not report in time, and Error
+  // (from recovery.h) when no recovery is possible: the job ends.
+  std::vector<Start> update();
+
+  int workers() const { return int(members_.size()); }
+  int generation() const { return generation_; }
+  int64_t failures() const { return failures_; }
+  std::set<int> running() const { return running_; }
+
+ private:
+  // Publishes record r (r.generation = generation_ + 1) after moving decisions/generation with
+  // compare-and-set; returns the processes it starts.
+  std::vector<Start> publish(Reconfiguration r);
+  Reconfiguration switch_to(layout::Plan to, const std::string& cause) const;
+  void start_recovery(const std::string& cause);
+  std::set<int> state_holders() const;
+  std::vector<Start> recover();
+  void skip_timeline_through(int64_t step);
+
+  config::TrainConfig cfg_;
+  std::shared_ptr<comm::ControlStore> store_;
+  std::string job_;
+  int64_t generation_revision_ = 0;  // of decisions/generation as this decider last wrote it
+
+  // The plan in force once every published record is applied.
+  int generation_ = 0;
+  layout::Plan plan_;
+  std::vector<int> members_;
+  int next_process_id_ = 0;
+  size_t next_timeline_ = 0;
+  int64_t step_ = 0;              // the newest step rank 0 reported (or the start step)
+  int accept_progress_from_ = 0;  // progress of older generations is from a world a failure ended
+
+  std::optional<int> pending_;   // a published record not yet applied
+  int64_t pending_request_ = 0;  // the scale request it carries (0: none)
+  std::set<int> preparing_;      // processes started for it: they hold no state yet
+
+  int64_t requests_ = 0;  // scale requests so far
+  int64_t applied_request_ = 0;
+  std::optional<std::pair<int64_t, layout::Plan>> queued_;  // the newest request not published
+  std::optional<std::pair<int64_t, layout::Plan>> last_request_;  // the newest published
+
+  std::set<int> running_;  // worker processes started and not ended
+  int64_t failures_ = 0;
+  struct Recovery {
+    std::set<int> expected, dead;
+    std::string cause;
+    bool someone_finished = false;  // a worker exited 0 meanwhile (the job may be over)
+    Clock::time_point detected, deadline;
+  };
+  std::optional<Recovery> recovery_;
+};
+
+}  // namespace tessel::elastic

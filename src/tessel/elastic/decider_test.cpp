@@ -1,0 +1,239 @@
+// The protocol without processes: the decider against a MemoryStore, with the workers' reports
+// written by hand -- late, out of order, overwritten before anyone read them (the store keeps
+// only the newest progress), from a world a failure replaced -- and the records it publishes
+// read back as a worker would (record_feed.h).
+#include "tessel/elastic/decider.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+
+#include "tessel/comm/memory_store.h"
+#include "tessel/config/config_test_util.h"
+#include "tessel/core/error.h"
+#include "tessel/elastic/record_feed.h"
+#include "tessel/testing/testing.h"
+
+namespace tessel::elastic {
+namespace {
+
+using namespace std::chrono_literals;
+using tessel::testing::TempDir;
+
+const std::string kTraining =
+    "training: {steps: 100, global_batch: 12, micro_batch: 2, threads: 1}\n"
+    "parallel: {dp: 2}\n";
+
+struct Job {
+  TempDir dir;
+  std::shared_ptr<comm::MemoryStore> store = std::make_shared<comm::MemoryStore>();
+  config::TrainConfig cfg;
+
+  explicit Job(const std::string& extra = "") {
+    cfg = config::TrainConfig::load(
+        config::testing::write_config(dir, (dir / "none.tok").string(), kTraining + extra));
+  }
+  void progress(int generation, int64_t step, int entering = 0) {
+    store->set(progress_key("j"), Progress{generation, step, entering}.to_json().dump());
+  }
+  std::optional<Reconfiguration> record(int g) {
+    auto kv = store->get(record_key("j", g));
+    if (!kv) return std::nullopt;
+    return Reconfiguration::from_json(nlohmann::json::parse(kv->value), kv->key);
+  }
+  void report(int64_t failure, int process, int generation, int64_t step, bool valid = true) {
+    FailureReport r;
+    r.process = process;
+    r.valid = valid;
+    r.generation = generation;
+    r.plan = cfg.plan;
+    r.members = {0, 1};
+    r.rank = process;
+    r.step = step;
+    r.cursor = step * 12;
+    r.error = "all_reduce_sum on group 'dp.0' timed out";
+    store->set(report_key("j", failure, process), r.to_json().dump());
+  }
+};
+
+TEST(Decider, AScaleRequestIsOneRecordThatStartsTheProcessesItAdds) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  EXPECT_TRUE(d.update().empty());
+  EXPECT_EQ(d.scale(3).rfind("ok: request 1: 3 workers", 0), 0u);
+  const auto starts = d.update();
+  ASSERT_EQ(starts.size(), 1u);
+  EXPECT_EQ(starts[0].process, 2);
+  EXPECT_EQ(starts[0].generation, 1);
+  const auto r = job.record(1);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->from_members, (std::vector<int>{0, 1}));
+  EXPECT_EQ(r->to_members, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(r->to.world(), 3);
+  EXPECT_EQ(r->at_step, -1);
+  EXPECT_EQ(r->request, 1);
+  EXPECT_FALSE(r->recovery);
+  EXPECT_EQ(job.store->get(generation_key("j"))->value, "1");
+  // Refusals publish nothing.
+  EXPECT_EQ(d.scale(13).rfind("refused:", 0), 0u);
+  EXPECT_EQ(d.scale(0).rfind("refused:", 0), 0u);
+}
+
+TEST(Decider, RequestsWaitForThePendingRecordAndTheNewestWins) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  d.scale(3);
+  d.update();
+  d.scale(6);
+  d.scale(1);
+  job.progress(0, 7);  // the old world still runs: record 1 is pending
+  EXPECT_TRUE(d.update().empty());
+  EXPECT_FALSE(job.record(2));
+  // The report of generation 1 at step 8 arrives (the one entering it was overwritten unread).
+  job.progress(1, 8);
+  EXPECT_TRUE(d.update().empty());  // 3 -> 1 starts nobody
+  const auto r = job.record(2);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->request, 3);
+  EXPECT_EQ(r->from_members, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(r->to_members, (std::vector<int>{0}));
+  EXPECT_FALSE(job.record(3));
+}
+
+TEST(Decider, ATimelineEntryIsPublishedAheadOfItsStep) {
+  Job job("elastic: {prepare_steps: 2}\ntimeline: [{at_step: 10, workers: 3}]\n");
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  job.progress(0, 6);
+  EXPECT_TRUE(d.update().empty());
+  job.progress(0, 7);
+  const auto starts = d.update();
+  ASSERT_EQ(starts.size(), 1u);
+  const auto r = job.record(1);
+  ASSERT_TRUE(r);
+  EXPECT_TRUE(r->timeline);
+  EXPECT_EQ(r->at_step, 10);
+  EXPECT_EQ(r->to.world(), 3);
+  EXPECT_EQ(r->cause, "timeline (workers)");
+}
+
+TEST(Decider, AResumedJobSkipsTheTimelineBehindIt) {
+  Job job("timeline: [{at_step: 10, workers: 3}, {at_step: 30, workers: 1}]\n");
+  Decider d(job.cfg, job.store, "j", 3, 20);
+  job.progress(0, 26);
+  EXPECT_TRUE(d.update().empty());
+  job.progress(0, 27);
+  d.update();
+  const auto r = job.record(1);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->at_step, 30);
+  EXPECT_EQ(r->from.world(), 3);
+  EXPECT_EQ(r->to.world(), 1);
+}
+
+// A failure nobody died of (a timed-out collective): once every worker has reported, the
+// coordinator decides to go on live with all of them.
+TEST(Decider, AReportedFailureWithoutADeathIsRecoveredFrom) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  job.report(1, 1, 0, 9);
+  EXPECT_TRUE(d.update().empty());  // a recovery starts; process 0 has not reported yet
+  EXPECT_EQ(job.store->get(failure_key("j"))->value, "1");
+  EXPECT_FALSE(job.record(1));
+  job.report(1, 0, 0, 9);
+  EXPECT_TRUE(d.update().empty());
+  const auto m = job.record(1);
+  ASSERT_TRUE(m);
+  EXPECT_TRUE(m->recovery);
+  EXPECT_TRUE(m->checkpoint.empty());
+  EXPECT_EQ(m->step, 9);
+  EXPECT_EQ(m->failures, 1);
+  EXPECT_EQ(m->to.world(), 2);
+  EXPECT_NE(m->cause.find("timed out"), std::string::npos) << m->cause;
+  EXPECT_NE(d.status().find("1 failures"), std::string::npos);
+}
+
+// A record some processes may have begun (registered under its rendezvous prefix, dead ones
+// too) is never reused: a recovery goes one generation past every published record. And the
+// scale request the failure voided is made again once the recovery is applied.
+TEST(Decider, ARecoveryGoesPastAPendingRecordAndRedoesItsRequest) {
+  Job job("elastic: {replace_failed: true}\n");
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  d.scale(3);
+  ASSERT_EQ(d.update().size(), 1u);  // process 2 starts for generation 1
+  EXPECT_TRUE(d.on_exit(1, false, true, "was killed by signal 9 (SIGKILL)"));
+  job.report(1, 0, 0, 4);
+  const auto starts = d.update();  // process 2 prepared only: it is not waited for
+  const auto m = job.record(2);
+  ASSERT_TRUE(m);
+  EXPECT_TRUE(m->recovery);
+  EXPECT_EQ(m->generation, 2);
+  EXPECT_EQ(m->to.world(), 2);  // the survivor and its replacement
+  ASSERT_EQ(starts.size(), 1u);
+  EXPECT_EQ(starts[0].process, 3);
+  EXPECT_EQ(starts[0].generation, 2);
+  // A late report of the world the failure replaced says nothing.
+  job.progress(0, 5);
+  EXPECT_TRUE(d.update().empty());
+  EXPECT_FALSE(job.record(3));
+  job.progress(2, 4);
+  d.update();
+  const auto again = job.record(3);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->request, 1);
+  EXPECT_EQ(again->to.world(), 3);
+  EXPECT_EQ(again->from_members, m->to_members);
+}
+
+TEST(Decider, OneDeciderPerJob) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  EXPECT_THROW(Decider(job.cfg, job.store, "j", 2, 0), ConfigError);
+  Decider other(job.cfg, job.store, "k", 2, 0);  // another job: its own keys
+  // A hand edit of the generation: the next decision is refused, not interleaved.
+  job.store->set(generation_key("j"), "7");
+  d.scale(3);
+  EXPECT_THROW(d.update(), ConfigError);
+  EXPECT_FALSE(job.record(1));
+}
+
+// The worker's side: what it follows, and what it refuses to apply.
+TEST(RecordFeed, FollowsRecordsAndIgnoresWhatNoCoordinatorWrote) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  RecordFeed feed(job.store, "j");
+  d.scale(3);
+  d.update();
+  const auto deadline = RecordFeed::Clock::now() + 5s;
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.record(1) != nullptr; }, deadline));
+  // A malformed record and one whose number is not its key's are dropped with a warning.
+  job.store->set(record_key("j", 2), "{not json");
+  job.store->set(record_key("j", 3), job.record(1)->to_json().dump());
+  job.progress(1, 3);
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.progress.generation == 1; }, deadline));
+  const auto v = feed.view();
+  EXPECT_EQ(v.records.size(), 1u);
+  EXPECT_EQ(v.record(1)->to.world(), 3);
+  // A record erased by hand stays known to those who saw it.
+  job.store->erase(record_key("j", 1));
+  job.progress(1, 4);
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.progress.step == 4; }, deadline));
+  EXPECT_NE(feed.view().record(1), nullptr);
+}
+
+// A feed that fell behind the store's history (events lost to it) reads the keys again.
+TEST(RecordFeed, CatchesUpAfterTheHistoryIsCompacted) {
+  Job job;
+  auto small = std::make_shared<comm::MemoryStore>(2);
+  Decider d(job.cfg, small, "j", 2, 0);
+  RecordFeed feed(small, "j");
+  for (int i = 0; i < 20; ++i) small->set(progress_key("j"), Progress{0, i, 0}.to_json().dump());
+  d.scale(3);
+  d.update();
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.record(1) != nullptr; },
+                              RecordFeed::Clock::now() + 5s));
+  EXPECT_EQ(feed.view().progress.step, 19);
+}
+
+}  // namespace
+}  // namespace tessel::elastic

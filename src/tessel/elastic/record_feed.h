@@ -1,0 +1,75 @@
+// A worker's view of its job's decisions (reconfiguration.h): a background thread watches the
+// job's keys in the control store -- one long watch, no polling -- and keeps the newest records,
+// the failure the coordinator is recovering from and rank 0's progress. The training thread reads
+// them without a round trip at every step boundary, and waits on them with a bound.
+//
+// What cannot be trusted is dropped, not applied: a record that does not parse (edited by hand)
+// is named in a warning and ignored; a record key that disappears is forgotten only by the
+// store, not by the feed (what was seen stays seen).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "tessel/comm/control_store.h"
+#include "tessel/elastic/reconfiguration.h"
+
+namespace tessel::elastic {
+
+class RecordFeed {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Reads the job's keys once (throws PeerLostError when the store cannot be reached), then
+  // follows their changes on a background thread.
+  RecordFeed(std::shared_ptr<comm::ControlStore> store, std::string job);
+  ~RecordFeed();
+  RecordFeed(const RecordFeed&) = delete;
+  RecordFeed& operator=(const RecordFeed&) = delete;
+
+  // Everything the feed knows, at one instant.
+  struct View {
+    std::map<int, Reconfiguration> records;  // by generation
+    int64_t failure = 0;                     // the newest failure being recovered from (0: none)
+    Progress progress;                       // rank 0's newest report
+    std::string lost;                        // why the store cannot be followed (empty: it can)
+
+    const Reconfiguration* record(int g) const {
+      auto it = records.find(g);
+      return it == records.end() ? nullptr : &it->second;
+    }
+  };
+
+  // A copy of what the feed holds now.
+  View view() const;
+
+  // Waits until `done(view)` holds and returns it, or returns false at `deadline`. Throws
+  // PeerLostError when the store stopped answering before that.
+  bool wait_until(const std::function<bool(const View&)>& done, Clock::time_point deadline) const;
+
+  comm::ControlStore& store() { return *store_; }
+  const std::string& job() const { return job_; }
+
+ private:
+  void apply(const comm::KeyValue& kv, bool erased);
+  void follow();
+
+  std::shared_ptr<comm::ControlStore> store_;
+  const std::string job_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable changed_;
+  View view_;
+  int64_t revision_ = 0;  // the newest revision applied
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tessel::elastic

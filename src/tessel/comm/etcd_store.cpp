@@ -35,9 +35,18 @@ int64_t number(const json& j, const char* field) {
 json parse(const std::string& text, const std::string& what) {
   try {
     return json::parse(text);
-  } catch (const json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "etcd: the reply to {} is not JSON ({}): {:.200}", what,
-                 e.what(), text);
+  } catch (const json::exception&) {
+    // Something else answers there (a web server's error page): one line of it names it.
+    std::string start;
+    for (char c : text.substr(0, 400)) {
+      const bool space = c == '\n' || c == '\r' || c == '\t' || c == ' ';
+      if (space && (start.empty() || start.back() == ' ')) continue;
+      start += space ? ' ' : c;
+    }
+    TESSEL_THROW(CorruptDataError,
+                 "etcd: the reply to {} is not JSON, so what answers is not etcd's v3 gateway: "
+                 "{:.120}",
+                 what, start);
   }
 }
 

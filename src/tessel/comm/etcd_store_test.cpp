@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 
 #include "tessel/comm/etcd_test_util.h"
 #include "tessel/core/error.h"
@@ -29,6 +30,32 @@ TEST(EtcdStore, AnUnreachableEndpointIsAPeerLostErrorNamingIt) {
     EXPECT_NE(what.find("check that etcd runs there"), std::string::npos) << what;
   }
   EXPECT_THROW(EtcdStore("127.0.0.1:2379"), ConfigError);
+}
+
+// A wrong endpoint where something else answers (here a web server's error page): the error
+// says it is not etcd, in one line.
+TEST(EtcdStore, AnEndpointThatIsNotEtcdIsNamedSo) {
+  httplib::Server web;
+  web.Post(".*", [](const httplib::Request&, httplib::Response& res) {
+    res.status = 501;
+    res.set_content("<!DOCTYPE HTML>\n<html>\n  <body>\n    <h1>Error response</h1>\n",
+                    "text/html");
+  });
+  const int port = web.bind_to_any_port("127.0.0.1");
+  std::thread serving([&] { web.listen_after_bind(); });
+  while (!web.is_running()) std::this_thread::sleep_for(1ms);
+  EtcdStore store("http://127.0.0.1:" + std::to_string(port), 2s);
+  std::string what;
+  try {
+    store.revision();
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  web.stop();
+  serving.join();
+  EXPECT_NE(what.find("not etcd's v3 gateway"), std::string::npos) << what;
+  EXPECT_NE(what.find("<!DOCTYPE HTML> <html> <body> <h1>Error"), std::string::npos) << what;
+  EXPECT_EQ(what.find('\n'), std::string::npos) << what;
 }
 
 class EtcdStoreOnServer : public ::testing::Test {

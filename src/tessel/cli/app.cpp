@@ -11,6 +11,7 @@
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/cli/convert_command.h"
+#include "tessel/cli/count_flag.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/profile_command.h"
 #include "tessel/cli/simulate_command.h"
@@ -102,11 +103,13 @@ int launch_training(const Args& args) {
 void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* cmd = app.add_subcommand("train", "train a model from a YAML config");
   cmd->add_option("config", args.config, "YAML config file")->required();
-  cmd->add_option("--steps", args.steps, "override training.steps");
-  auto* nproc = cmd->add_option(
-      "--nproc", args.nproc,
-      "local worker processes (default: as many as the config's plans need); must equal dp * tp * "
-      "pp of the parallel section, or the largest plan of the timeline");
+  // Counts are checked where they are read: a value out of range is an error, not ignored.
+  cmd->add_option("--steps", args.steps, "override training.steps")->check(kCount);
+  auto* nproc = cmd->add_option("--nproc", args.nproc,
+                                "local worker processes (default: as many as the config's plans "
+                                "need); must equal dp * tp * "
+                                "pp of the parallel section, or the largest plan of the timeline")
+                    ->check(kCount);
   cmd->add_option("--log-dir", args.train_log_dir,
                   "directory for one log file per worker (--nproc > 1)");
   cmd->callback([&, nproc] {
@@ -122,7 +125,7 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");  // hidden
   worker->add_option("config", args.config, "YAML config file")->required();
-  worker->add_option("--steps", args.steps, "override training.steps");
+  worker->add_option("--steps", args.steps, "override training.steps")->check(kCount);
   worker->callback([&] {
     action = [&] {
       auto cfg = load_train_config(args);
@@ -156,13 +159,15 @@ void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* cmd = app.add_subcommand(
       "launch",
       "run N local copies of a worker command, torchrun style (rank and world in the environment)");
-  cmd->add_option("-n,--nproc", args.nproc, "number of workers")->required();
+  cmd->add_option("-n,--nproc", args.nproc, "number of workers")->required()->check(kCount);
   cmd->add_option("--log-dir", args.log_dir, "directory for one log file per rank");
   cmd->add_option("--stop-timeout", args.stop_timeout_s,
-                  "seconds the other workers get to stop after one fails, before SIGKILL");
+                  "seconds the other workers get to stop after one fails, before SIGKILL")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--peer-grace", args.peer_grace_s,
                   "seconds the other workers get to end by themselves after one fails (e.g. "
-                  "with a peer-lost error in their logs) before they are stopped");
+                  "with a peer-lost error in their logs) before they are stopped")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("command", args.worker_command, "worker command (after --)")->required();
   cmd->callback([&] {
     action = [&] {

@@ -101,5 +101,28 @@ TEST(Cli, UsageErrors) {
   EXPECT_NE(r.output.find("gpt3-175b"), std::string::npos) << r.output;
 }
 
+// Counts out of range or not whole are errors naming the flag: before, `--steps -5` and
+// `--steps 0` were ignored and `plan --gpus 2147483647` planned for a negative device count.
+TEST(Cli, CountFlagsAreReadStrictly) {
+  for (const char* args :
+       {"train none.yaml --steps -5", "train none.yaml --steps 0", "train none.yaml --steps 2.5",
+        "train none.yaml --nproc 0", "launch -n 0 -- true", "launch -n 2abc -- true",
+        "plan --model gpt2-124m --global-batch 8 --gpus 0",
+        "plan --model gpt2-124m --global-batch 8 --gpus 2147483647",
+        "plan --model gpt2-124m --global-batch 0",
+        "plan --model gpt2-124m --global-batch 8 --seq 0",
+        "plan --model gpt2-124m --global-batch 8 --seq -3"}) {
+    const auto r = tessel(args);
+    EXPECT_NE(r.status, 0) << args << "\n" << r.output;
+    const std::string flag = std::string(args).find("--steps") != std::string::npos  ? "--steps"
+                             : std::string(args).find("--gpus") != std::string::npos ? "--gpus"
+                             : std::string(args).find("--seq") != std::string::npos  ? "--seq"
+                             : std::string(args).find("--global-batch") != std::string::npos
+                                 ? "--global-batch"
+                                 : "nproc";
+    EXPECT_NE(r.output.find(flag), std::string::npos) << args << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace tessel::cli

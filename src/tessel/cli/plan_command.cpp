@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tessel/cli/count_flag.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/planner/cluster.h"
@@ -160,9 +161,13 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
                   "default with --profile)");
   cmd->add_option("--profile", args->profile,
                   "profile JSON from `tessel profile`: plans for this machine with measured times");
-  cmd->add_option("--gpus", args->gpus, "total devices (default: the cluster's)");
-  cmd->add_option("--global-batch", args->global_batch, "samples per optimizer step")->required();
-  cmd->add_option("--seq", args->seq, "tokens per sample (default: the model's max_seq_len)");
+  cmd->add_option("--gpus", args->gpus, "total devices (default: the cluster's)")
+      ->check(kDeviceCount);
+  cmd->add_option("--global-batch", args->global_batch, "samples per optimizer step")
+      ->required()
+      ->check(kCount);
+  cmd->add_option("--seq", args->seq, "tokens per sample (default: the model's max_seq_len)")
+      ->check(kCount);
   cmd->add_option("--precision", args->precision,
                   "fp32, bf16 or fp16 (default: bf16 where the device has it, else fp32)");
   cmd->add_option("--top", args->top, "alternatives to list")->capture_default_str();

@@ -14,8 +14,39 @@
 
 namespace tessel {
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// `path` with every symlink followed, also a final one that points to nothing yet (its file is
+// what gets created). Bounded like the kernel's own resolution.
+std::string follow_links(const std::string& path) {
+  fs::path p = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code ec;
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) return p.string();
+    const fs::path to = fs::read_symlink(p, ec);
+    if (ec) return p.string();
+    p = to.is_absolute() ? to : p.parent_path() / to;
+  }
+  TESSEL_THROW(IoError, "cannot write '{}': too many levels of symbolic links", path);
+}
+
+}  // namespace
+
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
-  std::vector<char> name(path_.begin(), path_.end());
+  struct stat st {};
+  // The kernel's view first: it also follows links that name no path (/dev/stdout -> a pipe).
+  if (::stat(path_.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    TESSEL_CHECK(!S_ISDIR(st.st_mode), IoError,
+                 "cannot write '{}': it is a directory; name a file inside it", path_);
+    // A device, a pipe or a socket: written through at commit(), never replaced.
+    target_ = path_;
+    through_ = true;
+    return;
+  }
+  target_ = follow_links(path_);
+  std::vector<char> name(target_.begin(), target_.end());
   const char suffix[] = ".tmp.XXXXXX";
   name.insert(name.end(), suffix, suffix + sizeof(suffix));  // includes the terminating NUL
   fd_ = ::mkostemp(name.data(), O_CLOEXEC);
@@ -42,8 +73,14 @@ void AtomicFileWriter::write(const void* data, size_t n) {
 }
 
 void AtomicFileWriter::write_at(uint64_t offset, const void* data, size_t n) {
-  TESSEL_CHECK(fd_ >= 0, InvalidArgumentError, "write to '{}' after commit", path_);
   const char* p = static_cast<const char*>(data);
+  if (through_) {
+    TESSEL_CHECK(!committed_, InvalidArgumentError, "write to '{}' after commit", path_);
+    if (held_.size() < offset + n) held_.resize(size_t(offset + n));
+    std::memcpy(held_.data() + offset, p, n);
+    return;
+  }
+  TESSEL_CHECK(fd_ >= 0, InvalidArgumentError, "write to '{}' after commit", path_);
   while (n > 0) {
     ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
     if (w < 0 && errno == EINTR) continue;
@@ -58,6 +95,27 @@ void AtomicFileWriter::write_at(uint64_t offset, const void* data, size_t n) {
 }
 
 void AtomicFileWriter::commit() {
+  if (through_) {
+    TESSEL_CHECK(!committed_, InvalidArgumentError, "'{}' committed twice", path_);
+    committed_ = true;
+    const int fd = ::open(target_.c_str(), O_WRONLY | O_CLOEXEC);
+    TESSEL_CHECK(fd >= 0, IoError, "cannot open '{}' for writing: {}", path_, std::strerror(errno));
+    size_t off = 0;
+    while (off < held_.size()) {
+      const ssize_t w = ::write(fd, held_.data() + off, held_.size() - off);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int err = errno;
+        ::close(fd);
+        TESSEL_THROW(IoError, "cannot write '{}': {}", path_,
+                     w < 0 ? std::strerror(err) : "no progress");
+      }
+      off += size_t(w);
+    }
+    TESSEL_CHECK(::close(fd) == 0, IoError, "cannot close '{}': {}", path_, std::strerror(errno));
+    held_.clear();
+    return;
+  }
   TESSEL_CHECK(fd_ >= 0, InvalidArgumentError, "'{}' committed twice", path_);
   if (::fsync(fd_) != 0) {
     TESSEL_THROW(IoError, "cannot flush '{}' to disk: {}", path_, std::strerror(errno));
@@ -68,13 +126,14 @@ void AtomicFileWriter::commit() {
     TESSEL_THROW(IoError, "cannot close '{}': {}", path_, std::strerror(errno));
   }
   fd_ = -1;
-  if (std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+  if (std::rename(temp_path_.c_str(), target_.c_str()) != 0) {
     int err = errno;
     ::unlink(temp_path_.c_str());
-    TESSEL_THROW(IoError, "cannot rename '{}' to '{}': {}", temp_path_, path_, std::strerror(err));
+    TESSEL_THROW(IoError, "cannot rename '{}' to '{}': {}", temp_path_, target_,
+                 std::strerror(err));
   }
   // The rename is durable only once the directory entry is on disk.
-  auto dir = std::filesystem::path(path_).parent_path();
+  auto dir = std::filesystem::path(target_).parent_path();
   if (dir.empty()) dir = ".";
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {

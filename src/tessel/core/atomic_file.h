@@ -4,6 +4,13 @@
 // renames it over the destination and fsyncs the directory. If the writer is destroyed before
 // commit() (an exception, a failed write), the temporary file is removed. A crash can leave a
 // "*.tmp.*" file behind, but never a truncated file under the final name.
+//
+// What is at the destination is respected, never replaced by something else:
+//  * a symlink is followed: the file it points to is written (atomically, beside it), and the
+//    link stays a link (a dangling link gets its file created);
+//  * a device, a pipe or a socket is written through: the bytes are kept until commit() and then
+//    written to it in order (`--out /dev/null` or a FIFO work, and the node stays what it was);
+//  * a directory is an IoError naming it.
 #pragma once
 
 #include <cstddef>
@@ -35,10 +42,14 @@ class AtomicFileWriter {
   const std::string& path() const { return path_; }
 
  private:
-  std::string path_;
-  std::string temp_path_;
+  std::string path_;       // as given (named in messages)
+  std::string target_;     // where the bytes go: path_ with symlinks followed
+  std::string temp_path_;  // empty when writing through to a device, pipe or socket
   int fd_ = -1;
   uint64_t size_ = 0;
+  bool through_ = false;    // write through (not a regular file)
+  bool committed_ = false;  // through_: commit() ran
+  std::string held_;        // through_: the bytes, written at commit()
 };
 
 // The whole of `bytes` as the file `path`, through an AtomicFileWriter. Throws IoError.

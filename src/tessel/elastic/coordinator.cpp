@@ -23,6 +23,7 @@
 #include "tessel/comm/store_server.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
+#include "tessel/core/parse_number.h"
 #include "tessel/elastic/reconfiguration.h"
 
 namespace tessel::elastic {
@@ -175,9 +176,16 @@ std::string Coordinator::handle(const std::string& line) {
   if (cmd == "status") return decider_->status();
   if (cmd != "scale")
     return fmt::format("refused: unknown command '{}'; try: scale N, status", cmd);
-  int n = 0;
-  if (!(in >> n)) return "refused: scale needs a worker count >= 1 (scale N)";
-  return decider_->scale(n);
+  // Exactly one whole number: "scale 2.5", "scale 2abc" and "scale 1 2" are refused, not read
+  // as 2, 2 and 1.
+  std::string count, extra;
+  in >> count >> extra;
+  if (count.empty() || !extra.empty()) return "refused: scale takes one worker count (scale N)";
+  try {
+    return decider_->scale(int(parse_integer(count, "the worker count of `scale N`", 1, 1 << 20)));
+  } catch (const ConfigError& e) {
+    return fmt::format("refused: {}", e.what());
+  }
 }
 
 void Coordinator::watch_hosts_file() {

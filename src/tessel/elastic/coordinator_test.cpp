@@ -68,6 +68,11 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
   c.tick(spawn);
   EXPECT_FALSE(record_of(c, "job1", 2));
   EXPECT_EQ(c.handle("scale 0").rfind("refused:", 0), 0u);
+  // One whole number, nothing else: before, these were carried out as 2, 2 and 1 workers.
+  for (const char* loose : {"scale 2.5", "scale 2abc", "scale 1 2", "scale", "scale -1"})
+    EXPECT_EQ(c.handle(loose).rfind("refused:", 0), 0u) << loose << ": " << c.handle(loose);
+  c.tick(spawn);
+  EXPECT_FALSE(record_of(c, "job1", 2));
   EXPECT_EQ(c.handle("grow").rfind("refused: unknown command", 0), 0u);
   EXPECT_EQ(c.handle("status").rfind("ok: job job1", 0), 0u);
   // A second coordinator of the same job on the same store would split its decisions.

@@ -1,9 +1,11 @@
 #include "tessel/runtime/worker_env.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 
 #include "tessel/core/check.h"
+#include "tessel/core/parse_number.h"
 
 namespace tessel::runtime {
 
@@ -21,11 +23,7 @@ std::string env_string(const char* name, bool required) {
 int64_t env_int(const char* name, bool required) {
   std::string s = env_string(name, required);
   if (s.empty()) return 0;
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  TESSEL_CHECK(end != nullptr && *end == '\0' && v >= 0, ConfigError,
-               "environment variable {}='{}' is not a non-negative integer", name, s);
-  return v;
+  return parse_integer(s, fmt::format("environment variable {}", name), 0, INT32_MAX);
 }
 
 }  // namespace

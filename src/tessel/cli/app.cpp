@@ -12,6 +12,7 @@
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/count_flag.h"
+#include "tessel/cli/output_guard.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/profile_command.h"
 #include "tessel/cli/simulate_command.h"
@@ -35,6 +36,7 @@ struct Args {
   int64_t steps = 0;
   std::vector<std::string> inputs;
   std::string output;
+  bool force = false;  // data prepare --force
   int nproc = 1;
   std::string log_dir = "logs";
   double stop_timeout_s = 10;
@@ -143,8 +145,10 @@ void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
       data->add_subcommand("prepare", "tokenize text files (byte-level) into a token file");
   prepare->add_option("--input", args.inputs, "text files, one document each")->required();
   prepare->add_option("--output", args.output, "token file to write")->required();
+  prepare->add_flag("--force", args.force, "replace the --output file if it exists");
   prepare->callback([&] {
     action = [&] {
+      check_output_file(args.output, args.inputs, args.force, "--output");
       auto stats = data::prepare_dataset(args.inputs, args.output);
       fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {})\n", args.output,
                  stats.documents, stats.bytes, stats.tokens, data::ByteTokenizer::kVocabSize);

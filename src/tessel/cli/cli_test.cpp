@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "tessel/testing/testing.h"
 
@@ -99,6 +100,24 @@ TEST(Cli, UsageErrors) {
   auto r = tessel("presets");
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.output.find("gpt3-175b"), std::string::npos) << r.output;
+}
+
+// `data prepare` never writes over its own input, nor over a file without --force.
+TEST(Cli, PrepareNeverDestroysItsInput) {
+  TempDir dir;
+  const auto text = (dir / "a.txt").string();
+  std::ofstream(text) << "some text\n";
+  auto r = tessel("data prepare --input " + text + " --output " + text + " --force");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("is the input"), std::string::npos) << r.output;
+  std::ifstream in(text);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "some text\n");
+  const auto tok = (dir / "a.tok").string();
+  EXPECT_EQ(tessel("data prepare --input " + text + " --output " + tok).status, 0);
+  r = tessel("data prepare --input " + text + " --output " + tok);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("add --force"), std::string::npos) << r.output;
+  EXPECT_EQ(tessel("data prepare --input " + text + " --output " + tok + " --force").status, 0);
 }
 
 // Counts out of range or not whole are errors naming the flag: before, `--steps -5` and

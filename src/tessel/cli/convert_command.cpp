@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tessel/checkpoint/hf_convert.h"
+#include "tessel/cli/output_guard.h"
 #include "tessel/core/check.h"
 #include "tessel/model/model_config.h"
 
@@ -20,11 +21,13 @@ struct ConvertArgs {
   std::string input, output;
   std::string dtype;
   std::string model;
+  bool force = false;
 };
 
 int convert_to_hf(const ConvertArgs& a) {
   TESSEL_CHECK(a.model.empty(), ConfigError,
                "--model applies to --from hf only: an export takes the model from the checkpoint");
+  check_output_dir(a.output, {a.input}, a.force, "output");
   checkpoint::HfExportOptions opt;
   if (!a.dtype.empty()) opt.dtype = parse_dtype(a.dtype);
   const auto r = checkpoint::export_hf(a.input, a.output, opt);
@@ -75,6 +78,7 @@ void add_convert_command(CLI::App& app, std::function<int()>& action) {
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--model", args->model,
                   "--from hf: import as this preset (see `tessel presets`) instead of config.json");
+  cmd->add_flag("--force", args->force, "--to hf: write into an output directory that holds files");
   cmd->callback([&action, args] {
     action = [args] {
       TESSEL_CHECK(!args->to.empty() || !args->from.empty(), ConfigError,

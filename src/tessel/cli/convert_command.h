@@ -1,4 +1,5 @@
-// `tessel convert ...`: between tessel checkpoints and Hugging Face models (checkpoint/hf_convert.h).
+// `tessel convert ...`: between tessel checkpoints and Hugging Face models
+// (checkpoint/hf_convert.h).
 //
 //   tessel convert --to hf CHECKPOINT_DIR OUT_DIR [--dtype f32|bf16|f16]
 //       writes OUT_DIR/model.safetensors and OUT_DIR/config.json (GPT2LMHeadModel or

@@ -91,6 +91,28 @@ TEST(ConvertCommand, ToHfAndBack) {
   EXPECT_EQ(checkpoint::model_config_from_json(back.meta().at("model")).n_layer, cfg.n_layer);
 }
 
+// An export into a directory that holds the user's files (their own config.json) is refused
+// unless --force, and never goes inside the checkpoint it reads.
+TEST(ConvertCommand, AnExportNeverOverwritesWithoutForce) {
+  TempDir tmp;
+  write_checkpoint(tmp / "ckpt");
+  fs::create_directories(tmp / "hf");
+  std::ofstream(tmp / "hf" / "config.json") << "{\"mine\": true}";
+  const auto what = tessel::testing::error_of<ConfigError>([&] {
+    run_convert({"convert", "--to", "hf", (tmp / "ckpt").string(), (tmp / "hf").string()});
+  });
+  EXPECT_THAT(what, HasSubstr("add --force"));
+  std::ifstream mine(tmp / "hf" / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(mine).at("mine"), true);
+  EXPECT_THROW(run_convert({"convert", "--to", "hf", (tmp / "ckpt").string(),
+                            (tmp / "ckpt" / "hf").string(), "--force"}),
+               ConfigError);
+  EXPECT_EQ(run_convert({"convert", "--to", "hf", (tmp / "ckpt").string(), (tmp / "hf").string(),
+                         "--force"})
+                .first,
+            0);
+}
+
 TEST(ConvertCommand, ModelPresetMustFitTheWeights) {
   TempDir tmp;
   write_checkpoint(tmp / "ckpt");

@@ -11,6 +11,7 @@
 #include <memory>
 #include <thread>
 
+#include "tessel/cli/output_guard.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/store/checkpoint_store.h"
@@ -30,6 +31,7 @@ struct StoreArgs {
   std::string dtype;
   std::string host = "127.0.0.1";
   int port = 0;
+  bool force = false;
 };
 
 std::string human_bytes(uint64_t n) {
@@ -64,6 +66,7 @@ int store_ls(const StoreArgs& a) {
 }
 
 int store_get(const StoreArgs& a) {
+  if (!a.out.empty()) check_output_file(a.out, {a.dir}, a.force, "--out");
   store::CheckpointReader r(a.dir);
   const auto& t = r.at(a.name);
   const Box box = a.box.empty() ? Box::of(t.shape) : Box::parse(a.box, t.shape);
@@ -87,7 +90,7 @@ int store_get(const StoreArgs& a) {
     TESSEL_CHECK(ok && std::fflush(stdout) == 0, IoError, "cannot write to stdout");
     return 0;
   }
-  AtomicFileWriter out(a.out);
+  AtomicFileWriter out(a.out);  // checked in store_get before anything is read
   out.write(header.data(), header.size());
   out.write(data.data(), data.size());
   out.commit();
@@ -174,6 +177,7 @@ void add_store_command(CLI::App& app, std::function<int()>& action) {
   get->add_option("--format", args->format, "raw (little-endian, C order) or npy")
       ->check(CLI::IsMember({"raw", "npy"}));
   get->add_option("--dtype", args->dtype, "convert to f32, bf16, f16, i32, i64, u8 or u16");
+  get->add_flag("--force", args->force, "replace the --out file if it exists");
   get->callback([&action, args] { action = [args] { return store_get(*args); }; });
 
   auto* verify = store->add_subcommand("verify", "read every byte and check every checksum");

@@ -98,6 +98,30 @@ TEST_F(StoreCommand, LsPrintsATable) {
   EXPECT_NE(c.out.find("model, step"), std::string::npos) << c.out;
 }
 
+// An output never destroys what the command reads, nor a file it was not told to replace.
+TEST_F(StoreCommand, GetNeverWritesIntoTheCheckpointOrOverAFile) {
+  const auto own = (fs::path(ckpt()) / "rank-00000.safetensors").string();
+  ASSERT_TRUE(fs::exists(own));
+  const auto before = read_file(own);
+  for (bool force : {false, true}) {
+    std::vector<std::string> args = {"store", "get", ckpt(), "emb", "--out", own};
+    if (force) args.push_back("--force");
+    const auto what = tessel::testing::error_of<ConfigError>([&] { run_captured(args); });
+    EXPECT_NE(what.find("lies inside the checkpoint"), std::string::npos) << what;
+  }
+  EXPECT_EQ(read_file(own), before);
+  EXPECT_EQ(run_captured({"store", "verify", ckpt()}).status, 0);
+  const auto mine = (dir_ / "mine.txt").string();
+  std::ofstream(mine) << "keep me";
+  const auto what = tessel::testing::error_of<ConfigError>([&] {
+    run_captured({"store", "get", ckpt(), "emb", "--out", mine});
+  });
+  EXPECT_NE(what.find("add --force"), std::string::npos) << what;
+  EXPECT_EQ(read_file(mine), "keep me");
+  EXPECT_EQ(run_captured({"store", "get", ckpt(), "emb", "--out", mine, "--force"}).status, 0);
+  EXPECT_EQ(read_file(mine).size(), 24u * 4);
+}
+
 TEST_F(StoreCommand, GetWritesRawAndNpyBoxes) {
   const auto out = (dir_ / "box.bin").string();
   auto c = run_captured({"store", "get", ckpt(), "emb", "--box", "2:4,1:3", "--out", out});
@@ -127,14 +151,16 @@ TEST_F(StoreCommand, GetWritesRawAndNpyBoxes) {
   std::memcpy(ids, body.data() + data_at, 24);
   EXPECT_EQ(ids[2], 9);
 
-  c = run_captured({"store", "get", ckpt(), "ids", "--dtype", "f32", "--out", out});
+  c = run_captured({"store", "get", ckpt(), "ids", "--dtype", "f32", "--out", out, "--force"});
   ASSERT_EQ(c.status, 0);
   std::memcpy(v, read_file(out).data(), 12);
   EXPECT_EQ(v[0], 7.0f);
 
-  EXPECT_THROW(run_captured({"store", "get", ckpt(), "nope", "--out", out}), InvalidArgumentError);
-  EXPECT_THROW(run_captured({"store", "get", ckpt(), "emb", "--box", "0:9", "--out", out}),
+  EXPECT_THROW(run_captured({"store", "get", ckpt(), "nope", "--out", out, "--force"}),
                InvalidArgumentError);
+  EXPECT_THROW(
+      run_captured({"store", "get", ckpt(), "emb", "--box", "0:9", "--out", out, "--force"}),
+      InvalidArgumentError);
   EXPECT_THROW(run_captured({"store", "get", ckpt(), "emb", "--format", "csv"}), CLI::ParseError);
 }
 

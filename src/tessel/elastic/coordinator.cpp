@@ -10,7 +10,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -47,18 +49,39 @@ sockaddr_un address_of(const std::string& path) {
   return a;
 }
 
-// Reads one line (up to '\n' or EOF) within timeout_ms.
-std::string read_line(int fd, int timeout_ms) {
+// Reads one line (up to '\n' or EOF, at most max_bytes) within timeout_ms in all: a client
+// that sends a byte at a time cannot hold the reader longer than that (the coordinator's reads
+// run on the launcher's loop).
+std::string read_line(int fd, int timeout_ms, size_t max_bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   std::string line;
-  char c = 0;
-  while (line.size() < 4096) {
+  char buf[256];
+  while (line.size() < max_bytes) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
     pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, timeout_ms) <= 0) break;
-    const ssize_t n = ::read(fd, &c, 1);
-    if (n <= 0 || c == '\n') break;
-    line += c;
+    if (left.count() <= 0 || ::poll(&p, 1, int(left.count())) <= 0) break;
+    // Peek, then take up to the newline only: nothing after it is consumed.
+    const ssize_t seen = ::recv(fd, buf, std::min(sizeof buf, max_bytes - line.size()), MSG_PEEK);
+    if (seen <= 0) break;
+    const auto* nl = static_cast<const char*>(std::memchr(buf, '\n', size_t(seen)));
+    const size_t take = nl != nullptr ? size_t(nl - buf) + 1 : size_t(seen);
+    if (::recv(fd, buf, take, 0) != ssize_t(take)) break;
+    line.append(buf, nl != nullptr ? take - 1 : take);
+    if (nl != nullptr) break;
   }
   return line;
+}
+
+// Whether a process listens on the Unix socket at `path` (a refused connection: a leftover).
+bool listening(const std::string& path) {
+  const auto addr = address_of(path);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: keep it, connecting later names the error
+  const bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+  const int err = errno;
+  ::close(fd);
+  return ok || err != ECONNREFUSED;
 }
 
 void write_all(int fd, const std::string& s) {
@@ -227,7 +250,9 @@ void Coordinator::tick(const process::LaunchOptions::Spawn& spawn) {
   for (;;) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) break;  // EAGAIN: nobody waiting
-    const std::string line = read_line(fd, 1000);
+    // A command is short; a slow or silent client gets 200 ms in all, then an answer to what it
+    // sent.
+    const std::string line = read_line(fd, 200, 256);
     write_all(fd, handle(line) + "\n");
     ::close(fd);
   }
@@ -246,10 +271,13 @@ std::string send_control_command(const std::string& job_id, const std::string& c
   if (!job_id.empty()) {
     path = (fs::path(dir) / (job_id + ".sock")).string();
   } else {
+    // Only sockets something listens on: a job whose launcher was killed leaves its socket
+    // behind, and such leftovers must not make "several jobs" of one.
     std::vector<std::string> found;
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(dir, ec))
-      if (e.path().extension() == ".sock") found.push_back(e.path().string());
+      if (e.path().extension() == ".sock" && listening(e.path().string()))
+        found.push_back(e.path().string());
     TESSEL_CHECK(!found.empty(), IoError,
                  "no running tessel job has a control socket in {} (is `tessel train` running "
                  "with more than one worker? TESSEL_CTL_DIR must match)",
@@ -272,7 +300,7 @@ std::string send_control_command(const std::string& job_id, const std::string& c
                  std::strerror(err));
   }
   write_all(fd, command + "\n");
-  std::string reply = read_line(fd, timeout_ms);
+  std::string reply = read_line(fd, timeout_ms, 4096);
   ::close(fd);
   TESSEL_CHECK(!reply.empty(), TimeoutError, "the job at {} did not answer within {} ms", path,
                timeout_ms);

@@ -5,13 +5,21 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "tessel/comm/etcd_store.h"
 #include "tessel/comm/etcd_test_util.h"
@@ -81,6 +89,58 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
       ConfigError);
   // No job: a clear error, not a hang.
   EXPECT_THROW(send_control_command("nope", "status", 500), IoError);
+  // A socket left by a killed launcher (nothing listens on it) does not make "several jobs".
+  {
+    const auto stale = (dir / "ctl" / "dead-job.sock").string();
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, stale.c_str(), sizeof a.sun_path - 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0);
+    ::close(fd);  // bound, never listened on: what a dead process leaves
+    // The launcher's loop, here a thread, answers while the client waits.
+    std::atomic<bool> done{false};
+    std::thread loop([&] {
+      while (!done) {
+        c.tick(spawn);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    });
+    std::string reply;
+    try {
+      reply = send_control_command("", "status", 5000);
+    } catch (const std::exception& e) {
+      reply = e.what();
+    }
+    done = true;
+    loop.join();
+    EXPECT_EQ(reply.rfind("ok: job job1", 0), 0u) << reply;
+  }
+  // A client that sends one byte at a time holds the coordinator 200 ms at most, then gets an
+  // answer to what it sent.
+  {
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, c.socket_path().c_str(), sizeof a.sun_path - 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::write(fd, "s", 1), 1);
+    std::thread trickle([fd] {
+      for (const char ch : std::string("tatus")) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (::write(fd, &ch, 1) != 1) return;
+      }
+    });
+    c.tick(spawn);
+    // Answered with what had come within its window (a prefix of "status"), not after waiting
+    // for the whole word (1.5 s away); before, it waited up to 1 s per byte, 4096 bytes.
+    char reply[256] = {};
+    const ssize_t n = ::recv(fd, reply, sizeof reply - 1, 0);
+    trickle.join();
+    ::close(fd);
+    ASSERT_GT(n, 0);
+    EXPECT_EQ(std::string(reply).rfind("refused: unknown command 's", 0), 0u) << reply;
+  }
   unsetenv("TESSEL_CTL_DIR");
 }
 

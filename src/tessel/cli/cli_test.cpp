@@ -53,6 +53,27 @@ TEST(Cli, PrepareThenTrainTinyModel) {
   EXPECT_EQ(lines, 3);
 }
 
+// Metrics that cannot be written (here to /dev/full, as to a full disk) do not stop training,
+// but the run says its outputs are incomplete and does not end as a success; before, it printed
+// "done" and exited 0 with nothing written.
+TEST(Cli, AnIncompleteOutputIsNotASuccess) {
+  TempDir dir;
+  std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
+  ASSERT_EQ(tessel("data prepare --input " + (dir / "a.txt").string() + " --output " +
+                   (dir / "c.tok").string())
+                .status,
+            0);
+  std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\n"
+                                << "data: {path: c.tok, seq_len: 16}\n"
+                                << "training: {steps: 2, global_batch: 4, micro_batch: 2}\n"
+                                << "output: {metrics: /dev/full}\n";
+  const auto r = tessel("train " + (dir / "t.yaml").string());
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("outputs are incomplete: /dev/full: No space left on device"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(Cli, ConfigErrorsExitTwoWithOneLine) {
   TempDir dir;
   std::ofstream(dir / "bad.yaml")

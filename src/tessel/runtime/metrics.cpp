@@ -1,27 +1,79 @@
 #include "tessel/runtime/metrics.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <utility>
 
 #include "tessel/core/check.h"
+#include "tessel/core/log.h"
 
 namespace tessel::runtime {
 
-MetricsWriter::MetricsWriter(const std::string& path) {
+namespace {
+
+std::mutex g_incomplete_mu;
+std::vector<std::string> g_incomplete;
+
+}  // namespace
+
+std::vector<std::string> incomplete_outputs() {
+  std::lock_guard lock(g_incomplete_mu);
+  return g_incomplete;
+}
+
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
   if (path.empty()) return;
   auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  out_.open(path, std::ios::app);
-  TESSEL_CHECK(out_.good(), IoError, "cannot open metrics file '{}' for writing", path);
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  TESSEL_CHECK(fd_ >= 0, IoError, "cannot open metrics file '{}' for writing: {}", path,
+               std::strerror(errno));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (fd_ >= 0 && ::close(fd_) != 0 && !failed_) fail(std::strerror(errno));
+}
+
+MetricsWriter::MetricsWriter(MetricsWriter&& o) noexcept
+    : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), failed_(o.failed_) {}
+
+MetricsWriter& MetricsWriter::operator=(MetricsWriter&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(o.path_);
+    fd_ = std::exchange(o.fd_, -1);
+    failed_ = o.failed_;
+  }
+  return *this;
+}
+
+void MetricsWriter::fail(const std::string& why) {
+  failed_ = true;
+  spdlog::error("cannot write {}: {}; training goes on, but this output is incomplete", path_, why);
+  std::lock_guard lock(g_incomplete_mu);
+  g_incomplete.push_back(fmt::format("{}: {}", path_, why));
 }
 
 void MetricsWriter::write(const nlohmann::json& record) {
-  if (!out_.is_open()) return;
-  out_ << record.dump() << '\n';
-  out_.flush();
+  if (fd_ < 0 || failed_) return;
+  const std::string line = record.dump() + "\n";
+  size_t off = 0;
+  while (off < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + off, line.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      fail(n < 0 ? std::strerror(errno) : "no progress");
+      return;
+    }
+    off += size_t(n);
+  }
 }
 
 ProgressLine::ProgressLine(int64_t total_steps, int64_t log_every)

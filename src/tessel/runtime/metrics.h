@@ -5,23 +5,39 @@
 
 #include <chrono>
 #include <cstdint>
-#include <fstream>
 #include <string>
+#include <vector>
 
 namespace tessel::runtime {
 
-// Appends one JSON object per line and flushes it, so a crash loses at most the line in flight
-// and `tail -f` works while training runs.
+// Appends one JSON object per line and writes it at once, so a crash loses at most the line in
+// flight and `tail -f` works while training runs. A line that cannot be written (a full disk,
+// /dev/full) does not stop training: the first failure is logged, and the path is kept in
+// incomplete_outputs(), which the run checks at its end -- a run whose outputs are incomplete
+// says so and does not end as a success.
 class MetricsWriter {
  public:
   MetricsWriter() = default;
   // Opens `path` for appending (empty path: a writer that drops everything). Throws IoError.
   explicit MetricsWriter(const std::string& path);
+  ~MetricsWriter();
+  MetricsWriter(MetricsWriter&& other) noexcept;
+  MetricsWriter& operator=(MetricsWriter&& other) noexcept;
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
   void write(const nlohmann::json& record);
 
  private:
-  std::ofstream out_;
+  void fail(const std::string& why);
+
+  std::string path_;
+  int fd_ = -1;
+  bool failed_ = false;
 };
+
+// "<path>: <why>" for every output file of this process that lost a write, in order.
+std::vector<std::string> incomplete_outputs();
 
 // One progress line per step. On a terminal it rewrites itself in place
 // ("step 120/500 | loss 2.314 | 18.2k tok/s | ETA 1m12s"); otherwise it prints a log line every

@@ -132,6 +132,13 @@ TrainSummary ParallelTrainer::run() {
   }
   const double elapsed = tracker.elapsed_seconds();
   const TrainSummary& summary = tracker.finish();
+  // The training is done (and checkpointed), but a run whose metrics or events could not all be
+  // written is not a success: say which, and why.
+  if (const auto lost = incomplete_outputs(); !lost.empty()) {
+    std::string list;
+    for (const auto& l : lost) list += (list.empty() ? "" : "; ") + l;
+    TESSEL_THROW(IoError, "training finished, but its outputs are incomplete: {}", list);
+  }
   if (s.world == nullptr) return summary;  // left the job at a switch
   RankTrainer& w = *s.world;
   if (w.rank == 0 && summary.steps_run > 0) {

@@ -288,7 +288,11 @@ void TrainConfig::validate() const {
                "{}: 'training.eval_every' is set but 'data.eval_fraction' is 0: nothing to "
                "evaluate on",
                f);
-  TESSEL_CHECK(training.threads >= 0, ConfigError, "{}: 'training.threads' must be >= 0", f);
+  // 0: the launcher's share of the cores. More than a machine has cores only oversubscribes, and
+  // OpenMP fails to create tens of thousands of threads (it crashed the process).
+  TESSEL_CHECK(training.threads >= 0 && training.threads <= 1024, ConfigError,
+               "{}: 'training.threads' is {}; it must be from 0 (automatic) to 1024", f,
+               training.threads);
   TESSEL_CHECK(training.stop_at >= 0, ConfigError, "{}: 'training.stop_at' must be >= 0", f);
   TESSEL_CHECK(optimizer.lr > 0 && optimizer.min_lr >= 0 && optimizer.min_lr <= optimizer.lr,
                ConfigError, "{}: need 0 <= 'optimizer.min_lr' <= 'optimizer.lr' and lr > 0", f);

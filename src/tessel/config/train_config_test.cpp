@@ -133,6 +133,28 @@ TEST(TrainConfig, WrongTypesAndRangesAreRejected) {
   EXPECT_NE(msg.find(">= 0"), std::string::npos) << msg;
 }
 
+// What the YAML reader used to let through: a key given twice (the first silently won), a key
+// that is not a name ("internal error: bad conversion"), non-finite numbers (an infinite
+// epsilon trained to nothing, a NaN clip disabled clipping), and a thread count that crashed.
+TEST(TrainConfig, DuplicatesOddKeysNonFiniteNumbersAndHugeThreadCountsAreRejected) {
+  TempDir dir;
+  const std::string head = "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\n";
+  auto msg = error_of<ConfigError>(
+      write(dir, head + "training: {steps: 20, global_batch: 4, steps: 3}\n"));
+  EXPECT_NE(msg.find("'training.steps' is given twice"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, head + "training: {steps: 20}\ntraining: {steps: 3}\n"));
+  EXPECT_NE(msg.find("'training' is given twice (lines 3 and 4)"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, head + "training: {[a, b]: 3}\n"));
+  EXPECT_NE(msg.find("is not a name"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, head + "optimizer: {eps: .inf}\n"));
+  EXPECT_NE(msg.find("'optimizer.eps': '.inf' is not a finite number"), std::string::npos) << msg;
+  msg = error_of<ConfigError>(write(dir, head + "training: {grad_clip: .nan}\n"));
+  EXPECT_NE(msg.find("'training.grad_clip': '.nan' is not a finite number"), std::string::npos)
+      << msg;
+  msg = error_of<ConfigError>(write(dir, head + "training: {threads: 100000}\n"));
+  EXPECT_NE(msg.find("'training.threads' is 100000"), std::string::npos) << msg;
+}
+
 TEST(TrainConfig, MissingConfigFileIsAnIoError) {
   EXPECT_THROW(TrainConfig::load("/nonexistent/tessel.yaml"), IoError);
 }

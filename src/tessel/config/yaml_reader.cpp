@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 
 namespace tessel::config {
 
@@ -12,6 +13,20 @@ YamlSection::YamlSection(YAML::Node node, std::string path, std::string file)
   TESSEL_CHECK(!node_ || node_.IsNull() || node_.IsMap(), ConfigError,
                "{}: section '{}' must be a mapping of keys to values (line {})", file_, path_,
                node_.Mark().line + 1);
+  if (!node_ || !node_.IsMap()) return;
+  // yaml-cpp keeps the first of two equal keys and drops the second without a word: a config
+  // that sets `steps` twice, or has two `training:` sections, would run with the wrong value.
+  std::map<std::string, int> line_of;
+  for (const auto& kv : node_) {
+    const int line = kv.first.Mark().line + 1;
+    TESSEL_CHECK(kv.first.IsScalar(), ConfigError,
+                 "{}: a key of section '{}' is not a name (line {}); keys are plain words", file_,
+                 path_.empty() ? "(top level)" : path_, line);
+    const auto key = kv.first.as<std::string>();
+    const auto [it, fresh] = line_of.emplace(key, line);
+    TESSEL_CHECK(fresh, ConfigError, "{}: '{}' is given twice (lines {} and {}); keep one", file_,
+                 path_.empty() ? key : path_ + "." + key, it->second, line);
+  }
 }
 
 bool YamlSection::has(const std::string& key) const {

@@ -6,6 +6,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <initializer_list>
 #include <set>
 #include <string>
@@ -70,6 +71,11 @@ void YamlSection::read(const std::string& key, T& out) {
     TESSEL_THROW(ConfigError, "{}: cannot read '{}' as {} (line {})", where(key), YAML::Dump(v),
                  type_name<T>(), v.Mark().line + 1);
   }
+  // .inf and .nan are YAML numbers, but no setting means them (an infinite epsilon trains to
+  // nothing, a NaN clip disables clipping).
+  if constexpr (std::is_floating_point_v<T>)
+    TESSEL_CHECK(std::isfinite(out), ConfigError, "{}: '{}' is not a finite number (line {})",
+                 where(key), YAML::Dump(v), v.Mark().line + 1);
 }
 
 // Loads a YAML file; malformed YAML is a ConfigError with the file, line and column.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessel/core/check.h"
+#include "tessel/core/write_all.h"
 
 namespace tessel {
 
@@ -100,17 +101,10 @@ void AtomicFileWriter::commit() {
     committed_ = true;
     const int fd = ::open(target_.c_str(), O_WRONLY | O_CLOEXEC);
     TESSEL_CHECK(fd >= 0, IoError, "cannot open '{}' for writing: {}", path_, std::strerror(errno));
-    size_t off = 0;
-    while (off < held_.size()) {
-      const ssize_t w = ::write(fd, held_.data() + off, held_.size() - off);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        const int err = errno;
-        ::close(fd);
-        TESSEL_THROW(IoError, "cannot write '{}': {}", path_,
-                     w < 0 ? std::strerror(err) : "no progress");
-      }
-      off += size_t(w);
+    if (!write_all(fd, held_.data(), held_.size())) {
+      const int err = errno;
+      ::close(fd);
+      TESSEL_THROW(IoError, "cannot write '{}': {}", path_, std::strerror(err));
     }
     TESSEL_CHECK(::close(fd) == 0, IoError, "cannot close '{}': {}", path_, std::strerror(errno));
     held_.clear();

@@ -6,24 +6,11 @@
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
+#include "tessel/core/clock.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/recovery.h"
 
 namespace tessel::elastic {
-
-namespace {
-
-std::vector<int> first_processes(int n) {
-  std::vector<int> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
-  return v;
-}
-
-double unix_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
                  std::string job, int initial_workers, int64_t start_step)
@@ -36,7 +23,7 @@ Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> st
                job_, generation_key(job_), job_prefix(job_));
   generation_revision_ = *claimed;
   plan_ = cfg_.plan_at(start_step);
-  members_ = first_processes(initial_workers);
+  members_ = first_members(initial_workers);
   next_process_id_ = initial_workers;
   running_ = {members_.begin(), members_.end()};
   step_ = start_step;

@@ -101,6 +101,12 @@ Progress Progress::from_json(const nlohmann::json& d, const std::string& what) {
   }
 }
 
+std::vector<int> first_members(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
+  return v;
+}
+
 std::chrono::milliseconds recovery_deadline(double comm_timeout_s) {
   return std::chrono::milliseconds(int64_t(comm_timeout_s * 2000) + 30000);
 }

@@ -102,6 +102,9 @@ struct Progress {
   static Progress from_json(const nlohmann::json& doc, const std::string& what);
 };
 
+// The members of a job's first world of n processes: processes 0..n-1 as ranks 0..n-1.
+std::vector<int> first_members(int n);
+
 // How long a recovery may take from the failure to the decision: survivors notice within the
 // communication timeout and may first wait for a background save (bounded by the same), plus
 // slack for starting and planning. Both sides use it: the coordinator for the reports, the

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "tessel/core/check.h"
+#include "tessel/core/write_all.h"
 
 extern char** environ;
 
@@ -189,26 +190,6 @@ class SignalScope {
   struct sigaction old_int_ {
   }, old_term_{}, old_chld_{}, old_pipe_{};
 };
-
-// Writes all of data; handles EINTR and a non-blocking fd (bounded wait). False on error.
-bool write_all(int fd, const char* data, size_t size) {
-  while (size > 0) {
-    ssize_t n = write(fd, data, size);
-    if (n > 0) {
-      data += n;
-      size -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd p{fd, POLLOUT, 0};
-      if (::poll(&p, 1, 1000) <= 0) return false;
-      continue;
-    }
-    return false;
-  }
-  return true;
-}
 
 void check_env_names(const std::map<std::string, std::string>& env, const char* what) {
   for (const auto& [k, v] : env) {

@@ -27,19 +27,9 @@ using elastic::recovery_deadline;
 
 namespace {
 
-double unix_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 int index_of(const std::vector<int>& v, int x) {
   auto it = std::find(v.begin(), v.end(), x);
   return it == v.end() ? -1 : int(it - v.begin());
-}
-
-std::vector<int> iota_members(int n) {
-  std::vector<int> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
-  return v;
 }
 
 }  // namespace
@@ -104,7 +94,7 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
                "worker rank {} has no place in {}: `tessel train` starts workers as the plans "
                "need them",
                env.rank, plan.describe());
-  members = iota_members(plan.world());
+  members = elastic::first_members(plan.world());
   world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, true);
   entered = true;  // a switch may be due before the first step (one prepared from step 0)
 }
@@ -131,7 +121,7 @@ bool ElasticWorker::resume() {
   TESSEL_CHECK(env.rank < plan.world(), ConfigError,
                "worker rank {} has no place in {}, the plan at step {}", env.rank, plan.describe(),
                step);
-  members = iota_members(plan.world());
+  members = elastic::first_members(plan.world());
   world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, false);
   load_rank_state(reader, world->layout(), env.rank, world->state_buffers());
   world->step = step;

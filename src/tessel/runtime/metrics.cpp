@@ -13,6 +13,7 @@
 
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
+#include "tessel/core/write_all.h"
 
 namespace tessel::runtime {
 
@@ -64,16 +65,7 @@ void MetricsWriter::fail(const std::string& why) {
 void MetricsWriter::write(const nlohmann::json& record) {
   if (fd_ < 0 || failed_) return;
   const std::string line = record.dump() + "\n";
-  size_t off = 0;
-  while (off < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + off, line.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      fail(n < 0 ? std::strerror(errno) : "no progress");
-      return;
-    }
-    off += size_t(n);
-  }
+  if (!write_all(fd_, line.data(), line.size())) fail(std::strerror(errno));
 }
 
 ProgressLine::ProgressLine(int64_t total_steps, int64_t log_every)

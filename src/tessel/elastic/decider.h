@@ -64,9 +64,6 @@ class Decider {
   std::vector<Start> update();
 
   int workers() const { return int(members_.size()); }
-  int generation() const { return generation_; }
-  int64_t failures() const { return failures_; }
-  std::set<int> running() const { return running_; }
 
  private:
   // Publishes record r (r.generation = generation_ + 1) after moving decisions/generation with

@@ -115,10 +115,6 @@ std::string job_prefix(const std::string& job) {
   return "/tessel/" + job + "/";
 }
 
-std::string owner_key(const std::string& job) {
-  return job_prefix(job) + "owner";
-}
-
 std::string generation_key(const std::string& job) {
   return job_prefix(job) + "decisions/generation";
 }

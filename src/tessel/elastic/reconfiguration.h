@@ -113,7 +113,6 @@ std::chrono::milliseconds recovery_deadline(double comm_timeout_s);
 
 // The job's keys in the control store (all under job_prefix).
 std::string job_prefix(const std::string& job);         // "/tessel/<job>/"
-std::string owner_key(const std::string& job);          // the coordinator's, under a lease
 std::string generation_key(const std::string& job);     // decisions/generation
 std::string records_prefix(const std::string& job);     // decisions/records/
 std::string record_key(const std::string& job, int g);  // decisions/records/<g, 8 digits>

@@ -98,6 +98,17 @@ RecordFeed::View RecordFeed::view() const {
   return view_;
 }
 
+std::optional<Reconfiguration> RecordFeed::record(int g) const {
+  std::lock_guard lock(mu_);
+  if (const auto* r = view_.record(g)) return *r;
+  return std::nullopt;
+}
+
+int64_t RecordFeed::failure() const {
+  std::lock_guard lock(mu_);
+  return view_.failure;
+}
+
 bool RecordFeed::wait_until(const std::function<bool(const View&)>& done,
                             Clock::time_point deadline) const {
   std::unique_lock lock(mu_);

@@ -48,8 +48,11 @@ class RecordFeed {
     }
   };
 
-  // A copy of what the feed holds now.
+  // A copy of what the feed holds now (every record seen: for the rare waits, not every step).
   View view() const;
+  // Record g, if seen; the newest failure being recovered from (0: none). Cheap: for every step.
+  std::optional<Reconfiguration> record(int g) const;
+  int64_t failure() const;
 
   // Waits until `done(view)` holds and returns it, or returns false at `deadline`. Throws
   // PeerLostError when the store stopped answering before that.

@@ -148,8 +148,7 @@ Reconfiguration ElasticWorker::wait_for_record(int g, const std::string& why) {
         return v.record(g) != nullptr || failed;
       },
       RecordFeed::Clock::now() + limit);
-  const auto view = feed->view();
-  if (const auto* r = view.record(g)) return *r;
+  if (auto r = feed->record(g)) return std::move(*r);
   TESSEL_CHECK(!failed, PeerLostError,
                "process {}: the coordinator is recovering from failure {} (waiting for {})",
                env.rank, known_failures + 1, why);
@@ -165,14 +164,14 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
   report_progress();
   if (!feed) return std::nullopt;  // a fixed launch: no switches
   const int64_t b = world->step;
-  const auto view = feed->view();
-  TESSEL_CHECK(view.failure <= failures, PeerLostError,
-               "process {}: the coordinator is recovering from failure {}", env.rank, view.failure);
+  const int64_t failure = feed->failure();
+  TESSEL_CHECK(failure <= failures, PeerLostError,
+               "process {}: the coordinator is recovering from failure {}", env.rank, failure);
   // The record after this world's generation (a recovery's record is not: it is waited for by
   // those who report), if this process has it; the ranks agree on whether any of them has.
   const int g = generation + 1;
-  const auto* next = view.record(g);
-  int64_t seen = next != nullptr && !next->recovery ? g : 0;
+  const auto next = feed->record(g);
+  int64_t seen = next && !next->recovery ? g : 0;
   std::vector<int64_t> all(size_t(world->groups.world->size()));
   world->groups.world->all_gather(&seen, 1, all.data());
   seen = *std::max_element(all.begin(), all.end());

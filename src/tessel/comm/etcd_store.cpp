@@ -3,10 +3,10 @@
 #include <httplib.h>
 
 #include <algorithm>
-#include <charconv>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "tessel/comm/etcd_json.h"
 #include "tessel/core/base64.h"
 #include "tessel/core/check.h"
 
@@ -17,19 +17,12 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// etcd's gateway sends 64-bit integers as JSON strings (and omits fields that are zero).
+// A number field of a reply (etcd omits fields that are zero).
 int64_t number(const json& j, const char* field) {
-  auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return 0;
-  if (it->is_number_integer()) return it->get<int64_t>();
-  TESSEL_CHECK(it->is_string(), CorruptDataError, "etcd: field '{}' is not a number: {}", field,
-               it->dump());
-  const std::string s = it->get<std::string>();
-  int64_t v = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  TESSEL_CHECK(ec == std::errc() && end == s.data() + s.size(), CorruptDataError,
-               "etcd: field '{}' is not a number: {}", field, s);
-  return v;
+  const auto v = gateway_integer(j, field);
+  TESSEL_CHECK(v.has_value(), CorruptDataError, "etcd: field '{}' is not a number: {}", field,
+               j.at(field).dump());
+  return *v;
 }
 
 json parse(const std::string& text, const std::string& what) {

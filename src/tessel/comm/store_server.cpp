@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <charconv>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -20,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "tessel/comm/etcd_json.h"
 #include "tessel/core/base64.h"
 #include "tessel/core/check.h"
 
@@ -141,19 +141,12 @@ const json& fields(const json& j, const char* what, std::initializer_list<std::s
   return j;
 }
 
-// etcd's gateway writes 64-bit integers as strings and reads either; absent means 0.
+// A number field of a request (absent: 0).
 int64_t integer(const json& j, const char* field) {
-  auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return 0;
-  if (it->is_number_integer()) return it->get<int64_t>();
-  TESSEL_CHECK(it->is_string(), InvalidArgumentError, "field '{}' is not an integer: {:.100}",
-               field, text(*it));
-  const std::string s = it->get<std::string>();
-  int64_t v = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  TESSEL_CHECK(ec == std::errc() && end == s.data() + s.size(), InvalidArgumentError,
-               "field '{}' is not an integer: '{:.100}'", field, s);
-  return v;
+  const auto v = gateway_integer(j, field);
+  TESSEL_CHECK(v.has_value(), InvalidArgumentError, "field '{}' is not an integer: {:.100}", field,
+               text(j.at(field)));
+  return *v;
 }
 
 bool flag(const json& j, const char* field) {

@@ -99,8 +99,13 @@ void AtomicFileWriter::commit() {
   if (through_) {
     TESSEL_CHECK(!committed_, InvalidArgumentError, "'{}' committed twice", path_);
     committed_ = true;
-    const int fd = ::open(target_.c_str(), O_WRONLY | O_CLOEXEC);
+    // Non-blocking, so that a pipe nobody reads is an error now, not a wait without end; the
+    // writes then block as usual (a reader that reads slowly is still a reader).
+    const int fd = ::open(target_.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    TESSEL_CHECK(fd >= 0 || errno != ENXIO, IoError,
+                 "cannot write '{}': it is a pipe and no process reads it", path_);
     TESSEL_CHECK(fd >= 0, IoError, "cannot open '{}' for writing: {}", path_, std::strerror(errno));
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     if (!write_all(fd, held_.data(), held_.size())) {
       const int err = errno;
       ::close(fd);

@@ -9,7 +9,8 @@
 //  * a symlink is followed: the file it points to is written (atomically, beside it), and the
 //    link stays a link (a dangling link gets its file created);
 //  * a device, a pipe or a socket is written through: the bytes are kept until commit() and then
-//    written to it in order (`--out /dev/null` or a FIFO work, and the node stays what it was);
+//    written to it in order (`--out /dev/null` or a FIFO work, and the node stays what it was;
+//    a pipe that no process reads is an IoError at commit(), not a wait);
 //  * a directory is an IoError naming it.
 #pragma once
 

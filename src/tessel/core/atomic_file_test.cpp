@@ -75,6 +75,10 @@ TEST(AtomicFileWriter, APipeIsWrittenThroughAndStaysAPipe) {
   const std::string got(buf, size_t(std::max<ssize_t>(n, 0)));
   EXPECT_EQ(got, "head-body");
   EXPECT_TRUE(fs::is_fifo(fs::symlink_status(fifo)));
+  // Nobody reads it now: an error naming that, not a wait without end.
+  const auto what =
+      tessel::testing::error_of<IoError>([&] { write_file_atomically(fifo.string(), "lost"); });
+  EXPECT_NE(what.find("no process reads it"), std::string::npos) << what;
 }
 
 TEST(AtomicFileWriter, ADeviceIsWrittenThroughAndStaysADevice) {

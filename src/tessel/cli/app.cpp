@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -19,6 +20,7 @@
 #include "tessel/cli/store_command.h"
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
+#include "tessel/core/stop_signal.h"
 #include "tessel/data/tokenizer.h"
 #include "tessel/elastic/coordinator.h"
 #include "tessel/model/model_config.h"
@@ -91,13 +93,28 @@ int launch_training(const Args& args) {
   // (a recovery whose reports do not come).
   opt.wake_fds = coordinator->wake_fds();
   opt.tick = std::chrono::milliseconds(1000);
-  opt.on_tick = [coordinator](const process::LaunchOptions::Spawn& spawn,
-                              const process::LaunchResult&) { coordinator->tick(spawn); };
+  opt.on_tick = [coordinator](const process::LaunchOptions::Workers& workers,
+                              const process::LaunchResult&) { coordinator->tick(workers); };
+  // SIGTERM (a preemption notice) or SIGINT: the workers save at their next step boundary and
+  // exit, within elastic.stop_grace_s; a second signal stops them at once.
+  opt.on_interrupt = [coordinator](int signal) {
+    coordinator->stop(fmt::format("`tessel train` received {}", process::signal_name(signal)));
+  };
+  opt.interrupt_grace = std::chrono::milliseconds(int64_t(cfg.stop_grace_s * 1000));
   // A worker killed by a signal is recovered from; the others keep running.
   opt.on_exit = [coordinator](const process::WorkerExit& e) { return coordinator->on_exit(e); };
   spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = process::launch(opt);
+  const std::string stopped = coordinator->stop_reason();
+  if (!stopped.empty() && (result.exit_code == 0 || result.exit_code == 128 + SIGTERM ||
+                           result.exit_code == 128 + SIGINT)) {
+    // Stopped before its last step, on purpose: not a success (a scheduler retries it), not a
+    // failure either.
+    fmt::print(stderr, "tessel: training stopped ({}); run the same command to resume{}\n", stopped,
+               cfg.checkpoint.dir.empty() ? " -- without checkpoint.dir nothing was saved" : "");
+    return result.exit_code != 0 ? result.exit_code : 128 + SIGTERM;
+  }
   if (result.exit_code != 0) fmt::print(stderr, "tessel: training failed: {}\n", result.failure);
   return result.exit_code;
 }
@@ -131,6 +148,9 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   worker->callback([&] {
     action = [&] {
       auto cfg = load_train_config(args);
+      // SIGTERM or SIGINT to a worker: it finishes its step and leaves (runtime/parallel_trainer.h)
+      // instead of dying with the steps since the last checkpoint.
+      StopSignals stop_signals;
       runtime::ParallelTrainer trainer(cfg, runtime::WorkerEnv::from_environment());
       trainer.run();
       return 0;
@@ -189,11 +209,11 @@ void add_launch(CLI::App& app, Args& args, std::function<int()>& action) {
   });
 }
 
-// `tessel ctl scale N | status [--job ID]`: talks to a running job's coordinator.
+// `tessel ctl scale N | status | stop [--job ID]`: talks to a running job's coordinator.
 void add_ctl(CLI::App& app, Args& args, std::function<int()>& action) {
-  auto* cmd = app.add_subcommand("ctl", "control a running training job (scale N, status)");
+  auto* cmd = app.add_subcommand("ctl", "control a running training job (scale N, status, stop)");
   cmd->add_option("--job", args.job_id, "job id (default: the only running job)");
-  cmd->add_option("command", args.worker_command, "scale N | status")->required();
+  cmd->add_option("command", args.worker_command, "scale N | status | stop")->required();
   cmd->callback([&] {
     action = [&] {
       std::string line;

@@ -251,6 +251,13 @@ TrainConfig TrainConfig::load(const std::string& path) {
                "{}: '{}' is neither 'embedded' nor an etcd endpoint 'http://host:port' (etcd's "
                "--advertise-client-urls)",
                el.where("control_store"), c.control_store);
+  el.read("heartbeat_timeout_s", c.heartbeat_timeout_s);
+  TESSEL_CHECK(c.heartbeat_timeout_s >= 1 && c.heartbeat_timeout_s <= 3600, ConfigError,
+               "{}: must be 1..3600 seconds, got {}", el.where("heartbeat_timeout_s"),
+               c.heartbeat_timeout_s);
+  el.read("stop_grace_s", c.stop_grace_s);
+  TESSEL_CHECK(c.stop_grace_s >= 0 && c.stop_grace_s <= 86400, ConfigError,
+               "{}: must be 0..86400 seconds, got {}", el.where("stop_grace_s"), c.stop_grace_s);
   el.reject_unknown_keys();
   c.hosts_file = resolve(c.hosts_file, base);
 

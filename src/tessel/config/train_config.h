@@ -12,7 +12,8 @@
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, control_store}
+//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, control_store,
+//                heartbeat_timeout_s, stop_grace_s}
 //               (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
@@ -158,6 +159,14 @@ struct TrainConfig {
   // reports and rendezvous (elastic/reconfiguration.h). "embedded" (the default): `tessel train`
   // serves them itself, nothing to start. Else an etcd v3 endpoint, "http://host:port".
   std::string control_store = "embedded";
+  // elastic.heartbeat_timeout_s: a worker renews a heartbeat in the control store (a lease) a few
+  // times within this bound; one that stops renewing (SIGSTOP, a frozen VM) is fenced -- killed --
+  // and the job recovers without it, as from a death.
+  double heartbeat_timeout_s = 10;
+  // elastic.stop_grace_s: after SIGTERM or SIGINT (a preemption notice) to `tessel train`, the
+  // workers finish their step, save a checkpoint and exit within this many seconds; then they are
+  // stopped.
+  double stop_grace_s = 30;
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

@@ -197,8 +197,12 @@ std::string Coordinator::handle(const std::string& line) {
   std::string cmd;
   in >> cmd;
   if (cmd == "status") return decider_->status();
+  if (cmd == "stop") {
+    stop("`tessel ctl stop`");
+    return "ok: the workers save a checkpoint at their next step boundary and stop";
+  }
   if (cmd != "scale")
-    return fmt::format("refused: unknown command '{}'; try: scale N, status", cmd);
+    return fmt::format("refused: unknown command '{}'; try: scale N, status, stop", cmd);
   // Exactly one whole number: "scale 2.5", "scale 2abc" and "scale 1 2" are refused, not read
   // as 2, 2 and 1.
   std::string count, extra;
@@ -241,7 +245,11 @@ void Coordinator::watch_hosts_file() {
   spdlog::info("{} lists {} worker slots: {}", cfg_.hosts_file, slots, reply);
 }
 
-void Coordinator::tick(const process::LaunchOptions::Spawn& spawn) {
+void Coordinator::stop(const std::string& reason) {
+  decider_->stop(reason);
+}
+
+void Coordinator::tick(const process::LaunchOptions::Workers& workers) {
   uint64_t wakeups = 0;
   if (::read(wake_fd_, &wakeups, sizeof wakeups) < 0) {
     // EAGAIN: this tick was not woken by a report.
@@ -256,8 +264,12 @@ void Coordinator::tick(const process::LaunchOptions::Spawn& spawn) {
     write_all(fd, handle(line) + "\n");
     ::close(fd);
   }
-  for (const auto& s : decider_->update())
-    spawn(s.process, {{"TESSEL_JOIN_GENERATION", std::to_string(s.generation)}});
+  const auto starts = decider_->update();
+  for (int process : decider_->take_fences())
+    if (!workers.kill || !workers.kill(process))
+      spdlog::warn("worker {} could not be fenced: it is not running here", process);
+  for (const auto& s : starts)
+    workers.spawn(s.process, {{"TESSEL_JOIN_GENERATION", std::to_string(s.generation)}});
 }
 
 bool Coordinator::on_exit(const process::WorkerExit& e) {

@@ -14,6 +14,8 @@
 //                Otherwise the decider publishes the switch (now, or once a pending one is
 //                applied: the newest request wins, none is lost).
 //      status    the job, its workers and the requests so far.
+//      stop      the workers save a checkpoint at their next step boundary and exit; the job
+//                resumes from it when started again.
 //    Each reply is one line starting with "ok:" or "refused:".
 //  * A watched hosts file (elastic.hosts_file, like Varuna's machine list): one line per worker
 //    slot; when the number of slots changes, the coordinator makes the same request as
@@ -21,7 +23,9 @@
 //  * Failures. A worker killed by a signal (SIGKILL, the OOM killer, a preempted machine's
 //    SIGTERM) does not end the job: the launcher hands its exit to on_exit(), and the decider
 //    recovers once the survivors have reported. A worker that exits with an error code is a bug
-//    or a bad input, not a lost machine: that still ends the job, with its message.
+//    or a bad input, not a lost machine: that still ends the job, with its message. A worker
+//    that stops answering (its heartbeat expires, or it does not report a failure its peers met)
+//    is killed (fenced) and recovered from the same way.
 // Nothing here polls: the launcher runs tick() when a worker exits, a control connection or a
 // hosts file change arrives (wake_fds()), or a worker reports to the store (a watch on the
 // store's reports wakes it). Not thread-safe: the launcher calls tick() from its loop.
@@ -69,7 +73,12 @@ class Coordinator {
 
   // One round: answers pending control connections, reads the hosts file when it changed, makes
   // the decisions due and starts the processes they add.
-  void tick(const process::LaunchOptions::Spawn& spawn);
+  void tick(const process::LaunchOptions::Workers& workers);
+
+  // Ends the job: the workers save a checkpoint at their next step boundary and exit (the
+  // launcher's SIGTERM/SIGINT, or `tessel ctl stop`). Why it stops: empty while it does not.
+  void stop(const std::string& reason);
+  const std::string& stop_reason() const { return decider_->stop_reason(); }
 
   // A worker ended (the launcher's on_exit). Returns true when the job goes on without it.
   bool on_exit(const process::WorkerExit& e);

@@ -63,7 +63,7 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
   };
   auto ok = c.handle("scale 3");
   EXPECT_EQ(ok.rfind("ok: request 1: 3 workers", 0), 0u) << ok;
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   auto r = record_of(c, "job1", 1);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->to.world(), 3);
@@ -73,13 +73,13 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
   auto refused = c.handle("scale 13");
   EXPECT_EQ(refused.rfind("refused:", 0), 0u) << refused;
   EXPECT_NE(refused.find("13 workers"), std::string::npos) << refused;
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   EXPECT_FALSE(record_of(c, "job1", 2));
   EXPECT_EQ(c.handle("scale 0").rfind("refused:", 0), 0u);
   // One whole number, nothing else: before, these were carried out as 2, 2 and 1 workers.
   for (const char* loose : {"scale 2.5", "scale 2abc", "scale 1 2", "scale", "scale -1"})
     EXPECT_EQ(c.handle(loose).rfind("refused:", 0), 0u) << loose << ": " << c.handle(loose);
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   EXPECT_FALSE(record_of(c, "job1", 2));
   EXPECT_EQ(c.handle("grow").rfind("refused: unknown command", 0), 0u);
   EXPECT_EQ(c.handle("status").rfind("ok: job job1", 0), 0u);
@@ -102,7 +102,7 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
     std::atomic<bool> done{false};
     std::thread loop([&] {
       while (!done) {
-        c.tick(spawn);
+        c.tick({spawn, nullptr});
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
     });
@@ -131,7 +131,7 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
         if (::write(fd, &ch, 1) != 1) return;
       }
     });
-    c.tick(spawn);
+    c.tick({spawn, nullptr});
     // Answered with what had come within its window (a prefix of "status"), not after waiting
     // for the whole word (1.5 s away); before, it waited up to 1 s per byte, 4096 bytes.
     char reply[256] = {};
@@ -163,23 +163,23 @@ TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {
         dir / "hosts.txt",
         std::filesystem::file_time_type::clock::now() + std::chrono::seconds(++bump));
   };
-  c.tick(spawn);                          // no file yet: nothing
+  c.tick({spawn, nullptr});               // no file yet: nothing
   write_hosts("localhost\nlocalhost\n");  // 2 slots: what the job has
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   EXPECT_FALSE(record_of(c, "job2", 1));
   write_hosts("# three slots\nlocalhost\n\nlocalhost\nlocalhost\n");
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   auto r = record_of(c, "job2", 1);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->to.world(), 3);
   // The workers apply it.
   c.store().set(progress_key("job2"), Progress{1, 5, 0}.to_json().dump());
-  c.tick(spawn);  // unchanged file: no second request
+  c.tick({spawn, nullptr});  // unchanged file: no second request
   EXPECT_FALSE(record_of(c, "job2", 2));
   std::string thirteen;
   for (int i = 0; i < 13; ++i) thirteen += "localhost\n";
   write_hosts(thirteen);  // no layout for 13 workers: refused, nothing published
-  c.tick(spawn);
+  c.tick({spawn, nullptr});
   EXPECT_FALSE(record_of(c, "job2", 2));
   unsetenv("TESSEL_CTL_DIR");
 }

@@ -1,6 +1,7 @@
 #include "tessel/elastic/decider.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -55,6 +56,67 @@ std::string Decider::scale(int workers) {
   return fmt::format("ok: request {}: {} workers ({}) {}", r, workers, plan.describe(), when);
 }
 
+void Decider::stop(const std::string& reason) {
+  if (!stop_reason_.empty()) return;
+  stop_reason_ = reason;
+  store_->set(stop_key(job_), nlohmann::json{{"reason", reason}}.dump());
+  spdlog::warn("{}: the workers save a checkpoint at their next step boundary and stop", reason);
+}
+
+std::vector<int> Decider::take_fences() {
+  return std::exchange(to_fence_, {});
+}
+
+void Decider::fence(int process, const std::string& why) {
+  if (!running_.contains(process) || fenced_.contains(process)) return;
+  fenced_[process] = why;
+  to_fence_.push_back(process);
+  spdlog::warn("worker {} {}; fencing it (SIGKILL)", process, why);
+}
+
+void Decider::check_heartbeats() {
+  std::set<int> alive;
+  for (const auto& kv : store_->list(alive_prefix(job_)))
+    if (const int p = process_of(alive_prefix(job_), kv.key); p >= 0) alive.insert(p);
+  for (int p : running_) {
+    if (alive.contains(p))
+      heartbeats_.insert(p);
+    else if (heartbeats_.contains(p))
+      fence(p, fmt::format("stopped answering: its heartbeat expired (not renewed within "
+                           "elastic.heartbeat_timeout_s = {} s)",
+                           cfg_.heartbeat_timeout_s));
+  }
+}
+
+std::vector<Decider::Start> Decider::leave() {
+  std::vector<int> leaving, staying;
+  for (const auto& kv : store_->list(leaving_prefix(job_)))
+    if (const int p = process_of(leaving_prefix(job_), kv.key); p >= 0 && !left_.contains(p))
+      leaving.push_back(p);
+  std::erase_if(leaving, [&](int p) {
+    return std::find(members_.begin(), members_.end(), p) == members_.end();
+  });
+  if (leaving.empty()) return {};
+  left_.insert(leaving.begin(), leaving.end());
+  for (int p : members_)
+    if (std::find(leaving.begin(), leaving.end(), p) == leaving.end()) staying.push_back(p);
+  std::string who;
+  for (int p : leaving) who += fmt::format("{}{}", who.empty() ? "" : ", ", p);
+  const std::string cause = fmt::format("planned leave (worker {} received SIGTERM)", who);
+  layout::Plan plan;
+  try {
+    TESSEL_CHECK(!staying.empty(), ConfigError, "no worker would be left");
+    plan = cfg_.plan_for_workers(int(staying.size()));
+  } catch (const Error& e) {
+    stop(fmt::format("{}: no plan for the {} other workers ({})", cause, staying.size(), e.what()));
+    return {};
+  }
+  auto r = switch_to(std::move(plan), cause, staying);
+  r.at_step = 0;  // at the first boundary every member has seen it: a preemption does not wait
+  spdlog::info("{}: switching to {} on {} workers", cause, r.to.describe(), r.to.world());
+  return publish(std::move(r));
+}
+
 std::string Decider::status() const {
   return fmt::format("ok: job {}, {} workers, {} scale requests, {} switches, {} failures", job_,
                      members_.size(), requests_, generation_, failures_);
@@ -70,9 +132,13 @@ bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& ho
     }
     return true;
   }
-  // Only a death by a signal is a lost worker; an error exit ends the job with its message.
-  if (!signaled) return false;
-  const std::string cause = fmt::format("worker {} {}", process, how);
+  // Only a death by a signal is a lost worker; an error exit ends the job with its message --
+  // unless the process was fenced (it leaves with an error when it finds out).
+  if (!signaled && !fenced_.contains(process)) return false;
+  auto fenced = fenced_.find(process);
+  const std::string cause =
+      fenced != fenced_.end() ? fmt::format("worker {} {} and was fenced", process, fenced->second)
+                              : fmt::format("worker {} {}", process, how);
   if (recovery_)
     recovery_->cause += "; " + cause;
   else
@@ -102,7 +168,9 @@ void Decider::start_recovery(const std::string& cause) {
   spdlog::warn("{}: recovering (failure {})", cause, failures_);
 }
 
-Reconfiguration Decider::switch_to(layout::Plan to, const std::string& cause) const {
+Reconfiguration Decider::switch_to(layout::Plan to, const std::string& cause,
+                                   const std::vector<int>& pool) const {
+  const auto& from = pool.empty() ? members_ : pool;
   Reconfiguration r;
   r.generation = generation_ + 1;
   r.cause = cause;
@@ -111,8 +179,7 @@ Reconfiguration Decider::switch_to(layout::Plan to, const std::string& cause) co
   r.to = std::move(to);
   const int n = r.to.world();
   int next = next_process_id_;
-  r.to_members.assign(members_.begin(),
-                      members_.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(members_.size())));
+  r.to_members.assign(from.begin(), from.begin() + std::min<ptrdiff_t>(n, ptrdiff_t(from.size())));
   while (int(r.to_members.size()) < n) {
     r.to_members.push_back(next);
     r.spawn.push_back(next++);
@@ -156,6 +223,7 @@ std::vector<Decider::Start> Decider::publish(Reconfiguration r) {
 }
 
 std::vector<Decider::Start> Decider::update() {
+  check_heartbeats();
   if (auto kv = store_->get(progress_key(job_))) {
     try {
       const auto p = Progress::from_json(nlohmann::json::parse(kv->value), kv->key);
@@ -187,7 +255,8 @@ std::vector<Decider::Start> Decider::update() {
     }
   }
   if (recovery_) return recover();
-  if (pending_) return {};
+  if (pending_ || !stop_reason_.empty()) return {};
+  if (auto starts = leave(); pending_) return starts;
   if (next_timeline_ < cfg_.timeline.size()) {
     const auto& e = cfg_.timeline[next_timeline_];
     // A step before the members need it (they prepare prepare_steps before the entry).
@@ -236,6 +305,16 @@ std::vector<Decider::Start> Decider::recover() {
     reports.push_back(it->second);
   }
   if (!missing.empty()) {
+    // Every survivor meets the failure within the communication timeout (a collective with the
+    // failed process times out, or fails at once when a peer gives up on it): one that has not
+    // reported by then is stuck where no timeout reaches it, or stopped.
+    const auto fence_at =
+        p.detected + std::chrono::milliseconds(int64_t(cfg_.comm_timeout_s * 1000) + 5000);
+    if (Clock::now() >= fence_at)
+      for (int process : p.expected)
+        if (!reported.contains(process))
+          fence(process, fmt::format("did not report the failure its peers met within {} s",
+                                     int64_t(cfg_.comm_timeout_s) + 5));
     TESSEL_CHECK(Clock::now() < p.deadline, TimeoutError,
                  "{}: workers {} did not report within {} s of it; stopping the job", p.cause,
                  missing, int64_t(cfg_.comm_timeout_s * 2) + 30);
@@ -278,6 +357,8 @@ std::vector<Decider::Start> Decider::recover() {
     queued_ = last_request_;
   step_ = m.step;
   skip_timeline_through(m.step);
+  // A leave the failure voided is decided again from the new members.
+  for (int process : m.to_members) left_.erase(process);
   return publish(std::move(m));
 }
 

@@ -14,8 +14,21 @@
 //    whose record a failure voided is made again);
 //  * a failure (a worker killed, or a failure a worker reports that no death explains): once every
 //    surviving state holder has reported (recovery.h decides what to continue from), with a
-//    generation above every one published, which voids a pending record.
+//    generation above every one published, which voids a pending record;
+//  * a planned leave (a worker received SIGTERM and wrote reports/leaving/<p>): like a scale
+//    request to the plan for the others, with those processes as members, switched at once
+//    (at_step 0: nothing to prepare); when no plan fits the others, the job stops instead.
 // A record is pending from its publication until rank 0 reports its generation.
+//
+// Fencing. A process that stops answering is fenced -- the coordinator kills it, and its death is
+// recovered from like any other -- when its heartbeat (heartbeat.h) expires, or when it has not
+// reported a failure its peers met within parallel.timeout_s (+ 5 s) of the first report (stuck
+// where no timeout reaches it). A killed process can send nothing more; a multi-host agent will
+// also supersede its generation.
+//
+// Stopping. stop() (the launcher received SIGTERM or SIGINT), or a leave no plan survives, writes
+// decisions/stop: no more switches are decided (recoveries still are), and every world saves at
+// its next step boundary and ends.
 #pragma once
 
 #include <chrono>
@@ -54,6 +67,16 @@ class Decider {
   std::string scale(int workers);
   std::string status() const;
 
+  // Ends the job at the workers' next step boundary, after a checkpoint (decisions/stop says
+  // `reason`). Idempotent: the first reason stays.
+  void stop(const std::string& reason);
+  // Why the job is stopping; empty while it is not.
+  const std::string& stop_reason() const { return stop_reason_; }
+
+  // The processes to fence now (each once): the coordinator kills them; their deaths come back
+  // through on_exit().
+  std::vector<int> take_fences();
+
   // A worker process ended. Returns true when the job goes on without it (it finished, or died of
   // a signal: a lost machine, recovered from); false for an error exit, which ends the job.
   bool on_exit(int process, bool ok, bool signaled, const std::string& how);
@@ -69,7 +92,13 @@ class Decider {
   // Publishes record r (r.generation = generation_ + 1) after moving decisions/generation with
   // compare-and-set; returns the processes it starts.
   std::vector<Start> publish(Reconfiguration r);
-  Reconfiguration switch_to(layout::Plan to, const std::string& cause) const;
+  // The switch to `to` whose ranks are the first processes of `pool` (members_ when empty), and
+  // new processes for ranks beyond them.
+  Reconfiguration switch_to(layout::Plan to, const std::string& cause,
+                            const std::vector<int>& pool = {}) const;
+  void check_heartbeats();
+  void fence(int process, const std::string& why);
+  std::vector<Start> leave();
   void start_recovery(const std::string& cause);
   std::set<int> state_holders() const;
   std::vector<Start> recover();
@@ -98,7 +127,12 @@ class Decider {
   std::optional<std::pair<int64_t, layout::Plan>> queued_;  // the newest request not published
   std::optional<std::pair<int64_t, layout::Plan>> last_request_;  // the newest published
 
-  std::set<int> running_;  // worker processes started and not ended
+  std::set<int> running_;              // worker processes started and not ended
+  std::set<int> heartbeats_;           // processes whose heartbeat has been seen
+  std::map<int, std::string> fenced_;  // processes fenced, and why
+  std::vector<int> to_fence_;          // fenced, not yet taken by the coordinator
+  std::set<int> left_;                 // processes whose leave was decided
+  std::string stop_reason_;
   int64_t failures_ = 0;
   struct Recovery {
     std::set<int> expected, dead;

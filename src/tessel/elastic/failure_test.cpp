@@ -3,141 +3,15 @@
 // one single-process step from the state the job saved before it (losses, parameters and Adam
 // moments, within the float32 bounds of step_check_test_util.h), and it consumed the data in
 // exactly the uninterrupted order.
-#include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <map>
-#include <nlohmann/json.hpp>
-#include <set>
-
-#include "tessel/checkpoint/sharded_checkpoint.h"
-#include "tessel/config/config_test_util.h"
-#include "tessel/runtime/step_check_test_util.h"
-#include "tessel/testing/testing.h"
+#include "tessel/elastic/failure_test_util.h"
 
 namespace tessel::elastic {
 namespace {
 
+using namespace tessel::elastic::testing;
 using tessel::testing::TempDir;
-
-std::vector<nlohmann::json> read_lines(const std::filesystem::path& path) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-// The data-order log: for every step, the entries of the last generation that ran it split the
-// step's window [(s-1) * batch, s * batch) of the global sample order exactly (no sample
-// repeated or skipped in the history the final state comes from).
-void expect_exact_data_order(const std::filesystem::path& log, int64_t steps, int64_t batch) {
-  std::map<int64_t, std::map<int, std::vector<nlohmann::json>>> by_step;  // step -> gen -> lines
-  for (const auto& l : read_lines(log))
-    by_step[l.at("step").get<int64_t>()][l.at("generation").get<int>()].push_back(l);
-  ASSERT_EQ(int64_t(by_step.size()), steps);
-  for (const auto& [step, gens] : by_step) {
-    const auto& lines = gens.rbegin()->second;
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (const auto& l : lines)
-      ranges.emplace_back(l.at("first").get<int64_t>(),
-                          l.at("first").get<int64_t>() + l.at("count").get<int64_t>());
-    std::sort(ranges.begin(), ranges.end());
-    int64_t at = (step - 1) * batch;
-    for (const auto& [lo, hi] : ranges) {
-      EXPECT_EQ(lo, at) << "step " << step << ": a gap or an overlap in the samples";
-      at = hi;
-    }
-    EXPECT_EQ(at, step * batch) << "step " << step;
-  }
-}
-
-// The training, output and checkpoint sections every job here (and the single-process config it
-// is checked against) shares: checkpoints after every step, the step-by-step check needs them.
-struct Job {
-  int64_t steps;
-  std::string training() const {
-    return fmt::format(
-        "training: {{steps: {}, global_batch: 12, micro_batch: 2, threads: 1}}\n"
-        "optimizer: {{lr: 0.003, warmup_steps: 1}}\n",
-        steps);
-  }
-  std::string config() const {
-    return training() + runtime::testing::every_step_checkpoints(steps, "ck") +
-           "output: {metrics: metrics.jsonl, events: events.jsonl, data_order: order.jsonl}\n";
-  }
-};
-
-// Runs `tessel train` on `cfg` in the background with `killer` (bash; $L is the launcher's pid,
-// and "echo killed $k" marks each kill) running beside it, then waits for the job and prints
-// "train exit <code>"; returns the script's exit code, its output in *out. Bounded by `timeout`: a
-// hang fails the test instead of blocking it.
-int train_with_killer(const TempDir& dir, const std::string& cfg, const std::string& killer,
-                      std::string* out) {
-  const auto bin = tessel::testing::tessel_binary().string();
-  std::ofstream(dir / "kill.sh") << fmt::format(
-      "cd {dir}\nexport TESSEL_CTL_DIR={dir}/ctl OMP_NUM_THREADS=1\n"
-      "{bin} train {cfg} > train.out 2>&1 &\n"
-      "L=$!\n"
-      "lines() {{ [ -f metrics.jsonl ] && wc -l < metrics.jsonl || echo 0; }}\n"
-      "{killer}"
-      "wait $L\n"
-      "echo train exit $?\n",
-      fmt::arg("dir", dir.path().string()), fmt::arg("bin", bin), fmt::arg("cfg", cfg),
-      fmt::arg("killer", killer));
-  return tessel::testing::run_command(
-      fmt::format("timeout 400 bash {}", (dir / "kill.sh").string()), out);
-}
-
-// SIGKILLs `kills` random workers at random moments, each once the job has trained two steps
-// since the previous recovery (the first not before `first_after` steps).
-int train_and_kill(const TempDir& dir, const std::string& cfg, int kills, std::string* out,
-                   int first_after = 0) {
-  const std::string killer = fmt::format(
-      "RANDOM=7\n"
-      "recovered() {{ [ -f events.jsonl ] && grep -c '\"event\":\"recover\"' events.jsonl || "
-      "echo 0; }}\n"
-      "for k in $(seq {kills}); do\n"
-      "  n=$(lines); [ $n -lt {first} ] && n={first}\n"
-      "  for i in $(seq 2000); do [ $(lines) -ge $((n + 2)) ] && break; kill -0 $L || break; "
-      "sleep 0.01; done\n"
-      "  sleep 0.0$((RANDOM % 10))\n"
-      "  pids=($(pgrep -P $L))\n"
-      "  [ ${{#pids[@]}} -gt 0 ] || break\n"
-      "  victim=${{pids[$((RANDOM % ${{#pids[@]}}))]}}\n"
-      "  kill -9 $victim && echo killed $k\n"
-      "  for i in $(seq 3000); do [ $(recovered) -ge $k ] && break; kill -0 $L 2>/dev/null || "
-      "break; sleep 0.01; done\n"
-      "done\n",
-      fmt::arg("kills", kills), fmt::arg("first", std::max(0, first_after - 2)));
-  return train_with_killer(dir, cfg, killer, out);
-}
-
-// What every surviving run must show: each step, as last recorded, equals one single-process
-// step from the state saved before it, with at most `unlogged` steps missing from the metrics (a
-// step whose loss was being reduced when a worker died has no record); the data order is exact;
-// the final checkpoint is at the last step.
-void expect_like_one_process(const TempDir& dir, const std::string& corpus, const Job& job,
-                             int64_t unlogged) {
-  const auto checked = runtime::testing::expect_steps_match_one_process(
-      config::testing::write_config(dir, corpus, job.training(), "single.yaml"), dir / "ck",
-      runtime::testing::read_step_losses(dir / "metrics.jsonl"), 1, job.steps);
-  EXPECT_EQ(checked.steps, job.steps);
-  EXPECT_LE(checked.unlogged, unlogged);
-  expect_exact_data_order(dir / "order.jsonl", job.steps, 12);
-  EXPECT_EQ(checkpoint::latest_sharded_checkpoint((dir / "ck").string()),
-            (dir / "ck" / checkpoint::checkpoint_step_name(job.steps)).string());
-}
 
 // 20 random workers of a dp job killed at random moments, each replaced by a new process: the
 // job always goes on from the survivors' replicas (no step is lost but the one in flight), and

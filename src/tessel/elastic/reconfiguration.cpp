@@ -144,6 +144,38 @@ std::string report_key(const std::string& job, int64_t failure, int process) {
   return fmt::format("{}{}", reports_prefix(job, failure), process);
 }
 
+std::string alive_prefix(const std::string& job) {
+  return job_prefix(job) + "reports/alive/";
+}
+
+std::string alive_key(const std::string& job, int process) {
+  return alive_prefix(job) + std::to_string(process);
+}
+
+std::string leaving_prefix(const std::string& job) {
+  return job_prefix(job) + "reports/leaving/";
+}
+
+std::string leaving_key(const std::string& job, int process) {
+  return leaving_prefix(job) + std::to_string(process);
+}
+
+std::string stop_key(const std::string& job) {
+  return job_prefix(job) + "decisions/stop";
+}
+
+int process_of(const std::string& prefix, const std::string& key) {
+  if (key.size() <= prefix.size() || key.size() > prefix.size() + 9 ||
+      key.compare(0, prefix.size(), prefix) != 0)
+    return -1;
+  int p = 0;
+  for (size_t i = prefix.size(); i < key.size(); ++i) {
+    if (key[i] < '0' || key[i] > '9') return -1;
+    p = p * 10 + (key[i] - '0');
+  }
+  return p;
+}
+
 int record_generation(const std::string& job, const std::string& key) {
   const std::string prefix = records_prefix(job);
   if (key.size() != prefix.size() + 8 || key.compare(0, prefix.size(), prefix) != 0) return -1;

@@ -8,11 +8,13 @@
 //    Reconfiguration under decisions/records/<g>, after moving decisions/generation from g-1 to g
 //    with compare-and-set (a second writer is refused, never interleaved). It writes
 //    decisions/failure (the failure it is recovering from) so that workers waiting on the store
-//    instead of a peer hear of it.
+//    instead of a peer hear of it, and decisions/stop when the job is to save and end.
 //  * Workers only report: rank 0 of the world in force writes reports/progress (its generation,
 //    the step it finished and, as a switch begins, the generation it enters: the go for the
 //    processes started for that switch), and every process that met a failure writes
-//    reports/failures/<e>/<process> (FailureReport). Workers apply a record and never write one.
+//    reports/failures/<e>/<process> (FailureReport). Every process keeps reports/alive/<process>
+//    alive on a lease (its heartbeat), and one that received SIGTERM writes
+//    reports/leaving/<process>. Workers apply a record and never write one.
 //
 // Order of a reconfiguration g (not a recovery). The coordinator publishes record g (from = the
 // plan of g-1, to, members, spawn, at_step) and starts the processes in `spawn`; they build their
@@ -56,7 +58,8 @@ struct Reconfiguration {
   int64_t request = 0;            // the scale request it applies (0: none)
   int64_t applied_request = 0;    // the newest scale request applied once it is done
   int64_t failures = 0;           // failures recovered from so far (this one included)
-  // When the switch happens: after step at_step (a timeline entry), or -- negative -- at the first
+  // When the switch happens: after step at_step (a timeline entry; 0 for a planned leave: at the
+  // first boundary where every member has seen it, never prepared), or -- negative -- at the first
   // step boundary where every member has seen the record (then prepared over
   // elastic.prepare_steps more steps when they fit before the run's end and the next timeline
   // entry). Workers fill `step` with the step they switch at.
@@ -120,6 +123,17 @@ std::string failure_key(const std::string& job);        // decisions/failure
 std::string progress_key(const std::string& job);       // reports/progress
 std::string reports_prefix(const std::string& job, int64_t failure);  // reports/failures/<e>/
 std::string report_key(const std::string& job, int64_t failure, int process);
+// reports/alive/<process>: on the process's heartbeat lease (heartbeat.h); gone when it stalls.
+std::string alive_prefix(const std::string& job);
+std::string alive_key(const std::string& job, int process);
+// reports/leaving/<process>: the process received SIGTERM and asks to be switched out.
+std::string leaving_prefix(const std::string& job);
+std::string leaving_key(const std::string& job, int process);
+// decisions/stop: the job stops (its reason as the value): every world saves at its next step
+// boundary and its processes exit.
+std::string stop_key(const std::string& job);
+// The process id ending `key` under `prefix`, or -1 when the key is not prefix + a number.
+int process_of(const std::string& prefix, const std::string& key);
 // The record's generation when `key` is a record key of the job, else -1.
 int record_generation(const std::string& job, const std::string& key);
 

@@ -42,6 +42,10 @@ void RecordFeed::apply(const comm::KeyValue& kv, bool erased) {
       const int64_t e = comm::parse_counter(kv.key, kv.value);
       std::lock_guard lock(mu_);
       view_.failure = std::max(view_.failure, e);
+    } else if (kv.key == stop_key(job_)) {
+      auto reason = nlohmann::json::parse(kv.value).at("reason").get<std::string>();
+      std::lock_guard lock(mu_);
+      view_.stop = reason.empty() ? "stopped" : std::move(reason);
     } else if (kv.key == progress_key(job_)) {
       auto p = Progress::from_json(nlohmann::json::parse(kv.value), kv.key);
       std::lock_guard lock(mu_);
@@ -107,6 +111,11 @@ std::optional<Reconfiguration> RecordFeed::record(int g) const {
 int64_t RecordFeed::failure() const {
   std::lock_guard lock(mu_);
   return view_.failure;
+}
+
+std::string RecordFeed::stop() const {
+  std::lock_guard lock(mu_);
+  return view_.stop;
 }
 
 bool RecordFeed::wait_until(const std::function<bool(const View&)>& done,

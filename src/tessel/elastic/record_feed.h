@@ -40,7 +40,8 @@ class RecordFeed {
     std::map<int, Reconfiguration> records;  // by generation
     int64_t failure = 0;                     // the newest failure being recovered from (0: none)
     Progress progress;                       // rank 0's newest report
-    std::string lost;                        // why the store cannot be followed (empty: it can)
+    std::string stop;  // why the job stops (decisions/stop; empty: it does not)
+    std::string lost;  // why the store cannot be followed (empty: it can)
 
     const Reconfiguration* record(int g) const {
       auto it = records.find(g);
@@ -53,6 +54,7 @@ class RecordFeed {
   // Record g, if seen; the newest failure being recovered from (0: none). Cheap: for every step.
   std::optional<Reconfiguration> record(int g) const;
   int64_t failure() const;
+  std::string stop() const;
 
   // Waits until `done(view)` holds and returns it, or returns false at `deadline`. Throws
   // PeerLostError when the store stopped answering before that.

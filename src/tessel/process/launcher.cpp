@@ -107,6 +107,7 @@ LaunchResult launch(const LaunchOptions& o) {
   so.prefix_console = o.prefix_console;
   so.stop_timeout = o.stop_timeout;
   so.name = "launcher";
+  so.forward_interrupts = !o.on_interrupt;
   if (!std::getenv("OMP_NUM_THREADS") && !o.extra_env.count("OMP_NUM_THREADS")) {
     so.env["OMP_NUM_THREADS"] = std::to_string(default_omp_threads(o.nproc));
   }
@@ -139,6 +140,16 @@ LaunchResult launch(const LaunchOptions& o) {
     ++left;
   };
   for (int r = 0; r < o.nproc; ++r) spawn(r, {});
+  auto kill = [&](int rank) {
+    for (int id : sup.running())
+      if (rank_of_id[static_cast<size_t>(id)] == rank) return sup.kill(id);
+    return false;
+  };
+  const LaunchOptions::Workers workers{spawn, kill};
+  // A graceful stop (on_interrupt): the signal was not forwarded; the workers get
+  // interrupt_grace to save and exit, then terminate_all().
+  bool interrupt_seen = false, in_interrupt_grace = false;
+  Clock::time_point interrupt_deadline{};
 
   // Policy: the first worker that does not end ok (or the launcher's own interruption) is THE
   // failure; the others get peer_grace to end by themselves, then terminate_all().
@@ -150,12 +161,37 @@ LaunchResult launch(const LaunchOptions& o) {
       wait = std::clamp(std::chrono::ceil<milliseconds>(term_at - Clock::now()), milliseconds(0),
                         wait);
     }
+    if (in_interrupt_grace) {
+      wait = std::clamp(std::chrono::ceil<milliseconds>(interrupt_deadline - Clock::now()),
+                        milliseconds(0), wait);
+    }
+    // Whether the job's own policy still runs (on_tick, on_exit): not after a failure ended it,
+    // nor after an interruption, unless the caller stops the workers itself (on_interrupt).
+    auto live = [&] {
+      return result.failure.empty() && !sup.shutting_down() &&
+             (!sup.interrupted() || o.on_interrupt);
+    };
     // The wake fds only while on_tick runs: nobody would consume them otherwise.
-    const bool ticking = o.on_tick && result.failure.empty() && !sup.interrupted();
+    const bool ticking = o.on_tick && live();
     auto exits = sup.poll(wait, ticking ? o.wake_fds : std::vector<int>{});
+    if (sup.interrupted() && !interrupt_seen && o.on_interrupt) {
+      interrupt_seen = in_interrupt_grace = true;
+      interrupt_deadline = Clock::now() + o.interrupt_grace;
+      sup.notice(fmt::format(
+          "received {}: the workers save a checkpoint and stop within {} ms (a second {} stops "
+          "them now)",
+          signal_name(sup.interrupt_signal()), o.interrupt_grace.count(),
+          signal_name(sup.interrupt_signal())));
+      try {
+        o.on_interrupt(sup.interrupt_signal());
+      } catch (const std::exception& e) {
+        sup.notice(fmt::format("could not ask the workers to stop ({}); stopping them", e.what()));
+        sup.terminate_all();
+      }
+    }
     // An interruption seen in the same poll as exits came first: the signal is processed before
     // the reaping, and forwarding it may be what ended them.
-    if (sup.interrupted()) {
+    if (sup.interrupted() && !o.on_interrupt) {
       in_grace = false;  // the forwarded signal started its own stop timeout
       if (result.failure.empty()) {
         result.failure = fmt::format("the launcher received {} and forwarded it to all workers",
@@ -168,8 +204,7 @@ LaunchResult launch(const LaunchOptions& o) {
       e.rank = rank;
       result.workers[static_cast<size_t>(e.id)] = e;
       --left;
-      const bool handled =
-          o.on_exit && result.failure.empty() && !sup.interrupted() && o.on_exit(e) && !e.ok();
+      const bool handled = o.on_exit && live() && o.on_exit(e) && !e.ok();
       if (handled) {
         sup.notice(fmt::format("rank {} (pid {}) {}; the job goes on without it", rank, e.pid,
                                e.describe(o.command[0])));
@@ -197,9 +232,9 @@ LaunchResult launch(const LaunchOptions& o) {
         sup.terminate_all();
       }
     }
-    if (o.on_tick && result.failure.empty() && !sup.interrupted()) {
+    if (o.on_tick && live()) {
       try {
-        o.on_tick(spawn, result);
+        o.on_tick(workers, result);
       } catch (const std::exception& e) {
         result.failure = fmt::format("the job's coordinator stopped it: {}", e.what());
         result.exit_code = 1;
@@ -211,6 +246,20 @@ LaunchResult launch(const LaunchOptions& o) {
       in_grace = false;
       sup.terminate_all();
     }
+    if (in_interrupt_grace && Clock::now() >= interrupt_deadline) {
+      in_interrupt_grace = false;
+      if (!sup.running().empty()) {
+        sup.notice(fmt::format("{} worker(s) did not stop within {} ms; stopping them",
+                               sup.running().size(), o.interrupt_grace.count()));
+        sup.terminate_all();
+      }
+    }
+  }
+  if (interrupt_seen && result.failure.empty()) {
+    result.failure =
+        fmt::format("the launcher received {}; the workers were asked to save and stop",
+                    signal_name(sup.interrupt_signal()));
+    result.exit_code = 128 + sup.interrupt_signal();
   }
   return result;
 }

@@ -78,12 +78,27 @@ struct LaunchOptions {
   // its earlier worker ended (its log file is appended to). Used by `tessel train` to start the
   // workers a timeline's switch adds. Its exceptions end the launch like a failure.
   using Spawn = std::function<void(int rank, const std::map<std::string, std::string>& env)>;
+  // What on_tick may do to the workers: start one more (spawn), or SIGKILL the running worker of
+  // a rank (kill; false when none runs) -- a worker that stopped answering is fenced so. A
+  // killed worker's exit comes back through on_exit like any other.
+  struct Workers {
+    Spawn spawn;
+    std::function<bool(int rank)> kill;
+  };
   // `job` holds the job id and store dir the workers see.
-  std::function<void(const Spawn& spawn, const struct LaunchResult& job)> on_tick;
+  std::function<void(const Workers& workers, const struct LaunchResult& job)> on_tick;
   std::chrono::milliseconds tick{1000};
   // on_tick also runs as soon as one of these is readable (on_tick consumes what made it so): a
   // coordinator acts on events instead of polling for them.
   std::vector<int> wake_fds;
+  // SIGINT/SIGTERM to the launcher. Without on_interrupt: forwarded to every worker (see the
+  // header comment). With it: not forwarded; on_interrupt(signal) is called once, on_tick and
+  // on_exit go on as before (the workers are expected to save and exit by themselves), and the
+  // workers still running interrupt_grace later are stopped (SIGTERM, SIGKILL stop_timeout
+  // later). A second signal stops them at once (SIGKILL). The exit code is 128 + signal either
+  // way.
+  std::function<void(int signal)> on_interrupt;
+  std::chrono::milliseconds interrupt_grace{30000};
   // Called for every worker exit (e.rank set) before the failure policy looks at it. Returning
   // true for a failed worker says the job goes on without it (the elastic coordinator recovers
   // from it): it is then not THE failure and the others keep running. The launch ends when no

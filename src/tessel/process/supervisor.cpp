@@ -487,6 +487,10 @@ struct Supervisor::Impl {
   }
 
   void on_signal(int sig, Clock::time_point now) {
+    if (!interrupt_sig && !shutting_down && !o.forward_interrupts) {
+      interrupt_sig = sig;  // the caller says what it does about it
+      return;
+    }
     if (!interrupt_sig && !shutting_down) {
       interrupt_sig = sig;
       notice(fmt::format("received {}; forwarding it to all workers (SIGKILL {} ms later)",
@@ -499,6 +503,7 @@ struct Supervisor::Impl {
       return;
     }
     if (!interrupt_sig) interrupt_sig = sig;
+    shutting_down = true;
     notice(fmt::format("received {} during shutdown; sending SIGKILL to all workers",
                        signal_name(sig)));
     for (auto& [id, w] : workers) {
@@ -730,6 +735,10 @@ pid_t Supervisor::pid(int id) const {
 
 bool Supervisor::interrupted() const {
   return impl_->interrupt_sig != 0;
+}
+
+bool Supervisor::shutting_down() const {
+  return impl_->shutting_down;
 }
 
 int Supervisor::interrupt_signal() const {

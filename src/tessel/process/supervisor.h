@@ -69,6 +69,9 @@ struct SupervisorOptions {
   // After terminate()/stop()/stop_all()/a forwarded signal: how long a worker gets before SIGKILL.
   std::chrono::milliseconds stop_timeout{10000};
   std::string name = "supervisor";  // notices go to the console as "[name] ..."
+  // false: the first SIGINT/SIGTERM is not forwarded, only recorded (interrupted()); the caller
+  // stops the workers its own way. A second one still sends SIGKILL to every worker.
+  bool forward_interrupts = true;
   bool inherit_env = true;  // workers start from this process's environment (read at construction)
   std::map<std::string, std::string> env;  // added to (and overriding) the inherited environment
 };
@@ -149,6 +152,8 @@ class Supervisor {
   // True once a SIGINT/SIGTERM reached this process while the supervisor lived (and was handled
   // by a poll/stop/stop_all call); interrupt_signal() is the first such signal, 0 when none.
   bool interrupted() const;
+  // True once terminate_all()/stop_all() ran or a second SIGINT/SIGTERM killed every worker.
+  bool shutting_down() const;
   int interrupt_signal() const;
 
   // Writes "[name] text\n" to the console (nothing when there is none).

@@ -10,6 +10,7 @@
 #include "tessel/core/clock.h"
 #include "tessel/core/json_file.h"
 #include "tessel/core/log.h"
+#include "tessel/core/stop_signal.h"
 #include "tessel/reshard/executor.h"
 #include "tessel/runtime/host_settings.h"
 #include "tessel/store/checkpoint_store.h"
@@ -68,6 +69,9 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
         env.control_store, std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
     feed = std::make_unique<RecordFeed>(control, env.job_id);
     progress = std::make_unique<elastic::Reporter>(control, elastic::progress_key(env.job_id));
+    heartbeat = std::make_unique<elastic::Heartbeat>(
+        control, elastic::alive_key(env.job_id, env.rank),
+        std::chrono::milliseconds(int64_t(cfg.heartbeat_timeout_s * 1000)));
   }
   const int64_t join = env.join_generation;
   if (join > 0) {
@@ -162,19 +166,44 @@ Reconfiguration ElasticWorker::wait_for_record(int g, const std::string& why) {
 std::optional<Reconfiguration> ElasticWorker::next_switch() {
   boundary_at = unix_seconds();
   report_progress();
-  if (!feed) return std::nullopt;  // a fixed launch: no switches
   const int64_t b = world->step;
-  const int64_t failure = feed->failure();
-  TESSEL_CHECK(failure <= failures, PeerLostError,
-               "process {}: the coordinator is recovering from failure {}", env.rank, failure);
+  if (heartbeat && heartbeat->lost()) {
+    // Taken for stalled (SIGSTOP, a frozen VM) and fenced: the job went on without this process,
+    // whose state is stale. It must not send it or write a checkpoint.
+    fatal = true;
+    TESSEL_THROW(PeerLostError,
+                 "process {}: fenced after its heartbeat expired (stalled for more than "
+                 "elastic.heartbeat_timeout_s); leaving without sending state",
+                 env.rank);
+  }
+  if (feed && stop_requested() != 0 && !leave_requested) {
+    leave_requested = true;
+    control->set(elastic::leaving_key(env.job_id, env.rank), nlohmann::json{{"step", b}}.dump());
+    spdlog::warn(
+        "process {} received a stop signal after step {}: asking the coordinator to "
+        "switch it out",
+        env.rank, b);
+  }
+  if (feed) {
+    const int64_t failure = feed->failure();
+    TESSEL_CHECK(failure <= failures, PeerLostError,
+                 "process {}: the coordinator is recovering from failure {}", env.rank, failure);
+  }
   // The record after this world's generation (a recovery's record is not: it is waited for by
-  // those who report), if this process has it; the ranks agree on whether any of them has.
+  // those who report), if this process has it, and whether to stop; the ranks agree on whether
+  // any of them has seen either.
   const int g = generation + 1;
-  const auto next = feed->record(g);
-  int64_t seen = next && !next->recovery ? g : 0;
-  std::vector<int64_t> all(size_t(world->groups.world->size()));
-  world->groups.world->all_gather(&seen, 1, all.data());
-  seen = *std::max_element(all.begin(), all.end());
+  const auto next = feed ? feed->record(g) : std::nullopt;
+  const bool stop = feed ? !feed->stop().empty() : stop_requested() != 0;
+  int64_t mine[2] = {next && !next->recovery ? g : 0, stop ? 1 : 0};
+  std::vector<int64_t> all(2 * size_t(world->groups.world->size()));
+  world->groups.world->all_gather(mine, 2, all.data());
+  int64_t seen = 0;
+  for (size_t i = 0; i < all.size(); i += 2) {
+    seen = std::max(seen, all[i]);
+    stopping = stopping || all[i + 1] != 0;
+  }
+  if (stopping || !feed) return std::nullopt;
   // A timeline entry's record is due elastic.prepare_steps before its step (at it when nothing
   // is prepared), so that every rank starts preparing at the same boundary; the coordinator
   // publishes it a step before that, so this waits only when the coordinator was slower than a
@@ -297,6 +326,7 @@ std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration
     return v.progress.entering >= g || v.progress.generation >= g;
   };
   auto overtaken = [&](const RecordFeed::View& v) {
+    if (!v.stop.empty()) return true;  // the job stops: the switch will not happen
     for (const auto& [gen, r] : v.records)
       if (r.recovery && r.failures > announced.failures) return true;
     return false;
@@ -305,10 +335,8 @@ std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration
   const auto view = feed->view();
   if (overtaken(view)) {
     drop_preparation();
-    spdlog::info(
-        "process {}: a failure recovery overtook the switch to generation {} it was started for; "
-        "leaving",
-        env.rank, g);
+    spdlog::info("process {}: {} overtook the switch to generation {} it was started for; leaving",
+                 env.rank, view.stop.empty() ? "a failure recovery" : "the job's stop", g);
     return std::nullopt;
   }
   fatal = !go(view);  // no recovery helps this

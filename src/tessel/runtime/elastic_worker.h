@@ -19,6 +19,7 @@
 
 #include "tessel/comm/control_store.h"
 #include "tessel/config/train_config.h"
+#include "tessel/elastic/heartbeat.h"
 #include "tessel/elastic/reconfiguration.h"
 #include "tessel/elastic/record_feed.h"
 #include "tessel/elastic/reporter.h"
@@ -65,7 +66,13 @@ struct ElasticWorker {
   // The job's control store (an elastic job only): the records, and this process's reports.
   std::shared_ptr<comm::ControlStore> control;
   std::unique_ptr<elastic::RecordFeed> feed;
-  std::unique_ptr<elastic::Reporter> progress;  // reports/progress, written while rank 0
+  std::unique_ptr<elastic::Reporter> progress;    // reports/progress, written while rank 0
+  std::unique_ptr<elastic::Heartbeat> heartbeat;  // reports/alive/<process>
+  // This process received SIGTERM/SIGINT (core/stop_signal.h) and asked to leave the job.
+  bool leave_requested = false;
+  // The world agreed at this step boundary to stop (decisions/stop, or in a fixed launch a stop
+  // signal any rank received): it saves a checkpoint and ends.
+  bool stopping = false;
   // A switch known ahead (elastic.prepare_steps): made after `at_step` steps; until then this
   // process builds its buffers in the new plan in the background.
   struct Preparation {
@@ -105,10 +112,12 @@ struct ElasticWorker {
   bool resume();
 
   // After a step: rank 0 reports it, and the switch to make now, if any. Collective over the
-  // world in an elastic job: the ranks agree (one all-gather) on the newest record any of them
-  // has seen, so every rank applies it at the same boundary. A record due at a timeline entry's
-  // step is waited for there. Throws PeerLostError when the coordinator is recovering from a
-  // failure this process has not met (it reports then, like its peers).
+  // world: the ranks agree (one all-gather) on the newest record any of them has seen and on
+  // whether to stop (then `stopping` is set and nothing is returned), so every rank does the same
+  // at the same boundary. A process that received a stop signal asks the coordinator to switch
+  // it out (a planned leave); in a fixed launch, the world stops instead. A record due at a
+  // timeline entry's step is waited for there. Throws PeerLostError when the coordinator is
+  // recovering from a failure this process has not met (it reports then, like its peers).
   std::optional<elastic::Reconfiguration> next_switch();
 
   // Record g from the feed, waited for up to the recovery bound; throws PeerLostError when a

@@ -3,10 +3,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/runtime/elastic_worker.h"
@@ -73,6 +75,23 @@ TrainSummary ParallelTrainer::run() {
         w.cancelled_save_checked = true;
         if (due(w.step)) w.save_checkpoint_unless_published();
       };
+      // The job stops before its last step (a preemption notice): the state at this boundary is
+      // saved -- waiting for any background save first -- so that a restart resumes here.
+      auto save_and_stop = [&](RankTrainer& w) {
+        w.finish_checkpoint();
+        if (!cfg.checkpoint.dir.empty()) {
+          w.save_checkpoint_unless_published();
+          w.finish_checkpoint();
+        }
+        if (w.rank != 0) return;
+        if (cfg.checkpoint.dir.empty())
+          spdlog::warn("stopping after step {}: no checkpoint.dir, so nothing is saved", w.step);
+        else
+          spdlog::warn(
+              "stopping after step {}: saved {}", w.step,
+              (std::filesystem::path(cfg.checkpoint.dir) / checkpoint::checkpoint_step_name(w.step))
+                  .string());
+      };
       while (s.world && s.world->step < cfg.training.end_step()) {
         resave_cancelled(*s.world);
         // A world entered at a step boundary (a switch, a recovery, joining one) may have more
@@ -83,6 +102,7 @@ TrainSummary ParallelTrainer::run() {
             s.transition(*sw);
             continue;
           }
+          if (s.stopping) break;
         }
         RankTrainer& w = *s.world;
         tracker.show_progress(s.lead(), cfg.training.steps, cfg.training.log_every);
@@ -109,8 +129,11 @@ TrainSummary ParallelTrainer::run() {
           // when a later plan needs one again.
           if (s.world == nullptr) break;
         }
+        if (s.stopping) break;
       }
-      if (s.world) {
+      if (s.world && s.stopping) {
+        save_and_stop(*s.world);
+      } else if (s.world) {
         RankTrainer& w = *s.world;
         w.finish_checkpoint();
         resave_cancelled(w);  // a world a recovery made at the last step
@@ -141,6 +164,7 @@ TrainSummary ParallelTrainer::run() {
   }
   if (s.world == nullptr) return summary;  // left the job at a switch
   RankTrainer& w = *s.world;
+  if (s.stopping) return summary;  // stopped early: the launcher says so
   if (w.rank == 0 && summary.steps_run > 0) {
     const std::string eval = std::isnan(summary.final_eval_loss)
                                  ? std::string()

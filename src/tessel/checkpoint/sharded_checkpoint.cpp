@@ -1,15 +1,23 @@
 #include "tessel/checkpoint/sharded_checkpoint.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "tessel/checkpoint/model_json.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
+#include "tessel/core/log.h"
 #include "tessel/model/tp_shard.h"
+#include "tessel/store/checksum.h"
 #include "tessel/tensor/box_copy.h"
 
 namespace tessel::checkpoint {
@@ -113,9 +121,90 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
   }
 }
 
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::unique_ptr<CheckpointDirLock> lock_checkpoint_dir(const std::string& dir) {
+  std::error_code ec;
+  TESSEL_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), ConfigError,
+               "checkpoint.dir '{}' is a file, not a directory: name a directory", dir);
+  fs::create_directories(dir, ec);
+  TESSEL_CHECK(!ec, IoError, "cannot create checkpoint.dir '{}': {}", dir, ec.message());
+  const std::string lock = (fs::path(dir) / ".lock").string();
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  TESSEL_CHECK(fd >= 0, IoError,
+               "cannot write into checkpoint.dir '{}': {} (a read-only file system or directory? "
+               "name a writable one)",
+               dir, std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    TESSEL_CHECK(err != EWOULDBLOCK, ConfigError,
+                 "checkpoint.dir '{}' is in use by another running job (it holds {}): two jobs "
+                 "writing one directory would destroy each other's checkpoints; give this one "
+                 "another checkpoint.dir",
+                 dir, lock);
+    TESSEL_THROW(IoError, "cannot lock '{}': {}", lock, std::strerror(err));
+  }
+  // The lock file may be writable in a directory that is not (a file created before it was made
+  // read-only): try what a save does, creating an entry.
+  const std::string probe = (fs::path(dir) / fmt::format(".probe-{}", ::getpid())).string();
+  const int p = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (p < 0) {
+    const int err = errno;
+    ::close(fd);
+    TESSEL_THROW(IoError,
+                 "cannot write into checkpoint.dir '{}': {} (a read-only file system or "
+                 "directory? name a writable one)",
+                 dir, std::strerror(err));
+  }
+  ::close(p);
+  ::unlink(probe.c_str());
+  return std::make_unique<CheckpointDirLock>(fd);
+}
+
+int remove_interrupted_saves(const std::string& dir) {
+  std::set<std::string> bases;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step-", 0) != 0) continue;
+    for (const char* mark : {".tmp-", ".old-"})
+      if (const auto at = n.find(mark); at != std::string::npos) bases.insert(n.substr(0, at));
+  }
+  int removed = 0;
+  for (const auto& base : bases)
+    removed += store::cleanup_interrupted_saves((fs::path(dir) / base).string());
+  if (removed > 0)
+    spdlog::info("removed {} director{} left by interrupted saves in {}", removed,
+                 removed == 1 ? "y" : "ies", dir);
+  return removed;
+}
+
+nlohmann::json data_fingerprint(const std::string& path) {
+  std::string file = path;
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) {
+    // A Megatron prefix: its .bin holds the tokens.
+    const std::string prefix =
+        path.ends_with(".idx") || path.ends_with(".bin") ? path.substr(0, path.size() - 4) : path;
+    file = prefix + ".bin";
+  }
+  std::ifstream in(file, std::ios::binary);
+  const auto size = fs::file_size(file, ec);
+  if (!in || ec) return nlohmann::json::object();
+  std::vector<char> head(size_t(std::min<uintmax_t>(size, 1 << 20)));
+  in.read(head.data(), std::streamsize(head.size()));
+  if (!in) return nlohmann::json::object();
+  return {{"bytes", size},
+          {"head_xxh3", store::checksum_hex(store::xxh3(head.data(), head.size()))}};
+}
+
 nlohmann::json checkpoint_meta(const TrainConfig& cfg, const layout::Plan& plan, int64_t step,
                                int64_t cursor) {
   return {{"model", to_json(cfg.model)},
+          {"data", {{"path", cfg.data.path}, {"fingerprint", data_fingerprint(cfg.data.path)}}},
           {"plan", layout::to_json(plan)},
           {"step", step},
           {"lr_step", step},
@@ -144,6 +233,21 @@ void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const s
                "samples",
                path, meta.at("data_seed").get<uint64_t>(), meta.at("seq_len").get<int64_t>(),
                meta.at("global_batch").get<int64_t>());
+  // Checkpoints from before the fingerprint carry none: nothing to compare.
+  if (!meta.contains("data")) return;
+  const auto& saved_data = meta.at("data");
+  const auto saved_print = saved_data.value("fingerprint", nlohmann::json::object());
+  const auto print = data_fingerprint(cfg.data.path);
+  if (saved_print.empty() || print.empty()) return;
+  TESSEL_CHECK(saved_print == print, ConfigError,
+               "checkpoint '{}' was trained on other data ({}: {}) than data.path '{}' ({}): "
+               "resuming would apply its data cursor to different tokens; use the same data, or "
+               "set checkpoint.resume: false (or another checkpoint.dir) to start afresh",
+               path, saved_data.value("path", std::string("?")), saved_print.dump(), cfg.data.path,
+               print.dump());
+  if (saved_data.value("path", cfg.data.path) != cfg.data.path)
+    spdlog::info("checkpoint '{}' was trained on '{}'; data.path '{}' holds the same tokens", path,
+                 saved_data.value("path", std::string()), cfg.data.path);
 }
 
 void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,

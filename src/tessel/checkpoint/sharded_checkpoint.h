@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -45,6 +46,32 @@ struct ResumePoint {
 };
 std::optional<ResumePoint> find_resume_point(const config::TrainConfig& cfg);
 
+// Before a job writes into checkpoint.dir (`tessel train`, once, before its workers start):
+//  * lock_checkpoint_dir: the directory is this job's alone while the returned lock lives (an
+//    flock on <dir>/.lock, released by the kernel when the process dies, so a killed job leaves no
+//    stale lock). Throws ConfigError when another live process holds it.
+//  * Creates the directory; throws ConfigError when it is a file, IoError when it cannot be
+//    written (read-only, no permission) -- at start, not at the first save.
+//  * Removes what interrupted saves left (step-N.tmp-* staging directories, step-N.old-* from an
+//    interrupted swap, moved back when step-N is missing); returns how many.
+class CheckpointDirLock {
+ public:
+  explicit CheckpointDirLock(int fd) : fd_(fd) {}
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+
+ private:
+  int fd_;
+};
+std::unique_ptr<CheckpointDirLock> lock_checkpoint_dir(const std::string& dir);
+int remove_interrupted_saves(const std::string& dir);
+
+// What identifies a run's data (data.path's file -- a Megatron prefix's .bin -- by size and an
+// xxh3 of its first MiB), recorded in checkpoints so that a resume on other data is refused
+// instead of applying the cursor to it. Empty when the file cannot be read.
+nlohmann::json data_fingerprint(const std::string& path);
+
 // Adds rank `rank`'s share of the state (see above) to `writer`, gathered from `buffers` (the
 // rank's buffers in layout order) into copies the writer owns, so the buffers may change as soon
 // as this returns.
@@ -61,8 +88,9 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
 nlohmann::json checkpoint_meta(const config::TrainConfig& cfg, const layout::Plan& plan,
                                int64_t step, int64_t cursor);
 // Throws ConfigError (naming the checkpoint at `path`) unless a run of `cfg` may continue from a
-// checkpoint with `meta`: the same model, and the same data seed, sequence length and global
-// batch (else samples would repeat or be skipped).
+// checkpoint with `meta`: the same model, and the same data seed, sequence length, global batch
+// and data (data_fingerprint, when the checkpoint has one), else samples would repeat or be
+// skipped.
 void check_resumable(const config::TrainConfig& cfg, const nlohmann::json& meta,
                      const std::string& path);
 

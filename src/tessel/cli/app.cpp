@@ -80,6 +80,13 @@ int launch_training(const Args& args) {
   // The embedded coordinator (elastic/coordinator.h): starts the workers a timeline or a scale
   // request adds, and takes `tessel ctl` commands. Only the first plan's workers start now; a
   // resumed run starts in the plan in force at its checkpoint's step.
+  // checkpoint.dir is this job's alone, writable, and free of what interrupted saves left --
+  // checked now, not at the first save; the lock lives as long as the job.
+  std::unique_ptr<checkpoint::CheckpointDirLock> checkpoint_lock;
+  if (!cfg.checkpoint.dir.empty()) {
+    checkpoint_lock = checkpoint::lock_checkpoint_dir(cfg.checkpoint.dir);
+    checkpoint::remove_interrupted_saves(cfg.checkpoint.dir);
+  }
   const auto resume = checkpoint::find_resume_point(cfg);
   opt.nproc = cfg.plan_at(resume ? resume->step : 0).world();
   opt.extra_env["TESSEL_RESUME_FROM"] = resume ? resume->path : "";

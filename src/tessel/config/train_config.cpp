@@ -222,6 +222,7 @@ TrainConfig TrainConfig::load(const std::string& path) {
   ck.read("resume", c.checkpoint.resume);
   ck.read("keep", c.checkpoint.keep);
   ck.read("async", c.checkpoint.async);
+  ck.read_choice("on_error", c.checkpoint.on_error, {"continue", "stop"});
   ck.reject_unknown_keys();
   c.checkpoint.dir = resolve(c.checkpoint.dir, base);
 

@@ -5,7 +5,7 @@
 //   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
 //                log_every, backend, gemm, huge_pages, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
-//   checkpoint: {dir, every, resume, keep, async}
+//   checkpoint: {dir, every, resume, keep, async, on_error}
 //   output:     {metrics, events, data_order, rank_params}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
@@ -102,6 +102,10 @@ struct CheckpointConfig {
   // a background thread while training continues (rank 0 publishes the checkpoint once every
   // rank's file is in place). The run's end waits for the last one.
   bool async = false;
+  // A save that fails (a full disk, an I/O error): "continue" (default) logs it, removes what it
+  // wrote, keeps the previous checkpoint and tries again at the next interval -- a run whose last
+  // save failed still ends with an error; "stop" ends the job with the error.
+  std::string on_error = "continue";
 };
 
 // One entry of the timeline: from step at_step on, train under `plan`.

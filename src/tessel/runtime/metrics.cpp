@@ -29,6 +29,11 @@ std::vector<std::string> incomplete_outputs() {
   return g_incomplete;
 }
 
+void record_incomplete_output(const std::string& what) {
+  std::lock_guard lock(g_incomplete_mu);
+  g_incomplete.push_back(what);
+}
+
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
   if (path.empty()) return;
   auto parent = std::filesystem::path(path).parent_path();

@@ -38,6 +38,8 @@ class MetricsWriter {
 
 // "<path>: <why>" for every output file of this process that lost a write, in order.
 std::vector<std::string> incomplete_outputs();
+// Adds one ("<what>: <why>"), for outputs written elsewhere (a checkpoint that could not be saved).
+void record_incomplete_output(const std::string& what);
 
 // One progress line per step. On a terminal it rewrites itself in place
 // ("step 120/500 | loss 2.314 | 18.2k tok/s | ETA 1m12s"); otherwise it prints a log line every

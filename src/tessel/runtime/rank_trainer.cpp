@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -195,6 +196,8 @@ void RankTrainer::save_checkpoint() {
   checkpoint::add_rank_state(writer, layout(), rank, buffers);
   const auto meta = checkpoint::checkpoint_meta(cfg, plan, step, cursor);
   if (cfg.checkpoint.async) {
+    finish_checkpoint();  // the previous save's failure is handled before this one starts
+    async_step_ = step;
     // The state is already copied (add_rank_state): write in the background. Rank 0 then waits
     // for every rank's file and publishes; a save that fails is reported and leaves the previous
     // checkpoint in place, training goes on.
@@ -206,25 +209,74 @@ void RankTrainer::save_checkpoint() {
     saver_.save(std::move(writer),
                 [world_size, meta, timeout, keep, r, dir, cancelled](store::CheckpointWriter& w) {
                   if (r != 0) return;
-                  wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
-                  checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+                  try {
+                    wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
+                    checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+                  } catch (...) {
+                    // What the ranks wrote would fill the disk until the next start.
+                    store::cleanup_interrupted_saves(w.dir());
+                    throw;
+                  }
                   spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)",
                                w.dir(), double(w.bytes()) / 1e6);
                 });
     return;
   }
-  writer.write_rank_file();
-  groups.world->barrier();
-  if (rank == 0) {
-    checkpoint::publish_checkpoint(writer, plan.world(), meta, dir, cfg.checkpoint.keep);
-    spdlog::info("saved checkpoint {} ({:.1f} MB)", writer.dir(), double(writer.bytes()) / 1e6);
+  // Every rank's outcome: one rank's full disk fails the whole save, on every rank alike.
+  std::string error;
+  auto agree = [&] {
+    int64_t failed = error.empty() ? 0 : 1;
+    std::vector<int64_t> all(size_t(groups.world->size()));
+    groups.world->all_gather(&failed, 1, all.data());
+    return std::find(all.begin(), all.end(), 1) == all.end();
+  };
+  try {
+    writer.write_rank_file();
+  } catch (const IoError& e) {
+    error = e.what();
+  }
+  bool saved = agree();
+  if (saved && rank == 0) {
+    try {
+      checkpoint::publish_checkpoint(writer, plan.world(), meta, dir, cfg.checkpoint.keep);
+      spdlog::info("saved checkpoint {} ({:.1f} MB)", writer.dir(), double(writer.bytes()) / 1e6);
+    } catch (const IoError& e) {
+      error = e.what();
+    }
   }
   // Nobody runs ahead (and could die) before the checkpoint is published.
-  groups.world->barrier();
+  saved = agree() && saved;
+  if (saved) return;
+  if (rank == 0) store::cleanup_interrupted_saves(writer.dir());
+  save_failed(writer.dir(), step,
+              error.empty() ? "another rank could not write its share (see its log)" : error);
 }
 
 void RankTrainer::finish_checkpoint() {
-  saver_.wait();
+  try {
+    saver_.wait();
+  } catch (const IoError& e) {
+    save_failed(cfg.checkpoint.dir, async_step_, e.what());
+  } catch (const TimeoutError& e) {
+    // Rank 0 waited for a rank's file that a failed write never produced.
+    save_failed(cfg.checkpoint.dir, async_step_, e.what());
+  }
+}
+
+void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std::string& why) {
+  TESSEL_CHECK(cfg.checkpoint.on_error != "stop", IoError,
+               "checkpoint {} could not be saved: {} (checkpoint.on_error: stop ends the job)", dir,
+               why);
+  const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir);
+  spdlog::error(
+      "checkpoint {} not saved: {}; {}; training goes on and saves again at the next "
+      "interval",
+      dir, why,
+      latest ? fmt::format("the previous checkpoint {} stays", *latest)
+             : std::string("there is no earlier checkpoint"));
+  // The run's last save: the run is incomplete.
+  if (at_step >= cfg.training.end_step())
+    record_incomplete_output(fmt::format("checkpoint {}: {}", dir, why));
 }
 
 // The barrier first: a member may still be finishing the previous world's background save of

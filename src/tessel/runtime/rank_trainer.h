@@ -68,12 +68,17 @@ class RankTrainer {
   bool release_unkept(const std::vector<bool>& kept);
 
   // Saves the whole state as checkpoint.dir/step-N (checkpoint/sharded_checkpoint.h): every
-  // rank writes its share, then rank 0 publishes it. Collective over the world.
+  // rank writes its share, then rank 0 publishes it. Collective over the world. A save that
+  // fails on any rank (a full disk) is abandoned by all: its files are removed, the previous
+  // checkpoint stays, and checkpoint.on_error says whether training goes on (the failure logged,
+  // and kept as an incomplete output when it was the run's last save) or IoError ends it.
   void save_checkpoint();
-  // Ends the background save, if one runs; rethrows its error.
+  // Ends the background save, if one runs; its failure is handled as above.
   void finish_checkpoint();
   // Saves this step's checkpoint unless checkpoint.dir has it published already (collective).
   void save_checkpoint_unless_published();
+
+  void save_failed(const std::string& dir, int64_t at_step, const std::string& why);
 
   // This rank's buffers in StateLayout order.
   std::vector<std::span<float>> state_buffers() { return stage.state_buffers(); }
@@ -109,6 +114,7 @@ class RankTrainer {
   std::vector<int32_t> inputs_, targets_;  // this replica's share of the global batch
   // Set when a peer failed: a background save then stops waiting for the other ranks' files.
   std::atomic<bool> save_cancelled_{false};
+  int64_t async_step_ = -1;  // the step of the newest background save
   store::AsyncSaver saver_;  // checkpoint.async (after save_cancelled_: its thread reads it)
   int data_log_fd_ = -1;     // output.data_order, on the first tp and pp rank of each replica
 };

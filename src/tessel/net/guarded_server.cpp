@@ -176,9 +176,11 @@ class GuardedServer::Impl::Stream final : public httplib::Stream {
   }
   bool is_writable() const override {
     if (!wait_for(c_.fd, POLLOUT, write_timeout_)) return false;
-    // A client that closed its end is gone: a long stream must notice it and stop.
+    // A client that closed its end (or reset the connection) is gone: a long stream must notice
+    // it and stop.
     char byte;
-    return ::recv(c_.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
+    const ssize_t n = ::recv(c_.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
   }
   ssize_t read(char* ptr, size_t size) override {
     if (taken_ < c_.buffer.size()) {

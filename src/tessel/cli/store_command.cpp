@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <memory>
@@ -31,6 +32,10 @@ struct StoreArgs {
   std::string dtype;
   std::string host = "127.0.0.1";
   int port = 0;
+  std::string token_file;
+  double request_timeout = 10;
+  int max_connections = 64;
+  int max_connections_per_client = 8;
   bool force = false;
 };
 
@@ -122,7 +127,16 @@ extern "C" void on_stop_signal(int sig) {
 }
 
 int store_serve(const StoreArgs& a) {
-  store::StoreServer server(a.dir, a.host, a.port);
+  store::StoreServerOptions options;
+  options.host = a.host;
+  options.port = a.port;
+  options.token_file = a.token_file;
+  options.limits.request_timeout =
+      std::chrono::milliseconds(int64_t(std::lround(a.request_timeout * 1000)));
+  options.limits.max_connections = size_t(a.max_connections);
+  options.limits.max_connections_per_client = size_t(a.max_connections_per_client);
+  // Checks the host and token before anything else happens (ConfigError names the fix).
+  store::StoreServer server(a.dir, options);
   g_stop_signal = 0;
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
@@ -142,13 +156,9 @@ int store_serve(const StoreArgs& a) {
     restore();
     throw;
   }
-  if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1")
-    fmt::print(stderr,
-               "tessel: warning: serving on {} without authentication: anyone who can reach "
-               "this address can read the checkpoint\n",
-               a.host);
-  fmt::print("serving {} ({} tensors) on http://{}:{}/v1/tensors; Ctrl-C stops\n", a.dir,
-             server.reader().tensors().size(), a.host, port);
+  fmt::print("serving {} ({} tensors) on http://{}:{}/v1/tensors{}; Ctrl-C stops\n", a.dir,
+             server.reader().tensors().size(), a.host, port,
+             server.requires_token() ? " (requests need \"Authorization: Bearer <token>\")" : "");
   std::fflush(stdout);
   while (g_stop_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   server.stop();
@@ -186,8 +196,25 @@ void add_store_command(CLI::App& app, std::function<int()>& action) {
 
   auto* serve = store->add_subcommand("serve", "serve the tensors over HTTP until Ctrl-C");
   serve->add_option("dir", args->dir, "checkpoint directory")->required();
-  serve->add_option("--host", args->host, "address to bind (default 127.0.0.1: this machine only)");
+  serve->add_option("--host", args->host,
+                    "address to bind (default 127.0.0.1: this machine only; any other address "
+                    "needs --token-file)");
   serve->add_option("--port", args->port, "port (0: any free port)")->check(CLI::Range(0, 65535));
+  serve->add_option("--token-file", args->token_file,
+                    "file holding a shared secret (mode 600); every request must then send "
+                    "\"Authorization: Bearer <secret>\" (docs/security.md)");
+  serve
+      ->add_option("--request-timeout", args->request_timeout,
+                   "seconds a client has to send its whole request (default 10)")
+      ->check(CLI::Range(0.001, 3600.0));
+  serve
+      ->add_option("--max-connections", args->max_connections,
+                   "connections open at once, from all clients (default 64)")
+      ->check(CLI::Range(1, 100000));
+  serve
+      ->add_option("--max-connections-per-client", args->max_connections_per_client,
+                   "connections open at once from one address (default 8)")
+      ->check(CLI::Range(1, 100000));
   serve->callback([&action, args] { action = [args] { return store_serve(*args); }; });
 }
 

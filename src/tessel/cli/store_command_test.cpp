@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
@@ -233,6 +234,63 @@ TEST_F(StoreCommand, ServeAnswersUntilSigterm) {
   ::sigaction(SIGTERM, nullptr, &now);
   EXPECT_EQ(now.sa_handler, SIG_DFL) << "the previous handler is restored";
   EXPECT_FALSE(client.Get("/v1/tensors"));
+}
+
+TEST_F(StoreCommand, ServeRefusesAnotherHostThanLoopbackWithoutATokenFile) {
+  try {
+    run_store({"store", "serve", ckpt(), "--host", "0.0.0.0"});
+    FAIL() << "served 0.0.0.0 without a token";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--token-file"), std::string::npos) << e.what();
+  }
+  const std::string token = (dir_ / "token").string();
+  std::ofstream(token) << "0123456789abcdef-secret\n";
+  ::chmod(token.c_str(), 0644);
+  try {
+    run_store({"store", "serve", ckpt(), "--host", "0.0.0.0", "--token-file", token});
+    FAIL() << "a token file others can read was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("chmod 600"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(StoreCommand, ServeWithATokenFileAnswersOnlyTheTokenHolder) {
+  const std::string token = (dir_ / "token").string();
+  std::ofstream(token) << "0123456789abcdef-secret\n";
+  ::chmod(token.c_str(), 0600);
+  const int port = free_port();
+  std::atomic<int> status{-1};
+  std::atomic<bool> done{false};
+  std::thread server([&] {
+    try {
+      status = run_store({"store", "serve", ckpt(), "--host", "0.0.0.0", "--port",
+                          std::to_string(port), "--token-file", token, "--request-timeout", "5",
+                          "--max-connections", "16", "--max-connections-per-client", "4"});
+    } catch (...) {
+      status = -2;
+    }
+    done = true;
+  });
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(1);
+  int without = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (without == 0 && !done && std::chrono::steady_clock::now() < deadline) {
+    if (auto res = client.Get("/v1/tensors/ids")) {
+      without = res->status;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  client.set_bearer_token_auth("0123456789abcdef-secret");
+  auto with = client.Get("/v1/tensors/ids");
+  if (!done) ::kill(::getpid(), SIGTERM);
+  server.join();
+  EXPECT_EQ(without, 401);
+  ASSERT_TRUE(with);
+  EXPECT_EQ(with->status, 200);
+  EXPECT_EQ(with->body.size(), 24u);
+  EXPECT_EQ(status.load(), 0);
 }
 
 }  // namespace

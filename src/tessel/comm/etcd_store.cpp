@@ -3,12 +3,14 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "tessel/comm/etcd_json.h"
 #include "tessel/core/base64.h"
 #include "tessel/core/check.h"
+#include "tessel/net/bearer_token.h"
 
 namespace tessel::comm {
 namespace {
@@ -106,12 +108,31 @@ struct EtcdStore::Reply {
   std::string body;
 };
 
+namespace {
+
+EtcdStoreOptions from_environment(milliseconds timeout) {
+  EtcdStoreOptions options;
+  options.timeout = timeout;
+  if (const char* file = std::getenv(kControlTokenFileEnv); file && *file) {
+    options.token_file = file;
+  }
+  return options;
+}
+
+}  // namespace
+
 EtcdStore::EtcdStore(std::string endpoint, milliseconds timeout)
-    : endpoint_(std::move(endpoint)), timeout_(timeout) {
+    : EtcdStore(std::move(endpoint), from_environment(timeout)) {}
+
+EtcdStore::EtcdStore(std::string endpoint, EtcdStoreOptions options)
+    : endpoint_(std::move(endpoint)), timeout_(options.timeout) {
   // Plain HTTP only for now: TLS to etcd (certificates, client auth) is not configured anywhere.
   TESSEL_CHECK(endpoint_.rfind("http://", 0) == 0, ConfigError,
                "etcd endpoint '{}' must look like http://host:port", endpoint_);
   TESSEL_CHECK(timeout_.count() > 0, ConfigError, "etcd operation timeout must be positive");
+  if (!options.token_file.empty()) {
+    token_ = net::read_token_file(options.token_file, "the control store client of " + endpoint_);
+  }
 }
 
 EtcdStore::~EtcdStore() = default;
@@ -122,6 +143,7 @@ std::unique_ptr<httplib::Client> EtcdStore::make_client(milliseconds read_timeou
   client->set_read_timeout(read_timeout);
   client->set_write_timeout(timeout_);
   client->set_keep_alive(true);
+  if (!token_.empty()) client->set_bearer_token_auth(token_);
   // Headers and body go out in separate writes: with Nagle's algorithm the body would wait for
   // the server's delayed ACK (40 ms on Linux) on every request.
   client->set_tcp_nodelay(true);
@@ -380,8 +402,9 @@ WatchResult EtcdStore::watch(const std::string& prefix, int64_t after, milliseco
                    httplib::to_string(err));
     }
   } else if (res && res->status != 200) {
+    // The reply went to the content receiver: what it did not take as lines is the error.
     TESSEL_THROW(IoError, "etcd at {} refused the watch (HTTP {}): {}", endpoint_, res->status,
-                 res->body);
+                 res->body.empty() ? buffer : res->body);
   }
   // No event came. The gateway offers no progress notification here, and etcd delivers the
   // history of a watch that starts in the past asynchronously, so silence does not prove that

@@ -21,10 +21,25 @@ class Client;
 
 namespace tessel::comm {
 
+// The environment variable naming the token file of a guarded embedded control store, for the
+// EtcdStores a process makes without options (docs/security.md).
+inline constexpr const char* kControlTokenFileEnv = "TESSEL_CONTROL_TOKEN_FILE";
+
+struct EtcdStoreOptions {
+  // Bounds every HTTP call (watch() and wait() have their own).
+  std::chrono::milliseconds timeout = std::chrono::seconds(10);
+  // A file holding the token of a StoreServer started with one (net/bearer_token.h): every
+  // request then carries "Authorization: Bearer <token>". Empty: no token.
+  std::string token_file;
+};
+
 class EtcdStore final : public ControlStore {
  public:
   // `endpoint`: etcd's client URL, "http://host:port". Connecting is lazy: the first call throws
-  // PeerLostError when nothing answers there.
+  // PeerLostError when nothing answers there. Throws ConfigError for a malformed endpoint or a
+  // token file that cannot be read or that others can read.
+  EtcdStore(std::string endpoint, EtcdStoreOptions options);
+  // As above, with the token file named by $TESSEL_CONTROL_TOKEN_FILE when it is set.
   explicit EtcdStore(std::string endpoint,
                      std::chrono::milliseconds timeout = std::chrono::seconds(10));
   ~EtcdStore() override;
@@ -57,6 +72,7 @@ class EtcdStore final : public ControlStore {
 
   const std::string endpoint_;
   const std::chrono::milliseconds timeout_;
+  std::string token_;  // empty: none
   // Idle keep-alive connections: httplib::Client runs one request at a time.
   std::mutex mu_;
   std::vector<std::unique_ptr<httplib::Client>> idle_;

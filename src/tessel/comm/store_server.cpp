@@ -1,18 +1,11 @@
 #include "tessel/comm/store_server.h"
 
-#include <fcntl.h>
 #include <httplib.h>
-#include <pthread.h>
-#include <signal.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <initializer_list>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
@@ -22,102 +15,15 @@
 #include "tessel/comm/etcd_json.h"
 #include "tessel/core/base64.h"
 #include "tessel/core/check.h"
+#include "tessel/net/guarded_server.h"
 
 namespace tessel::comm {
 namespace {
 
 using json = nlohmann::json;
 
-// A connection's request must arrive this soon after it connects (httplib counts whole seconds).
-constexpr time_t kRequestWaitSeconds = 5;
-// Reading a request and writing a reply (or the next line of a watch) to a client.
-constexpr std::chrono::seconds kIoTimeout{5};
-// Control-plane values are small; this only stops a runaway client from filling the memory.
-constexpr size_t kMaxRequestBytes = size_t(64) << 20;
-// httplib 0.11 listens with a backlog of 5, compiled into Debian's library: with a connection per
-// request, a burst of clients would overflow it and wait a second for TCP to retry.
-constexpr int kListenBacklog = 512;
 // etcd's largest lease TTL, in seconds (it refuses longer ones).
 constexpr int64_t kMaxLeaseSeconds = 9'000'000'000;
-
-// ---------------------------------------------------------------------------------------------
-// Threads
-
-// httplib's task queue, with threads started as connections need them, up to a bound: an idle
-// server holds a few threads, a busy one (many open watches) never more than the bound, and the
-// connections beyond it wait for a thread.
-class WorkerPool final : public httplib::TaskQueue {
- public:
-  explicit WorkerPool(size_t max_threads) : max_threads_(max_threads) {}
-  ~WorkerPool() override { shutdown(); }
-
-  void enqueue(std::function<void()> job) override {
-    std::lock_guard lock(mu_);
-    jobs_.push_back(std::move(job));
-    if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-      try {
-        threads_.emplace_back([this] { run(); });
-      } catch (const std::system_error&) {
-        // No thread to be had (a resource limit): the job waits for a running one.
-      }
-    }
-    cv_.notify_one();
-  }
-
-  // Runs the queued jobs (httplib stopped accepting; they end at once) and joins every thread.
-  void shutdown() override {
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-      threads.swap(threads_);
-    }
-    cv_.notify_all();
-    for (auto& t : threads) t.join();
-  }
-
- private:
-  void run() {
-    // A write to a client that went away must fail with EPIPE instead of killing the process:
-    // httplib 0.11 writes without MSG_NOSIGNAL, and Linux raises SIGPIPE in the writing thread.
-    sigset_t pipe;
-    sigemptyset(&pipe);
-    sigaddset(&pipe, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
-    std::unique_lock lock(mu_);
-    for (;;) {
-      ++idle_;
-      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-      --idle_;
-      if (jobs_.empty()) return;
-      auto job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      try {
-        job();
-      } catch (...) {
-        // httplib's connection code failed (out of memory, most likely): this connection is lost,
-        // the server goes on (an escaping exception would end the process).
-      }
-      lock.lock();
-    }
-  }
-
-  const size_t max_threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
-  bool stopping_ = false;
-};
-
-// httplib::Server with a listen backlog fit for a connection per request.
-class HttpServer final : public httplib::Server {
- public:
-  // After binding: Linux lets listen() again update the backlog of a listening socket.
-  bool raise_backlog(int backlog) { return ::listen(svr_sock_, backlog) == 0; }
-};
 
 // ---------------------------------------------------------------------------------------------
 // etcd's JSON
@@ -375,7 +281,13 @@ struct WatchStream {
   std::string prefix;  // keys.prefix()
   int64_t after = 0;   // the changes up to here were sent
   bool created = false;
+  std::chrono::steady_clock::time_point last_write;
 };
+
+// How often a quiet watch looks whether its client closed its end: a watch whose client left
+// must give its thread and its place under the cap back soon, as EtcdStore leaves after each
+// batch.
+constexpr std::chrono::milliseconds kLivenessPoll{5};
 
 bool write_line(httplib::DataSink& sink, const json& message) {
   const std::string line = text(message) + "\n";
@@ -384,17 +296,23 @@ bool write_line(httplib::DataSink& sink, const json& message) {
 
 // One step of a watch stream: the acknowledgement first, then a batch of the changes after
 // stream.after, or after kWatchPoll of quiet a newline (a failed write is how a client that went
-// away is noticed; httplib checks for shutdown between steps). False ends the stream.
+// away without closing is noticed; httplib checks for shutdown between steps). False ends the
+// stream.
 bool watch_step(MemoryStore& store, WatchStream& stream, httplib::DataSink& sink) noexcept {
   try {
+    const auto now = std::chrono::steady_clock::now();
     if (!stream.created) {
       stream.created = true;
+      stream.last_write = now;
       return write_line(sink,
                         {{"result", {{"header", header(store.revision())}, {"created", true}}}});
     }
+    // A client that closed its end is seen at once (GuardedServer's is_writable looks), so its
+    // watch frees its thread and its place under the cap before the next keep-alive write.
+    if (!sink.is_writable()) return false;
     WatchResult r;
     try {
-      r = store.watch(stream.prefix, stream.after, StoreServer::kWatchPoll);
+      r = store.watch(stream.prefix, stream.after, kLivenessPoll);
     } catch (const CorruptDataError&) {
       // etcd cancels a watch behind its history, naming the oldest revision it could start from.
       const json result = {{"header", header(store.revision())},
@@ -409,7 +327,12 @@ bool watch_step(MemoryStore& store, WatchStream& stream, httplib::DataSink& sink
     for (const auto& event : r.events) {
       if (stream.keys.contains(event.kv.key)) events.push_back(event_json(event));
     }
-    if (events.empty()) return sink.write("\n", 1);
+    if (events.empty()) {
+      if (now - stream.last_write < StoreServer::kWatchPoll) return true;
+      stream.last_write = now;
+      return sink.write("\n", 1);
+    }
+    stream.last_write = now;
     return write_line(sink,
                       {{"result", {{"header", header(store.revision())}, {"events", events}}}});
   } catch (...) {
@@ -419,7 +342,9 @@ bool watch_step(MemoryStore& store, WatchStream& stream, httplib::DataSink& sink
   }
 }
 
-void watch(const std::shared_ptr<MemoryStore>& store, const json& request, httplib::Response& res) {
+void watch(const std::shared_ptr<MemoryStore>& store,
+           const std::shared_ptr<std::atomic<size_t>>& watches, size_t max_watches,
+           const json& request, httplib::Response& res) {
   fields(request, "/v3/watch", {"create_request"});
   TESSEL_CHECK(request.contains("create_request"), UnsupportedError,
                "the embedded control store's /v3/watch serves one create_request per stream");
@@ -430,10 +355,21 @@ void watch(const std::shared_ptr<MemoryStore>& store, const json& request, httpl
   stream->prefix = stream->keys.prefix();
   const int64_t start = integer(create, "start_revision");
   stream->after = start > 0 ? start - 1 : store->revision();  // no start: from now on
-  res.set_chunked_content_provider("application/json",
-                                   [store, stream](size_t, httplib::DataSink& sink) {
-                                     return watch_step(*store, *stream, sink);
-                                   });
+  // Each open watch holds a worker thread; past the cap a watch is refused (etcd's
+  // RESOURCE_EXHAUSTED) so the other requests always find a thread.
+  if (watches->fetch_add(1) >= max_watches) {
+    --*watches;
+    error_reply(res, 429, 8,
+                "etcdserver: too many open watches (" + std::to_string(max_watches) +
+                    "); close some, or raise StoreServerOptions::max_watches");
+    return;
+  }
+  res.set_chunked_content_provider(
+      "application/json",
+      [store, stream](size_t, httplib::DataSink& sink) {
+        return watch_step(*store, *stream, sink);
+      },
+      [watches](bool) { --*watches; });
 }
 
 // A handler for one path: parses the body and answers errors the way etcd's gateway does.
@@ -461,81 +397,97 @@ httplib::Server::Handler etcd_handler(Serve serve) {
 
 }  // namespace
 
+namespace {
+
+StoreServerOptions at(std::string host, int port) {
+  StoreServerOptions o;
+  o.host = std::move(host);
+  o.port = port;
+  return o;
+}
+
+}  // namespace
+
+net::ServerLimits control_store_limits() {
+  net::ServerLimits limits;
+  // Control-plane values are small; etcd itself refuses requests over 1.5 MiB.
+  limits.max_body_bytes = size_t(2) << 20;
+  limits.threads = StoreServer::kMaxThreads;
+  // The processes of a job on one host all connect from loopback: one address holds them all.
+  limits.max_connections = 512;
+  limits.max_connections_per_client = 512;
+  return limits;
+}
+
 StoreServer::StoreServer(std::shared_ptr<MemoryStore> store, std::string host, int port)
-    : store_(std::move(store)), host_(std::move(host)) {
+    : StoreServer(std::move(store), at(std::move(host), port)) {}
+
+StoreServer::StoreServer(std::shared_ptr<MemoryStore> store, StoreServerOptions options)
+    : store_(std::move(store)) {
   TESSEL_CHECK(store_ != nullptr, InvalidArgumentError, "StoreServer: no store to serve");
-  TESSEL_CHECK(port >= 0 && port <= 65535, ConfigError,
-               "control store server port {} is outside [0, 65535] (0: any free port)", port);
-  auto server = std::make_unique<HttpServer>();
-  server->new_task_queue = [] { return new WorkerPool(kMaxThreads); };
-  server->set_keep_alive_max_count(1);  // one request per connection: see the header
-  server->set_keep_alive_timeout(kRequestWaitSeconds);
-  server->set_read_timeout(kIoTimeout);
-  server->set_write_timeout(kIoTimeout);
-  server->set_payload_max_length(kMaxRequestBytes);
-  // A reply's headers and body go out in separate writes: with Nagle's algorithm the body would
-  // wait for the client's delayed ACK (40 ms on Linux).
-  server->set_tcp_nodelay(true);
-  // httplib's default sets SO_REUSEPORT, with which a second server on this port would share the
-  // connections of the first (two jobs' stores mixed) instead of failing to listen. SO_REUSEADDR
-  // only lets a restarted server take its port back from connections still in TIME_WAIT.
-  // Close-on-exec: a program this process starts must not hold the port after it stopped.
-  server->set_socket_options([](socket_t sock) {
-    const int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    ::fcntl(sock, F_SETFD, FD_CLOEXEC);
-  });
+  TESSEL_CHECK(options.port >= 0 && options.port <= 65535, ConfigError,
+               "control store server port {} is outside [0, 65535] (0: any free port)",
+               options.port);
+  TESSEL_CHECK(options.max_watches > 0 && options.max_watches < options.limits.threads, ConfigError,
+               "the control store's max_watches ({}) must be positive and below its threads ({}): "
+               "each watch holds a thread, and the other requests need one",
+               options.max_watches, options.limits.threads);
+  net::ServerOptions so;
+  so.name = "the embedded control store";
+  so.host = options.host;
+  so.port = options.port;
+  so.token_file = options.token_file;
+  so.token_hint = "a token file (StoreServerOptions::token_file)";
+  so.limits = options.limits;
+  // One request per connection: see the header.
+  so.limits.max_requests_per_connection = 1;
+  // The gate's answers in etcd's error shape, so EtcdStore reports their message.
+  so.error_body = [](int status, const std::string& message) {
+    const int code = status == 401 ? 16 : status == 408 ? 4 : status == 503 ? 14 : 8;
+    return text({{"error", message}, {"message", message}, {"code", code}});
+  };
+  server_ = std::make_unique<net::GuardedServer>(std::move(so));
+  auto& server = *server_;
 
   MemoryStore& s = *store_;
   using Response = httplib::Response;
-  server->Post("/v3/kv/put", etcd_handler([&s](const json& r, Response& res) { put(s, r, res); }));
-  server->Post("/v3/kv/range",
-               etcd_handler([&s](const json& r, Response& res) { range(s, r, res); }));
-  server->Post("/v3/kv/deleterange",
-               etcd_handler([&s](const json& r, Response& res) { delete_range(s, r, res); }));
-  server->Post("/v3/kv/txn", etcd_handler([&s](const json& r, Response& res) { txn(s, r, res); }));
-  server->Post("/v3/lease/grant",
-               etcd_handler([&s](const json& r, Response& res) { grant(s, r, res); }));
-  server->Post("/v3/lease/keepalive",
-               etcd_handler([&s](const json& r, Response& res) { keep_alive(s, r, res); }));
-  server->Post("/v3/kv/lease/revoke",
-               etcd_handler([&s](const json& r, Response& res) { revoke(s, r, res); }));
-  server->Post("/v3/watch", etcd_handler([store = store_](const json& r, Response& res) {
-                 watch(store, r, res);
-               }));
-  server->Post(".*", [](const httplib::Request& req, Response& res) {
+  server.Post("/v3/kv/put", etcd_handler([&s](const json& r, Response& res) { put(s, r, res); }));
+  server.Post("/v3/kv/range",
+              etcd_handler([&s](const json& r, Response& res) { range(s, r, res); }));
+  server.Post("/v3/kv/deleterange",
+              etcd_handler([&s](const json& r, Response& res) { delete_range(s, r, res); }));
+  server.Post("/v3/kv/txn", etcd_handler([&s](const json& r, Response& res) { txn(s, r, res); }));
+  server.Post("/v3/lease/grant",
+              etcd_handler([&s](const json& r, Response& res) { grant(s, r, res); }));
+  server.Post("/v3/lease/keepalive",
+              etcd_handler([&s](const json& r, Response& res) { keep_alive(s, r, res); }));
+  server.Post("/v3/kv/lease/revoke",
+              etcd_handler([&s](const json& r, Response& res) { revoke(s, r, res); }));
+  auto watches = std::make_shared<std::atomic<size_t>>(0);
+  server.Post("/v3/watch", etcd_handler([store = store_, watches, max = options.max_watches](
+                                            const json& r, Response& res) {
+                watch(store, watches, max, r, res);
+              }));
+  server.Post(".*", [](const httplib::Request& req, Response& res) {
     error_reply(res, 501, 12,
                 "the embedded control store does not serve POST " + req.path +
                     " (it serves the part of etcd's gateway that EtcdStore uses)");
   });
-
-  port_ =
-      port == 0 ? server->bind_to_any_port(host_) : (server->bind_to_port(host_, port) ? port : -1);
-  TESSEL_CHECK(port_ > 0, IoError,
-               "the control store server cannot listen on {}:{} (in use, or not an address of "
-               "this host): choose another host or port",
-               host_, port);
-  // Best effort: at the default backlog the server still serves, only bursts wait longer.
-  (void)server->raise_backlog(kListenBacklog);
-  server_ = std::move(server);
-  auto ended = std::make_shared<std::atomic<bool>>(false);
-  listener_ = std::thread([this, ended] {
-    server_->listen_after_bind();
-    *ended = true;
-  });
-  // stop() leaves a server that is not running yet alone, and the destructor must not miss it.
-  while (!server_->is_running() && !*ended) {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  server.start();
 }
 
 StoreServer::~StoreServer() {
   server_->stop();
-  listener_.join();
 }
 
 std::string StoreServer::endpoint() const {
-  return "http://" + host_ + ":" + std::to_string(port_);
+  const std::string& host = server_->host();
+  const bool v6 = host.find(':') != std::string::npos;
+  return "http://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(server_->port());
+}
+
+bool StoreServer::requires_token() const {
+  return server_->requires_token();
 }
 
 MemoryStore& StoreServer::store() {

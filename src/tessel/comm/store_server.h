@@ -18,25 +18,45 @@
 // watch from the header revision report it again rather than miss it).
 //
 // Every connection serves one request ("Connection: close"): a reused idle connection that the
-// server closes at the moment the client sends on it would fail that request, and idle
-// connections would hold server threads and delay stopping. Requests run on a pool of at most
-// kMaxThreads threads; a watch holds one while it runs and notices within kWatchPoll that the
-// server stops or that its client went away.
+// server closes at the moment the client sends on it would fail that request. Requests run on a
+// pool of at most kMaxThreads threads; a watch holds one while it runs and notices within
+// kWatchPoll that the server stops or that its client went away.
+//
+// Guards (net::GuardedServer, docs/security.md): loopback unless told otherwise, and any other
+// host only with a token file, whose token every request must then carry ("Authorization: Bearer
+// <token>"; EtcdStore sends it); each request must arrive whole within 10 s (the read of a
+// watch's request, not the watch, which runs as long as its client wants), bodies up to 2 MiB,
+// at most 512 connections and max_watches open watches (more: 429, etcd's RESOURCE_EXHAUSTED).
+// The gate's own answers (401, 408, 411, 413, 431, 503) are etcd-shaped errors too.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "tessel/comm/memory_store.h"
+#include "tessel/net/server_options.h"
 
-namespace httplib {
-class Server;
+namespace tessel::net {
+class GuardedServer;
 }
 
 namespace tessel::comm {
+
+// The embedded control store's defaults: net::ServerLimits with bodies up to 2 MiB,
+// StoreServer::kMaxThreads threads and 512 connections (all of which may come from loopback).
+net::ServerLimits control_store_limits();
+
+struct StoreServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: any free port
+  // The shared secret (net/bearer_token.h); required for a host other than loopback.
+  std::string token_file;
+  net::ServerLimits limits = control_store_limits();
+  // Watches open at once; below limits.threads, so other requests always find a thread.
+  size_t max_watches = 96;
+};
 
 class StoreServer {
  public:
@@ -46,8 +66,10 @@ class StoreServer {
   // skip blank lines) through which it notices a client that went away.
   static constexpr std::chrono::milliseconds kWatchPoll{50};
 
-  // Listens on host:port (port 0: a free port) and serves `store` from a background thread.
-  // Throws IoError naming the address when it cannot listen.
+  // Listens on host:port (port 0: a free port) and serves `store` from background threads.
+  // Throws IoError naming the address when it cannot listen, ConfigError for a non-loopback host
+  // without a token file, a token file others can read, or limits that cannot work.
+  StoreServer(std::shared_ptr<MemoryStore> store, StoreServerOptions options);
   explicit StoreServer(std::shared_ptr<MemoryStore> store, std::string host = "127.0.0.1",
                        int port = 0);
   ~StoreServer();  // stops serving; open watch streams end
@@ -55,14 +77,12 @@ class StoreServer {
   StoreServer& operator=(const StoreServer&) = delete;
 
   std::string endpoint() const;  // "http://127.0.0.1:PORT"
+  bool requires_token() const;
   MemoryStore& store();
 
  private:
   std::shared_ptr<MemoryStore> store_;
-  std::string host_;
-  int port_ = 0;
-  std::unique_ptr<httplib::Server> server_;
-  std::thread listener_;
+  std::unique_ptr<net::GuardedServer> server_;
 };
 
 }  // namespace tessel::comm

@@ -6,14 +6,21 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <sys/stat.h>
+
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tessel/comm/etcd_store.h"
 #include "tessel/core/error.h"
+#include "tessel/net/http_test_util.h"
+#include "tessel/testing/testing.h"
 
 namespace tessel::comm {
 namespace {
@@ -133,6 +140,137 @@ TEST(StoreServer, RefusesWhatItDoesNotImplement) {
   std::tie(status, body) = post("/v3/kv/range", R"({"key":""})");
   EXPECT_EQ(status, 400);
   EXPECT_NE(body.find("key is not provided"), std::string::npos) << body;
+}
+
+std::string private_token(const tessel::testing::TempDir& dir, const std::string& token) {
+  const auto path = (dir / "token").string();
+  std::ofstream(path) << token << "\n";
+  ::chmod(path.c_str(), 0600);
+  return path;
+}
+
+TEST(StoreServer, ListensOnLoopbackUnlessGivenATokenFile) {
+  StoreServer plain(std::make_shared<MemoryStore>());
+  EXPECT_FALSE(plain.requires_token());
+  StoreServerOptions o;
+  o.host = "0.0.0.0";
+  try {
+    StoreServer server(std::make_shared<MemoryStore>(), o);
+    FAIL() << "listened on 0.0.0.0 without a token";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("token_file"), std::string::npos) << e.what();
+  }
+  tessel::testing::TempDir dir;
+  o.token_file = private_token(dir, "control-token-0123456789");
+  StoreServer guarded(std::make_shared<MemoryStore>(), o);
+  EXPECT_TRUE(guarded.requires_token());
+}
+
+TEST(StoreServer, WithATokenOnlyClientsSendingItAreServed) {
+  tessel::testing::TempDir dir;
+  StoreServerOptions o;
+  o.token_file = private_token(dir, "control-token-0123456789");
+  StoreServer server(std::make_shared<MemoryStore>(), o);
+  // Without the token, or with another one: 401, an etcd-shaped error EtcdStore names.
+  EtcdStore anonymous(server.endpoint(), EtcdStoreOptions{});
+  try {
+    anonymous.set("job/a", "x");
+    FAIL() << "served a client without the token";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("HTTP 401"), std::string::npos) << e.what();
+  }
+  tessel::testing::TempDir other;
+  EtcdStore wrong(server.endpoint(),
+                  EtcdStoreOptions{.token_file = private_token(other, "control-token-9876543210")});
+  EXPECT_THROW(wrong.get("job/a"), IoError);
+  EXPECT_THROW(wrong.watch("job/", 0, 1s), IoError);
+  EXPECT_FALSE(server.store().get("job/a").has_value());
+  // With it (given, or through the environment) everything works, watches included.
+  EtcdStore client(server.endpoint(), EtcdStoreOptions{.token_file = o.token_file});
+  const int64_t revision = client.set("job/a", "x");
+  EXPECT_EQ(client.get("job/a")->value, "x");
+  EXPECT_EQ(client.watch("job/", revision - 1, 5s).events.size(), 1u);
+  ::setenv(kControlTokenFileEnv, o.token_file.c_str(), 1);
+  EtcdStore from_env(server.endpoint(), 10s);
+  ::unsetenv(kControlTokenFileEnv);
+  EXPECT_EQ(from_env.get("job/a")->value, "x");
+}
+
+TEST(StoreServer, BoundsRequestSizeAndTimeAndServesOthersMeanwhile) {
+  StoreServerOptions o;
+  o.limits.request_timeout = 2s;
+  o.limits.threads = 4;
+  o.max_watches = 2;
+  StoreServer server(std::make_shared<MemoryStore>(), o);
+  const int port = std::stoi(server.endpoint().substr(server.endpoint().rfind(':') + 1));
+  std::string reply =
+      net::test::request(port, "POST", "/v3/kv/put", "", std::string((size_t(2) << 20) + 1, 'x'));
+  EXPECT_EQ(net::test::status_of(reply), 413) << reply.substr(0, 200);
+  EXPECT_EQ(nlohmann::json::parse(net::test::body_of(reply)).value("code", 0), 8);
+  reply = net::test::request(port, "POST", "/v3/kv/range", "X: " + std::string(20000, 'a') + "\r\n",
+                             "{}");
+  EXPECT_EQ(net::test::status_of(reply), 431);
+  // Slow clients, more than the server has threads: others are served meanwhile, and the slow
+  // ones are cut off.
+  std::vector<std::unique_ptr<net::test::RawClient>> slow;
+  for (int i = 0; i < 8; ++i) {
+    slow.push_back(std::make_unique<net::test::RawClient>(port));
+    ASSERT_TRUE(slow.back()->send("POST /v3/kv/put HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"));
+  }
+  EtcdStore client(server.endpoint(), 10s);
+  client.set("job/k", "v");
+  for (auto& s : slow) EXPECT_FALSE(s->closed_now());
+  for (auto& s : slow) {
+    EXPECT_EQ(net::test::status_of(s->read_until_closed(30s)), 408);
+    EXPECT_TRUE(s->closed());
+  }
+}
+
+TEST(StoreServer, CapsOpenWatchesAndStillServesTheRest) {
+  StoreServerOptions o;
+  o.max_watches = 2;
+  o.limits.threads = 4;
+  StoreServer server(std::make_shared<MemoryStore>(), o);
+  const int port = std::stoi(server.endpoint().substr(server.endpoint().rfind(':') + 1));
+  const std::string watch = R"({"create_request":{"key":"am9iLw==","range_end":"am9iMA=="}})";
+  auto open_watch = [&] {
+    auto c = std::make_unique<net::test::RawClient>(port);
+    c->send("POST /v3/watch HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+            std::to_string(watch.size()) + "\r\n\r\n" + watch);
+    return c;
+  };
+  auto a = open_watch(), b = open_watch();
+  // Each is open once its acknowledgement came.
+  for (auto* c : {a.get(), b.get()}) {
+    std::string got;
+    char buf[512];
+    while (got.find("created") == std::string::npos) {
+      const ssize_t n = ::recv(c->fd(), buf, sizeof buf, 0);
+      ASSERT_GT(n, 0);
+      got.append(buf, size_t(n));
+    }
+  }
+  EtcdStore client(server.endpoint(), 10s);
+  try {
+    client.watch("job/", 0, 2s);
+    FAIL() << "a third watch was opened";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("too many open watches"), std::string::npos) << e.what();
+  }
+  client.set("job/x", "1");  // other requests find a thread
+  // A watch whose client left frees its place.
+  a.reset();
+  const auto deadline = Clock::now() + 20s;
+  bool opened = false;
+  while (!opened && Clock::now() < deadline) {
+    try {
+      client.watch("job/", client.revision(), 100ms);
+      opened = true;
+    } catch (const IoError&) {
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+  EXPECT_TRUE(opened);
 }
 
 }  // namespace

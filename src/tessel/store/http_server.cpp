@@ -2,12 +2,12 @@
 
 #include <httplib.h>
 
-#include <atomic>
-#include <chrono>
-#include <thread>
+#include <algorithm>
+#include <vector>
 
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
+#include "tessel/net/guarded_server.h"
 #include "tessel/store/npy.h"
 
 namespace tessel::store {
@@ -34,19 +34,125 @@ std::string shape_header(const Shape& s) {
   return out;
 }
 
+// The body of a tensor response: the .npy header (if any), then the box's elements in C order,
+// produced a slab at a time. A slab is a run of the box's elements that is consecutive in its C
+// order and is itself a box: a range along one dimension `k` (the outermost whose inner block
+// fits the chunk) with the dimensions before it fixed and those after it whole.
+class BoxBody {
+ public:
+  BoxBody(const CheckpointReader& reader, const CheckpointTensor& t, Box box, DType out,
+          std::string header, uint64_t chunk_bytes)
+      : reader_(reader),
+        name_(t.name),
+        in_(t.dtype),
+        out_(out),
+        box_(std::move(box)),
+        header_(std::move(header)) {
+    const size_t rank = box_.rank();
+    const uint64_t element = std::max(dtype_size(in_), dtype_size(out_));
+    inner_.assign(rank + 1, 1);
+    for (size_t d = rank; d-- > 0;) inner_[d] = inner_[d + 1] * uint64_t(box_.extent(d));
+    k_ = rank;  // rank 0: one slab of the one element
+    for (size_t d = 0; d < rank; ++d) {
+      if (inner_[d + 1] * element <= chunk_bytes) {
+        k_ = d;
+        break;
+      }
+    }
+    if (k_ < rank) {
+      rows_ = std::clamp<uint64_t>(chunk_bytes / (inner_[k_ + 1] * element), 1,
+                                   std::max<int64_t>(1, box_.extent(k_)));
+    }
+  }
+
+  uint64_t size() const { return header_.size() + inner_[0] * dtype_size(out_); }
+  bool single_slab() const { return slab_elements(0) == inner_[0]; }
+
+  // Sends the bytes from `offset` on, up to `length` of them and at most to the end of its slab;
+  // false when they cannot be read (stored bytes fail their checksum: logged), lie beyond the
+  // body, or the client went away.
+  bool send(uint64_t offset, uint64_t length, httplib::DataSink& sink) {
+    if (offset >= size()) return false;
+    if (offset < header_.size()) {
+      return sink.write(header_.data() + offset, std::min(length, header_.size() - offset));
+    }
+    const uint64_t esize = dtype_size(out_);
+    const uint64_t element = (offset - header_.size()) / esize;
+    const uint64_t first = slab_start(element);
+    try {
+      fill(first);
+    } catch (const Error& e) {
+      spdlog::error("store server: {}: {}", name_, e.what());
+      return false;
+    }
+    const uint64_t skip = offset - header_.size() - first * esize;
+    return sink.write(out_bytes_->data() + skip, std::min(length, out_bytes_->size() - skip));
+  }
+
+  // Reads the slab starting at element `first` (checksums verified); its bytes in out_bytes_.
+  void fill(uint64_t first) {
+    if (filled_ == first && out_bytes_) return;
+    const Box slab = slab_box(first);
+    const uint64_t n = uint64_t(slab.volume());
+    raw_.resize(n * dtype_size(in_));
+    reader_.read_box(name_, slab, raw_.data());
+    if (in_ == out_) {
+      out_bytes_ = &raw_;
+    } else {
+      converted_.resize(n * dtype_size(out_));
+      convert(raw_.data(), in_, converted_.data(), out_, n);
+      out_bytes_ = &converted_;
+    }
+    filled_ = first;
+  }
+
+ private:
+  uint64_t block() const { return k_ < box_.rank() ? inner_[k_] : 1; }
+  // The first element of the slab holding `element`.
+  uint64_t slab_start(uint64_t element) const {
+    if (k_ >= box_.rank()) return 0;
+    const uint64_t outer = element / block();
+    const uint64_t row = (element % block()) / inner_[k_ + 1];
+    return outer * block() + (row / rows_) * rows_ * inner_[k_ + 1];
+  }
+  uint64_t slab_elements(uint64_t first) const { return uint64_t(slab_box(first).volume()); }
+  Box slab_box(uint64_t first) const {
+    if (k_ >= box_.rank()) return box_;
+    std::vector<int64_t> lo = box_.lo(), hi = box_.hi();
+    uint64_t outer = first / block();
+    for (size_t d = k_; d-- > 0;) {
+      const uint64_t extent = uint64_t(box_.extent(d));
+      lo[d] = box_.lo(d) + int64_t(outer % extent);
+      hi[d] = lo[d] + 1;
+      outer /= extent;
+    }
+    const uint64_t row = (first % block()) / inner_[k_ + 1];
+    lo[k_] = box_.lo(k_) + int64_t(row);
+    hi[k_] = std::min(box_.hi(k_), lo[k_] + int64_t(rows_));
+    return Box(std::move(lo), std::move(hi));
+  }
+
+  const CheckpointReader& reader_;
+  const std::string name_;
+  const DType in_, out_;
+  const Box box_;
+  const std::string header_;
+  std::vector<uint64_t> inner_;  // inner_[d]: elements in one step of dimension d-1's index
+  size_t k_ = 0;
+  uint64_t rows_ = 1;  // of dimension k_ per slab
+  std::vector<char> raw_, converted_;
+  const std::vector<char>* out_bytes_ = nullptr;
+  uint64_t filled_ = 0;
+};
+
 }  // namespace
 
 struct StoreServer::Impl {
   CheckpointReader reader;
-  std::string host;
-  int port;
-  uint64_t max_bytes = uint64_t(1) << 30;
-  httplib::Server server;
-  std::thread thread;
-  std::atomic<bool> listening_done{false};
-  bool started = false;
+  StoreServerOptions options;
+  std::unique_ptr<net::GuardedServer> server;
 
-  Impl(const std::string& dir, std::string h, int p) : reader(dir), host(std::move(h)), port(p) {}
+  Impl(const std::string& dir, StoreServerOptions o) : reader(dir), options(std::move(o)) {}
 
   void list(httplib::Response& res) const {
     json out = json::array();
@@ -84,49 +190,53 @@ struct StoreServer::Impl {
     }
     const uint64_t n = uint64_t(box.volume());
     const uint64_t bytes = n * dtype_size(out_type);
+    const uint64_t max_bytes = options.max_response_bytes;
     if (bytes > max_bytes || n * dtype_size(t->dtype) > max_bytes)
       return send_error(res, 413,
                         "the box holds " + std::to_string(bytes) +
                             " bytes, more than this server sends at once (" +
                             std::to_string(max_bytes) + "); request smaller boxes");
-    std::string body(header.size() + bytes, '\0');
-    char* data = body.data() + header.size();
-    std::copy(header.begin(), header.end(), body.begin());
-    if (out_type == t->dtype) {
-      reader.read_box(name, box, data);
-    } else {
-      std::unique_ptr<char[]> raw(new char[std::max<uint64_t>(n * dtype_size(t->dtype), 1)]);
-      reader.read_box(name, box, raw.get());
-      convert(raw.get(), t->dtype, data, out_type, n);
-    }
+    auto body = std::make_shared<BoxBody>(reader, *t, box, out_type, std::move(header),
+                                          options.chunk_bytes);
+    // A response of one slab is read before its status goes out, so damage is still a 500.
+    if (body->single_slab() && n > 0) body->fill(0);
     res.set_header("X-Tessel-Dtype", std::string(dtype_name(out_type)));
     res.set_header("X-Tessel-Shape", shape_header(box.shape()));
-    // A content provider hands the buffer to httplib without copying it (set_content copies).
-    auto buf = std::make_shared<std::string>(std::move(body));
-    res.set_content_provider(
-        buf->size(), format == "npy" ? "application/x-npy" : "application/octet-stream",
-        [buf](size_t offset, size_t length, httplib::DataSink& sink) {
-          return sink.write(buf->data() + offset, std::min<size_t>(length, size_t(1) << 20));
-        });
+    res.set_content_provider(body->size(),
+                             format == "npy" ? "application/x-npy" : "application/octet-stream",
+                             [body](size_t offset, size_t length, httplib::DataSink& sink) {
+                               return body->send(offset, length, sink);
+                             });
   }
 };
 
+namespace {
+StoreServerOptions at(std::string host, int port) {
+  StoreServerOptions o;
+  o.host = std::move(host);
+  o.port = port;
+  return o;
+}
+}  // namespace
+
 StoreServer::StoreServer(const std::string& dir, std::string host, int port)
-    : impl_(std::make_unique<Impl>(dir, std::move(host), port)) {
-  TESSEL_CHECK(port >= 0 && port <= 65535, InvalidArgumentError, "port {} is outside 0..65535",
-               port);
-  auto& s = impl_->server;
-  // Every blocking wait of the server is bounded: a slow or silent client costs at most these.
-  s.set_read_timeout(5, 0);
-  s.set_write_timeout(5, 0);
-  s.set_keep_alive_timeout(1);
-  s.set_payload_max_length(1 << 16);  // requests carry no body
-  // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port and
-  // take a share of the connections; a port in use must be an error instead.
-  s.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  });
+    : StoreServer(dir, at(std::move(host), port)) {}
+
+StoreServer::StoreServer(const std::string& dir, StoreServerOptions options) {
+  TESSEL_CHECK(options.port >= 0 && options.port <= 65535, InvalidArgumentError,
+               "port {} is outside 0..65535", options.port);
+  TESSEL_CHECK(options.chunk_bytes > 0, ConfigError, "the tensor store's chunk_bytes must be > 0");
+  net::ServerOptions so;
+  so.name = "the tensor store";
+  so.host = options.host;
+  so.port = options.port;
+  so.token_file = options.token_file;
+  so.token_hint = "a token file (tessel store serve --token-file FILE)";
+  so.limits = options.limits;
+  so.limits.max_body_bytes = 0;  // GET only
+  impl_ = std::make_unique<Impl>(dir, std::move(options));
+  impl_->server = std::make_unique<net::GuardedServer>(std::move(so));
+  auto& s = *impl_->server;
   Impl* impl = impl_.get();
   s.Get("/v1/tensors",
         [impl](const httplib::Request&, httplib::Response& res) { impl->list(res); });
@@ -155,74 +265,27 @@ StoreServer::~StoreServer() {
 }
 
 int StoreServer::start() {
-  TESSEL_CHECK(!impl_->started, InvalidArgumentError, "StoreServer started twice");
-  auto& s = impl_->server;
-  if (impl_->port == 0) {
-    int p = s.bind_to_any_port(impl_->host);
-    TESSEL_CHECK(p > 0, IoError, "cannot bind {} on any port", impl_->host);
-    impl_->port = p;
-  } else {
-    TESSEL_CHECK(s.bind_to_port(impl_->host, impl_->port), IoError,
-                 "cannot bind {}:{} (in use, or not an address of this machine?)", impl_->host,
-                 impl_->port);
-  }
-  impl_->started = true;
-  impl_->listening_done = false;
-  impl_->thread = std::thread([impl = impl_.get()] {
-    impl->server.listen_after_bind();
-    impl->listening_done = true;
-  });
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (!s.is_running()) {
-    if (impl_->listening_done) {
-      stop();
-      TESSEL_THROW(IoError, "the store server on {}:{} stopped as it started", impl_->host,
-                   impl_->port);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      stop();
-      TESSEL_THROW(TimeoutError, "the store server on {}:{} did not start within 5 s", impl_->host,
-                   impl_->port);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return impl_->port;
+  return impl_->server->start();
 }
 
 void StoreServer::stop() {
-  if (!impl_ || !impl_->started) return;
-  // httplib's stop() does nothing before the listen loop has started (and must be called once):
-  // call it as soon as the loop runs, then wait for the loop to end, within a bound.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  bool stop_sent = false;
-  while (!impl_->listening_done && std::chrono::steady_clock::now() < deadline) {
-    if (!stop_sent && impl_->server.is_running()) {
-      impl_->server.stop();
-      stop_sent = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (impl_->listening_done) {
-    impl_->thread.join();
-  } else {
-    spdlog::error("store server on {}:{} did not stop within 10 s; leaving its thread", impl_->host,
-                  impl_->port);
-    impl_->thread.detach();
-  }
-  impl_->started = false;
+  if (impl_ && impl_->server) impl_->server->stop();
 }
 
 int StoreServer::port() const {
-  return impl_->port;
+  return impl_->server->port();
 }
 const std::string& StoreServer::host() const {
-  return impl_->host;
+  return impl_->server->host();
+}
+bool StoreServer::requires_token() const {
+  return impl_->server->requires_token();
 }
 const CheckpointReader& StoreServer::reader() const {
   return impl_->reader;
 }
 void StoreServer::set_max_response_bytes(uint64_t n) {
-  impl_->max_bytes = n;
+  impl_->options.max_response_bytes = n;
 }
 
 }  // namespace tessel::store

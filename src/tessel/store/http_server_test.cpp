@@ -3,12 +3,17 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "tessel/core/error.h"
+#include "tessel/net/http_test_util.h"
 #include "tessel/store/npy.h"
 #include "tessel/store/test_util.h"
 #include "tessel/tensor/box_copy.h"
@@ -48,7 +53,8 @@ class StoreServerTest : public ::testing::Test {
       auto v = f32_to_bf16(float(i) * 0.25f - 1.0f);
       std::memcpy(tensors_[1].data.data() + 2 * i, &v, 2);
     }
-    const auto ckpt = (dir_ / "ckpt").string();
+    ckpt_ = (dir_ / "ckpt").string();
+    const auto& ckpt = ckpt_;
     CheckpointWriter r0(ckpt, 0, opts("s")), r1(ckpt, 1, opts("s"));
     const auto& emb = tensors_[0];
     top_ = emb.slice(Box({0, 0}, {6, 6}));
@@ -71,6 +77,7 @@ class StoreServerTest : public ::testing::Test {
   httplib::Result get(const std::string& path) { return client_->Get(path.c_str()); }
 
   TempDir dir_;
+  std::string ckpt_;
   std::vector<Stored> tensors_;
   std::vector<char> top_, bottom_;
   std::unique_ptr<StoreServer> server_;
@@ -206,6 +213,202 @@ TEST_F(StoreServerTest, AnswersConcurrentClients) {
     });
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 40);
+}
+
+// Responses are produced a slab at a time: with slabs of 16 bytes (4 f32 elements, 8 bf16 ones)
+// every box, format, conversion and byte range comes out as the whole read would.
+TEST_F(StoreServerTest, StreamsEveryBoxInSlabsExactly) {
+  StoreServerOptions o;
+  o.chunk_bytes = 16;
+  StoreServer small(ckpt_, o);
+  httplib::Client c("127.0.0.1", small.start());
+  c.set_read_timeout(10);
+  const auto& emb = tensors_[0];
+  for (std::string box : {"0:10,0:6", "2:9,1:4", "3:5", "9:10,5:6", "0:10,2:3", "-1"}) {
+    auto res = c.Get(("/v1/tensors/emb?box=" + box).c_str());
+    ASSERT_TRUE(res) << box;
+    ASSERT_EQ(res->status, 200) << box << res->body;
+    const auto want = emb.slice(Box::parse(box, emb.shape));
+    EXPECT_EQ(res->body, std::string(want.begin(), want.end())) << box;
+    // A range of the body: slabs entered in their middle.
+    res = c.Get(("/v1/tensors/emb?format=npy&box=" + box).c_str(), {{"Range", "bytes=70-110"}});
+    ASSERT_TRUE(res) << box;
+    const std::string npy = npy_header(DType::f32, Box::parse(box, emb.shape).shape()) +
+                            std::string(want.begin(), want.end());
+    if (npy.size() > 110) {
+      EXPECT_EQ(res->status, 206) << box;
+      EXPECT_EQ(res->body, npy.substr(70, 41)) << box;
+    }
+  }
+  auto res = c.Get("/v1/tensors/w.bf?format=npy&dtype=f32&box=1:3,:");
+  ASSERT_TRUE(res);
+  auto [dict, values] = parse_npy(res->body);
+  ASSERT_EQ(values.size(), 32u);
+  for (int i = 0; i < 8; ++i) {
+    float v;
+    std::memcpy(&v, values.data() + 4 * i, 4);
+    EXPECT_EQ(v, float(4 + i) * 0.25f - 1.0f);
+  }
+  res = c.Get("/v1/tensors/ids?dtype=i32");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->body.size(), 20u);
+  for (int i = 0; i < 5; ++i) {
+    int64_t want;
+    int32_t got;
+    std::memcpy(&want, tensors_[2].data.data() + 8 * i, 8);
+    std::memcpy(&got, res->body.data() + 4 * i, 4);
+    EXPECT_EQ(got, int32_t(want));
+  }
+}
+
+// A checkpoint of one f32 tensor "big" whose element i is i.
+std::string write_big(const TempDir& dir, int64_t rows, int64_t cols, uint64_t chunk_bytes) {
+  std::vector<float> x(size_t(rows * cols));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(i);
+  const auto ckpt = (dir / "big").string();
+  CheckpointWriter w(ckpt, 0, opts("b", chunk_bytes));
+  w.add("big", Tensor::wrap(x.data(), Shape{rows, cols}));
+  w.write_rank_file();
+  w.commit(1, {});
+  return ckpt;
+}
+
+// The server reads a large tensor as the client takes it, not whole before sending: while the
+// client has read 64 KiB of 32 MiB, the server has read no more than the socket buffers hold.
+TEST(StoreServerStreaming, ReadsALargeTensorAsTheClientTakesIt) {
+  TempDir dir;
+  StoreServerOptions o;
+  o.chunk_bytes = uint64_t(1) << 20;
+  StoreServer server(write_big(dir, 2048, 4096, uint64_t(1) << 20), o);
+  const int port = server.start();
+  net::test::RawClient c(port);
+  const int small = 64 << 10;  // no receive-buffer autotuning up to tens of MiB
+  ::setsockopt(c.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  c.send("GET /v1/tensors/big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::string got;
+  char buf[4096];
+  while (got.size() < (64u << 10)) {
+    const ssize_t n = ::recv(c.fd(), buf, sizeof buf, 0);
+    ASSERT_GT(n, 0);
+    got.append(buf, size_t(n));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let it read ahead if it would
+  EXPECT_LT(server.reader().bytes_read(), uint64_t(16) << 20);
+  got += c.read_until_closed();
+  const std::string body = net::test::body_of(got);
+  ASSERT_EQ(body.size(), uint64_t(32) << 20);
+  for (size_t i = 0; i < body.size() / 4; i += 4099) {
+    float v;
+    std::memcpy(&v, body.data() + 4 * i, 4);
+    ASSERT_EQ(v, float(i)) << i;
+  }
+}
+
+// Every byte served was verified: damage in a later slab ends the response before its length
+// (the client sees an error, never the damaged bytes as a success); a one-slab response gets 500.
+TEST(StoreServerStreaming, DamageEndsAResponseBeforeItsLength) {
+  TempDir dir;
+  const auto ckpt = write_big(dir, 64, 64, 1024);
+  const auto file = std::filesystem::path(ckpt) / rank_file_name(0);
+  flip_byte(file, SafetensorsReader::open(file.string()).at("big").offset + 40 * 256 + 8);
+  StoreServerOptions o;
+  o.chunk_bytes = 4096;  // 4 rows per slab
+  StoreServer server(ckpt, o);
+  httplib::Client c("127.0.0.1", server.start());
+  c.set_read_timeout(10);
+  auto res = c.Get("/v1/tensors/big");
+  EXPECT_TRUE(!res || res->body.size() < 64 * 64 * 4);
+  res = c.Get("/v1/tensors/big?box=40:41");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 500);
+  EXPECT_NE(res->body.find("checksum"), std::string::npos) << res->body;
+  res = c.Get("/v1/tensors/big?box=0:8");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body.size(), 8u * 64 * 4);
+}
+
+// The probe of issue 16: slow clients dripping header bytes, more of them than the server has
+// threads, do not keep others from being served, and are cut off once over the request bound.
+TEST_F(StoreServerTest, ServesOthersWhileSlowClientsDrip) {
+  StoreServerOptions o;
+  o.limits.request_timeout = std::chrono::seconds(2);
+  StoreServer server(ckpt_, o);
+  const int port = server.start();
+  std::vector<std::unique_ptr<net::test::RawClient>> slow;
+  for (size_t i = 0; i < o.limits.threads + 4; ++i) {
+    slow.push_back(std::make_unique<net::test::RawClient>(port, i % 2 ? "127.0.0.1" : "127.0.0.3"));
+    ASSERT_TRUE(slow.back()->send("GET /v1/tensors HTTP/1.1\r\n"));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (auto& s : slow) ASSERT_TRUE(s->send("X"));
+  // Served while every slow client is still connected (none has been cut off yet).
+  const std::string reply = net::test::request(port, "GET", "/v1/tensors", "", "", "127.0.0.2");
+  EXPECT_EQ(net::test::status_of(reply), 200) << reply;
+  for (auto& s : slow) EXPECT_FALSE(s->closed_now());
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  size_t cut = 0;
+  std::vector<bool> done(slow.size(), false);
+  while (cut < slow.size() && std::chrono::steady_clock::now() < give_up) {
+    for (size_t i = 0; i < slow.size(); ++i) {
+      if (done[i] || !(slow[i]->closed_now() || !slow[i]->send("x"))) continue;
+      EXPECT_EQ(net::test::status_of(slow[i]->read_until_closed()), 408);
+      done[i] = true;
+      ++cut;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(cut, slow.size());
+}
+
+TEST_F(StoreServerTest, RefusesBodiesAndOversizedHeaders) {
+  auto reply = net::test::request(port_, "GET", "/v1/tensors", "Content-Length: 3\r\n");
+  EXPECT_EQ(net::test::status_of(reply), 413) << reply;
+  reply = net::test::request(port_, "GET", "/v1/tensors", "X: " + std::string(40000, 'a') + "\r\n");
+  EXPECT_EQ(net::test::status_of(reply), 431) << reply;
+  EXPECT_EQ(net::test::status_of(net::test::request(port_, "POST", "/v1/tensors", "", "abc")), 413);
+  EXPECT_EQ(net::test::status_of(net::test::request(port_, "GET", "/v1/tensors")), 200);
+}
+
+TEST_F(StoreServerTest, WithATokenFileEveryRequestMustCarryTheToken) {
+  EXPECT_FALSE(server_->requires_token());
+  const auto token_file = (dir_ / "token").string();
+  std::ofstream(token_file) << "0123456789abcdef-token\n";
+  ::chmod(token_file.c_str(), 0644);
+  StoreServerOptions o;
+  o.token_file = token_file;
+  EXPECT_THROW(StoreServer(ckpt_, o), ConfigError);  // others can read it
+  ::chmod(token_file.c_str(), 0600);
+  o.host = "0.0.0.0";
+  StoreServer guarded(ckpt_, o);
+  EXPECT_TRUE(guarded.requires_token());
+  httplib::Client c("127.0.0.1", guarded.start());
+  auto res = c.Get("/v1/tensors");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 401);
+  EXPECT_NO_THROW(json::parse(res->body).at("error").get<std::string>()) << res->body;
+  c.set_bearer_token_auth("0123456789abcdef-wrong");
+  res = c.Get("/v1/tensors");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 401);
+  c.set_bearer_token_auth("0123456789abcdef-token");
+  res = c.Get("/v1/tensors/emb?box=0:1");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body.size(), 24u);
+}
+
+TEST(StoreServer, RefusesANonLoopbackHostWithoutAToken) {
+  TempDir dir;
+  const auto ckpt = write_big(dir, 2, 2, 1024);
+  StoreServerOptions o;
+  o.host = "0.0.0.0";
+  try {
+    StoreServer server(ckpt, o);
+    FAIL() << "served 0.0.0.0 without a token";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--token-file"), std::string::npos) << e.what();
+  }
 }
 
 // The listening socket of `port` as /proc/net/tcp shows it: "0100007F" is 127.0.0.1.

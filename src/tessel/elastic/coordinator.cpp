@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <sys/inotify.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -119,7 +120,8 @@ Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initia
 
   const std::string dir = control_dir();
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  // Only this user may reach the job: the directory 0700 (when it is ours), the socket 0600.
+  if (fs::create_directories(dir, ec)) ::chmod(dir.c_str(), 0700);
   socket_path_ = (fs::path(dir) / (job_id_ + ".sock")).string();
   const auto addr = address_of(socket_path_);
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -127,7 +129,7 @@ Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initia
                std::strerror(errno));
   ::unlink(socket_path_.c_str());
   if (::bind(listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(listen_fd_, 8) != 0) {
+      ::chmod(socket_path_.c_str(), 0600) != 0 || ::listen(listen_fd_, 8) != 0) {
     const int err = errno;
     ::close(listen_fd_);
     TESSEL_THROW(IoError, "cannot listen on control socket {}: {}", socket_path_,

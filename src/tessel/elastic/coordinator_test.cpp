@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -56,6 +57,12 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
       dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
   Coordinator c(cfg, "job1", 2);
   EXPECT_TRUE(std::filesystem::exists(c.socket_path()));
+  // Only this user reaches the job (docs/security.md).
+  struct stat st {};
+  ASSERT_EQ(::stat(c.socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(::stat((dir / "ctl").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
   EXPECT_EQ(c.endpoint().rfind("http://127.0.0.1:", 0), 0u) << c.endpoint();
   std::vector<std::pair<int, std::string>> spawned;
   auto spawn = [&](int p, const std::map<std::string, std::string>& env) {

@@ -221,7 +221,12 @@ ModelConfig config_from_hf(const json& j, const std::string& name, const std::st
     c.n_embd = r.required_int("n_embd");
     c.n_head = r.required_int("n_head");
     c.n_kv_head = c.n_head;
-    c.ffn_hidden = r.int_or("n_inner", 4 * c.n_embd);  // null: 4 n_embd, as transformers does
+    // null: 4 n_embd, as transformers does; checked first, as 4 n_embd may not fit an int.
+    TESSEL_CHECK(r.has("n_inner") || c.n_embd <= std::numeric_limits<int>::max() / 4,
+                 CorruptDataError,
+                 "{}: n_embd {} is too large for the default n_inner (4 x n_embd) to fit 32 bits",
+                 what, c.n_embd);
+    c.ffn_hidden = r.has("n_inner") ? r.required_int("n_inner") : 4 * c.n_embd;
     c.vocab_size = r.required_int("vocab_size");
     c.max_seq_len = r.required_int("n_positions");
     c.norm_eps = r.float_or("layer_norm_epsilon", 1e-5f);

@@ -165,10 +165,9 @@ void read_timeline(YamlSection& top, TrainConfig& c) {
     c.timeline.push_back(std::move(sw));
   }
 }
-}  // namespace
 
-TrainConfig TrainConfig::load(const std::string& path) {
-  YAML::Node root = load_yaml_file(path);
+// TrainConfig::load and TrainConfig::parse, from the YAML document.
+TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   auto base = std::filesystem::absolute(path).parent_path();
   TrainConfig c;
   c.source = path;
@@ -262,6 +261,15 @@ TrainConfig TrainConfig::load(const std::string& path) {
   c.plan = c.plan.with_defaults(c.model);
   for (auto& sw : c.timeline) sw.plan = sw.plan.with_defaults(c.model);
   return c;
+}
+}  // namespace
+
+TrainConfig TrainConfig::load(const std::string& path) {
+  return from_yaml(load_yaml_file(path), path);
+}
+
+TrainConfig TrainConfig::parse(const std::string& text, const std::string& path) {
+  return from_yaml(parse_yaml(text, path), path);
 }
 
 void TrainConfig::validate() const {

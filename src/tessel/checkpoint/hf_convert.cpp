@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -220,7 +221,12 @@ ModelConfig config_from_hf(const json& j, const std::string& name, const std::st
     c.n_embd = r.required_int("n_embd");
     c.n_head = r.required_int("n_head");
     c.n_kv_head = c.n_head;
-    c.ffn_hidden = r.int_or("n_inner", 4 * c.n_embd);  // null: 4 n_embd, as transformers does
+    // null: 4 n_embd, as transformers does; checked first, as 4 n_embd may not fit an int.
+    TESSEL_CHECK(r.has("n_inner") || c.n_embd <= std::numeric_limits<int>::max() / 4,
+                 CorruptDataError,
+                 "{}: n_embd {} is too large for the default n_inner (4 x n_embd) to fit 32 bits",
+                 what, c.n_embd);
+    c.ffn_hidden = r.has("n_inner") ? r.required_int("n_inner") : 4 * c.n_embd;
     c.vocab_size = r.required_int("vocab_size");
     c.max_seq_len = r.required_int("n_positions");
     c.norm_eps = r.float_or("layer_norm_epsilon", 1e-5f);
@@ -315,27 +321,12 @@ HfWeights open_weights(const fs::path& dir, const std::optional<fs::path>& singl
                "no model.safetensors or model.safetensors.index.json in '{}' (weights in "
                "PyTorch .bin files must be saved as safetensors first)",
                dir.string());
-  json j;
-  {
-    std::ifstream in(index);
-    TESSEL_CHECK(in, IoError, "cannot read '{}'", index.string());
-    try {
-      j = json::parse(in);
-    } catch (const json::exception& e) {
-      TESSEL_THROW(CorruptDataError, "'{}' is not valid JSON: {}", index.string(), e.what());
-    }
-  }
-  TESSEL_CHECK(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
-               CorruptDataError, "'{}' has no weight_map object", index.string());
+  std::ifstream in(index, std::ios::binary);
+  TESSEL_CHECK(in.good(), IoError, "cannot read '{}'", index.string());
+  const auto weight_map = hf_index_weight_map(std::string(std::istreambuf_iterator<char>(in), {}),
+                                              fmt::format("'{}'", index.string()));
   std::map<std::string, size_t> file_index;
-  for (const auto& [name, file] : j.at("weight_map").items()) {
-    TESSEL_CHECK(file.is_string(), CorruptDataError, "'{}': weight_map['{}'] is not a file name",
-                 index.string(), name);
-    const std::string f = file.get<std::string>();
-    // Shards live beside the index: a name with a directory part could point anywhere.
-    TESSEL_CHECK(!f.empty() && fs::path(f).filename().string() == f && f != "." && f != "..",
-                 CorruptDataError, "'{}': weight_map['{}'] names '{}', not a file in '{}'",
-                 index.string(), name, f, dir.string());
+  for (const auto& [name, f] : weight_map) {
     auto it = file_index.find(f);
     if (it == file_index.end()) it = file_index.emplace(f, add_file(dir / f)).first;
     TESSEL_CHECK(w.files[it->second].find(name) != nullptr, CorruptDataError,
@@ -727,6 +718,31 @@ void write_imported(const std::string& out_checkpoint_dir, const std::string& hf
 }
 
 }  // namespace
+
+std::map<std::string, std::string> hf_index_weight_map(const std::string& text,
+                                                       const std::string& what) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "{} is not valid JSON: {}", what, e.what());
+  }
+  TESSEL_CHECK(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
+               CorruptDataError, "{} has no weight_map object", what);
+  std::map<std::string, std::string> out;
+  for (const auto& [name, file] : j.at("weight_map").items()) {
+    TESSEL_CHECK(file.is_string(), CorruptDataError, "{}: weight_map['{}'] is not a file name",
+                 what, name);
+    const std::string f = file.get<std::string>();
+    // Shards live beside the index: a name with a directory part could point anywhere.
+    TESSEL_CHECK(!f.empty() && fs::path(f).filename().string() == f && f != "." && f != "..",
+                 CorruptDataError,
+                 "{}: weight_map['{}'] names '{}', not a file in the index's directory", what, name,
+                 f);
+    out.emplace(name, f);
+  }
+  return out;
+}
 
 HfImportResult import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir,
                          const HfImportOptions& options) {

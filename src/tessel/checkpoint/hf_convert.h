@@ -41,6 +41,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -104,6 +105,12 @@ struct HfImportResult {
 //                      rows differ from vocab_size, an override that disagrees with config.json.
 HfImportResult import_hf(const std::string& hf_dir, const std::string& out_checkpoint_dir,
                          const HfImportOptions& options = {});
+
+// The weight_map of a sharded model's model.safetensors.index.json, given as `text` (`what` names
+// the file in messages): tensor name -> shard file name, each a plain name of a file beside the
+// index. Throws CorruptDataError for malformed JSON, a missing weight_map or a bad file name.
+std::map<std::string, std::string> hf_index_weight_map(const std::string& text,
+                                                       const std::string& what);
 
 // The ModelConfig a transformers config.json describes. `name` labels it. Throws
 // UnsupportedError / CorruptDataError as import_hf does for config.json.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -165,10 +166,9 @@ void read_timeline(YamlSection& top, TrainConfig& c) {
     c.timeline.push_back(std::move(sw));
   }
 }
-}  // namespace
 
-TrainConfig TrainConfig::load(const std::string& path) {
-  YAML::Node root = load_yaml_file(path);
+// TrainConfig::load and TrainConfig::parse, from the YAML document.
+TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   auto base = std::filesystem::absolute(path).parent_path();
   TrainConfig c;
   c.source = path;
@@ -271,6 +271,33 @@ TrainConfig TrainConfig::load(const std::string& path) {
   for (auto& sw : c.timeline) sw.plan = sw.plan.with_defaults(c.model);
   return c;
 }
+}  // namespace
+
+TrainConfig TrainConfig::load(const std::string& path) {
+  return from_yaml(load_yaml_file(path), path);
+}
+
+TrainConfig TrainConfig::parse(const std::string& text, const std::string& path) {
+  return from_yaml(parse_yaml(text, path), path);
+}
+
+namespace {
+
+// dp x tp x pp of a plan not validated yet, to check it against; Plan::world() would overflow
+// its int for the sizes a config may hold. `where` names the plan in the config.
+int checked_world(const layout::Plan& p, const std::string& source, const std::string& where) {
+  int64_t world = 0;
+  TESSEL_CHECK(!__builtin_mul_overflow(int64_t(p.dp) * p.tp, int64_t(p.pp), &world) &&
+                   world >= std::numeric_limits<int>::min() &&
+                   world <= std::numeric_limits<int>::max(),
+               ConfigError,
+               "{}: '{}' has dp {} x tp {} x pp {} workers, more than any job can start; lower "
+               "them",
+               source, where, p.dp, p.tp, p.pp);
+  return int(world);
+}
+
+}  // namespace
 
 void TrainConfig::validate() const {
   const std::string& f = source;
@@ -313,7 +340,7 @@ void TrainConfig::validate() const {
                "{}: 'optimizer.eps' must be > 0 and 'optimizer.weight_decay' >= 0", f);
   TESSEL_CHECK(checkpoint.every >= 0 && checkpoint.keep >= 1, ConfigError,
                "{}: 'checkpoint.every' must be >= 0 and 'checkpoint.keep' >= 1", f);
-  validate_plan(plan.world());
+  validate_plan(checked_world(plan, f, "parallel"));
 }
 
 void TrainConfig::validate_plan(int workers) const {
@@ -325,8 +352,9 @@ void TrainConfig::validate_plan(int workers) const {
   }
   for (size_t i = 0; i < timeline.size(); ++i) {
     const auto& p = timeline[i].plan;
+    const int world = checked_world(p, source, fmt::format("timeline[{}].parallel", i));
     try {
-      p.validate(model, training.global_batch, p.world());
+      p.validate(model, training.global_batch, world);
     } catch (const ConfigError& e) {
       throw ConfigError(fmt::format("{}: timeline[{}].parallel: {}", source, i, e.what()));
     }

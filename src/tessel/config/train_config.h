@@ -187,6 +187,9 @@ struct TrainConfig {
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);
+  // The same for YAML text read from `path` already (messages name it, relative paths resolve
+  // against its directory; the file itself is not read).
+  static TrainConfig parse(const std::string& text, const std::string& path);
   // Throws ConfigError naming the first inconsistent field.
   // Checks the plan against the model and batch but not against a worker count.
   void validate() const;

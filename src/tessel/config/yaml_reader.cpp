@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 
 namespace tessel::config {
@@ -78,16 +80,20 @@ void YamlSection::reject_unknown_keys() const {
 
 YAML::Node load_yaml_file(const std::string& path) {
   TESSEL_CHECK(std::filesystem::exists(path), IoError, "config file '{}' does not exist", path);
+  std::ifstream in(path, std::ios::binary);
+  TESSEL_CHECK(in.good(), IoError, "cannot read config file '{}'", path);
+  return parse_yaml(std::string(std::istreambuf_iterator<char>(in), {}), path);
+}
+
+YAML::Node parse_yaml(const std::string& text, const std::string& file) {
   try {
-    YAML::Node node = YAML::LoadFile(path);
+    YAML::Node node = YAML::Load(text);
     TESSEL_CHECK(node.IsMap(), ConfigError, "{}: the config must be a YAML mapping (key: value)",
-                 path);
+                 file);
     return node;
   } catch (const YAML::ParserException& e) {
-    TESSEL_THROW(ConfigError, "{}: malformed YAML at line {}, column {}: {}", path, e.mark.line + 1,
+    TESSEL_THROW(ConfigError, "{}: malformed YAML at line {}, column {}: {}", file, e.mark.line + 1,
                  e.mark.column + 1, e.msg);
-  } catch (const YAML::BadFile&) {
-    TESSEL_THROW(IoError, "cannot read config file '{}'", path);
   }
 }
 

@@ -80,5 +80,7 @@ void YamlSection::read(const std::string& key, T& out) {
 
 // Loads a YAML file; malformed YAML is a ConfigError with the file, line and column.
 YAML::Node load_yaml_file(const std::string& path);
+// The same for YAML text already in memory; `file` names it in messages.
+YAML::Node parse_yaml(const std::string& text, const std::string& file);
 
 }  // namespace tessel::config

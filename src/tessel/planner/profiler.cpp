@@ -195,8 +195,10 @@ nlohmann::json layer_times(const ProfileSetup& s, const std::vector<nlohmann::js
         pt[key] = value;
         continue;
       }
-      const double v =
-          median_over(w, [&](const auto& j) { return j["points"][p][key].template get<double>(); });
+      // A plain reference: clang before 16 cannot capture a structured binding (the fuzz build).
+      const std::string& name = key;
+      const double v = median_over(
+          w, [&](const auto& j) { return j["points"][p][name].template get<double>(); });
       pt[key] = key.ends_with("_s") ? v * s.oversubscription : v;
     }
     lt["points"].push_back(pt);

@@ -58,6 +58,9 @@ Box Box::parse(const std::string& text, const Shape& shape) {
     auto colon = p.find(':');
     if (colon == std::string_view::npos) {
       lo[d] = parse_index(p, shape[d], text);
+      // Checked before the + 1, which would overflow for an index of 2^63 - 1.
+      TESSEL_CHECK(0 <= lo[d] && lo[d] < shape[d], InvalidArgumentError,
+                   "box '{}': dimension {} index {} is outside 0:{}", text, d, lo[d], shape[d]);
       hi[d] = lo[d] + 1;
     } else {
       auto a = trim(p.substr(0, colon)), b = trim(p.substr(colon + 1));

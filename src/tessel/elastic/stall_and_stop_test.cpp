@@ -45,7 +45,7 @@ TEST(Stalls, AStoppedWorkerIsFencedWhenItsHeartbeatExpires) {
   const Job job{80};
   const auto cfg = config::testing::write_config(
       dir, corpus,
-      job.config() + "parallel: {dp: 3, timeout_s: 20}\nelastic: {heartbeat_timeout_s: 2}\n");
+      job.config() + "parallel: {dp: 3, timeout_s: 20}\nelastic: {heartbeat_timeout_s: 3}\n");
   std::string out;
   const int rc = train_with_killer(dir, cfg, kStopOneWorker, &out);
   const std::string log = read_text(dir / "train.out");

@@ -1,6 +1,8 @@
 #include "tessel/process/launcher.h"
 
 #include <sched.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -60,7 +62,19 @@ std::string prepare_store_dir(const LaunchOptions& o, const std::string& job_id,
     const char* tmp = std::getenv("TMPDIR");
     base = (tmp && *tmp) ? tmp : "/tmp";
   }
-  std::string tmpl = base + "/tessel-store-" + job_id + "-XXXXXX";
+  // Leftovers of launchers that were killed before they could remove theirs: their pid, in the
+  // name, is gone.
+  for (const auto& e : std::filesystem::directory_iterator(base, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("tessel-store-", 0) != 0) continue;
+    const auto pid = std::strtol(name.c_str() + 13, nullptr, 10);
+    if (pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code rm;
+      std::filesystem::remove_all(e.path(), rm);
+    }
+  }
+  std::string tmpl =
+      base + "/tessel-store-" + std::to_string(::getpid()) + "-" + job_id + "-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   TESSEL_CHECK(mkdtemp(buf.data()) != nullptr, IoError,
@@ -99,7 +113,7 @@ LaunchResult launch(const LaunchOptions& o) {
     TESSEL_CHECK(!ec, IoError, "launcher: cannot create log dir '{}': {}", o.log_dir, ec.message());
   }
   OwnedDir owned_store;
-  result.store_dir = prepare_store_dir(o, result.job_id, owned_store);
+  if (o.file_store) result.store_dir = prepare_store_dir(o, result.job_id, owned_store);
 
   SupervisorOptions so;
   so.log_dir = o.log_dir;
@@ -115,7 +129,7 @@ LaunchResult launch(const LaunchOptions& o) {
   so.env["WORLD_SIZE"] = so.env["LOCAL_WORLD_SIZE"] = so.env["TESSEL_WORLD_SIZE"] =
       std::to_string(o.world_size > 0 ? o.world_size : o.nproc);
   so.env["TESSEL_JOB_ID"] = result.job_id;
-  so.env["TESSEL_STORE_DIR"] = result.store_dir;
+  if (o.file_store) so.env["TESSEL_STORE_DIR"] = result.store_dir;
   so.env["TESSEL_GENERATION"] = "0";
 
   Supervisor sup(std::move(so));
@@ -255,6 +269,7 @@ LaunchResult launch(const LaunchOptions& o) {
       }
     }
   }
+  result.console_error = sup.console_error();
   if (interrupt_seen && result.failure.empty()) {
     result.failure =
         fmt::format("the launcher received {}; the workers were asked to save and stop",

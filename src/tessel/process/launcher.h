@@ -62,9 +62,14 @@ struct LaunchOptions {
   std::string log_dir;  // one file per rank, rank<R>.log (created if missing); empty: no files
   std::string job_id;   // TESSEL_JOB_ID; empty: 12 random hex digits
   // Rendezvous directory for Gloo's FileStore (TESSEL_STORE_DIR). Empty: a fresh directory
+  // (tessel-store-<launcher pid>-<job>-*; one whose launcher is gone -- killed before it could
+  // remove it -- is removed by the next launch that makes one in the same place)
   // under log_dir (or $TMPDIR, /tmp when log_dir is empty), removed when launch() returns. A
   // given directory is created if missing and left in place.
   std::string store_dir;
+  // false: no store directory and no TESSEL_STORE_DIR (the workers rendezvous through a control
+  // store, as those of `tessel train` do).
+  bool file_store = true;
   // After a failure or forwarded signal: how long the others get after SIGTERM before SIGKILL.
   std::chrono::milliseconds stop_timeout{10000};
   // After a failure: how long the others may take to end by themselves before SIGTERM.
@@ -117,6 +122,8 @@ struct LaunchResult {
                           // interrupted before any worker failed
   std::string job_id;     // the job id the workers saw
   std::string store_dir;  // the store dir the workers saw (removed already when it was default)
+  // Why the console lost lines (Supervisor::console_error); empty when it got them all.
+  std::string console_error;
 };
 
 // Runs the job to completion as described above. Throws ConfigError for bad options (nproc < 1,

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "tessel/core/error.h"
@@ -153,6 +154,38 @@ TEST(Launcher, GivenJobIdStoreDirAndOmpAreKept) {
   ASSERT_EQ(r.exit_code, 0) << r.failure;
   EXPECT_EQ(read_file(dir / "logs" / "rank0.log"), "job42 3\n");
   EXPECT_TRUE(std::filesystem::exists(dir / "store" / "x"));
+}
+
+// A launcher killed before it removed its default store dir leaves it behind: the next launch
+// that makes one in the same place removes it (its launcher's pid, in the name, is gone), and
+// keeps those of launchers still running.
+TEST(Launcher, StoreDirsOfLaunchersThatAreGoneAreRemoved) {
+  TempDir dir;
+  const pid_t gone = fork();
+  ASSERT_GE(gone, 0);
+  if (gone == 0) _exit(0);
+  ASSERT_EQ(waitpid(gone, nullptr, 0), gone);
+  const auto leftover = dir / "logs" / fmt::format("tessel-store-{}-oldjob-abc123", gone);
+  const auto running = dir / "logs" / fmt::format("tessel-store-{}-otherjob-def456", getpid());
+  std::filesystem::create_directories(leftover / "sub");
+  std::filesystem::create_directories(running);
+  auto r = launch(sh(1, "true", dir));
+  ASSERT_EQ(r.exit_code, 0) << r.failure;
+  EXPECT_FALSE(std::filesystem::exists(leftover));
+  EXPECT_TRUE(std::filesystem::exists(running));
+}
+
+// Workers that meet through a control store get no store dir at all.
+TEST(Launcher, NoFileStoreMeansNoStoreDir) {
+  TempDir dir;
+  auto o = sh(1, "echo \"STORE=${TESSEL_STORE_DIR-unset}\"", dir);
+  o.file_store = false;
+  auto r = launch(o);
+  ASSERT_EQ(r.exit_code, 0) << r.failure;
+  EXPECT_EQ(read_file(dir / "logs" / "rank0.log"), "STORE=unset\n");
+  EXPECT_TRUE(r.store_dir.empty());
+  for (const auto& e : std::filesystem::directory_iterator(dir / "logs"))
+    EXPECT_EQ(e.path().filename().string().rfind("tessel-store-", 0), std::string::npos);
 }
 
 TEST(Launcher, DefaultOmpThreadsSplitsCores) {

@@ -5,6 +5,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -93,6 +94,7 @@ int launch_training(const Args& args) {
   opt.world_size = cfg.max_workers();
   opt.job_id = random_job_id();
   opt.extra_env["TESSEL_ELASTIC"] = "1";
+  opt.file_store = false;  // every communicator meets through the control store
   auto coordinator =
       std::make_shared<elastic::Coordinator>(cfg, opt.job_id, opt.nproc, resume ? resume->step : 0);
   opt.extra_env["TESSEL_CONTROL_STORE"] = coordinator->endpoint();
@@ -113,6 +115,15 @@ int launch_training(const Args& args) {
   spdlog::info("job {}: `tessel ctl scale N` changes the number of workers", opt.job_id);
   std::fflush(stdout);  // the launcher writes workers' lines straight to fd 1
   auto result = process::launch(opt);
+  if (!result.console_error.empty()) {
+    // The training may have gone well, but what it printed did not all arrive.
+    fmt::print(
+        stderr, "tessel: the console output is incomplete: {}{}\n", result.console_error,
+        args.train_log_dir.empty()
+            ? ""
+            : fmt::format(" (every worker's lines are in {}/rank*.log)", args.train_log_dir));
+    if (result.exit_code == 0) return 1;
+  }
   const std::string stopped = coordinator->stop_reason();
   if (!stopped.empty() && (result.exit_code == 0 || result.exit_code == 128 + SIGTERM ||
                            result.exit_code == 128 + SIGINT)) {
@@ -276,7 +287,16 @@ int run(int argc, char** argv) {
   // Config mistakes exit 2 (like a usage error), everything else 1.
   try {
     set_log_level(args.log_level);
-    return action ? action() : 0;
+    const int rc = action ? action() : 0;
+    // What a command printed must have arrived: `tessel plan ... > /dev/full` is a failure, as
+    // for any Unix tool.
+    const bool flushed = std::fflush(stdout) == 0;
+    if (!flushed || std::ferror(stdout)) {
+      fmt::print(stderr, "tessel: cannot write the standard output: {}\n",
+                 flushed ? "an earlier write failed" : std::strerror(errno));
+      return rc != 0 ? rc : 1;
+    }
+    return rc;
   } catch (const ConfigError& e) {
     std::fflush(stdout);
     fmt::print(stderr, "tessel: {}: {}\n", e.kind(), e.what());

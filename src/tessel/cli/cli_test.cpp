@@ -74,6 +74,35 @@ TEST(Cli, AnIncompleteOutputIsNotASuccess) {
       << r.output;
 }
 
+// Standard output that cannot be written -- a full disk, /dev/full -- fails the command, as it
+// would any Unix tool, and says why on stderr; for a training run the console's copy of the
+// workers' lines is incomplete (their log files still hold them).
+TEST(Cli, StandardOutputThatCannotBeWrittenIsAFailure) {
+  TempDir dir;
+  Result r;
+  r.status = run_command("{ " + bin() + " presets 2>&3 >/dev/full; } 3>&1", &r.output);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot write the standard output: No space left on device"),
+            std::string::npos)
+      << r.output;
+
+  std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
+  ASSERT_EQ(tessel("data prepare --input " + (dir / "a.txt").string() + " --output " +
+                   (dir / "c.tok").string())
+                .status,
+            0);
+  std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\n"
+                                << "data: {path: c.tok, seq_len: 16}\n"
+                                << "training: {steps: 2, global_batch: 4, micro_batch: 2}\n";
+  r.status = run_command("{ TESSEL_CTL_DIR=" + (dir / "ctl").string() + " " + bin() + " train " +
+                             (dir / "t.yaml").string() + " 2>&3 >/dev/full; } 3>&1",
+                         &r.output);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the console output is incomplete: No space left on device"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(Cli, ConfigErrorsExitTwoWithOneLine) {
   TempDir dir;
   std::ofstream(dir / "bad.yaml")

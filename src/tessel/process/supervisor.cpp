@@ -231,6 +231,7 @@ struct Supervisor::Impl {
   Gate gate;
   SupervisorOptions o;
   int console = -1;
+  std::string console_error;  // why the console was given up (empty: it was not)
   SignalScope signals;
   Fd devnull;
   std::map<std::string, std::string> base_env;
@@ -397,7 +398,14 @@ struct Supervisor::Impl {
   void notice(const std::string& text) {
     if (console < 0) return;
     std::string line = "[" + o.name + "] " + text + "\n";
-    if (!write_all(console, line.data(), line.size())) console = -1;
+    if (!write_all(console, line.data(), line.size())) lose_console();
+  }
+
+  // The console cannot be written (closed, full, stuck): keep running, the logs still get every
+  // line; the caller says at the end that the console's copy is incomplete.
+  void lose_console() {
+    console_error = std::strerror(errno);
+    console = -1;
   }
 
   void emit(const Worker& w, std::string_view line, std::string& con, std::string& log) const {
@@ -413,9 +421,7 @@ struct Supervisor::Impl {
   }
 
   void flush(Worker& w, const std::string& con, const std::string& log) {
-    if (!con.empty() && console >= 0 && !write_all(console, con.data(), con.size())) {
-      console = -1;  // console closed (EPIPE) or stuck: keep running, the logs still get it
-    }
+    if (!con.empty() && console >= 0 && !write_all(console, con.data(), con.size())) lose_console();
     if (!log.empty() && w.log && !write_all(w.log.get(), log.data(), log.size())) {
       int e = errno;
       w.log.reset();
@@ -735,6 +741,10 @@ pid_t Supervisor::pid(int id) const {
 
 bool Supervisor::interrupted() const {
   return impl_->interrupt_sig != 0;
+}
+
+const std::string& Supervisor::console_error() const {
+  return impl_->console_error;
 }
 
 bool Supervisor::shutting_down() const {

@@ -156,6 +156,10 @@ class Supervisor {
   bool shutting_down() const;
   int interrupt_signal() const;
 
+  // Why the console stopped taking lines (closed, full: "No space left on device"); empty while
+  // it takes them. The workers' log files still hold every line.
+  const std::string& console_error() const;
+
   // Writes "[name] text\n" to the console (nothing when there is none).
   void notice(const std::string& text);
   // The log file of a spawned worker ("" when there is no log_dir); throws InvalidArgumentError

@@ -17,8 +17,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <vector>
 
 #include "tessel/comm/etcd_store.h"
@@ -26,7 +26,7 @@
 #include "tessel/comm/store_server.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
-#include "tessel/core/parse_number.h"
+#include "tessel/elastic/control_command.h"
 #include "tessel/elastic/reconfiguration.h"
 
 namespace tessel::elastic {
@@ -195,26 +195,19 @@ void Coordinator::watch_reports() {
 }
 
 std::string Coordinator::handle(const std::string& line) {
-  std::istringstream in(line);
-  std::string cmd;
-  in >> cmd;
-  if (cmd == "status") return decider_->status();
-  if (cmd == "stop") {
-    stop("`tessel ctl stop`");
-    return "ok: the workers save a checkpoint at their next step boundary and stop";
+  const auto c = parse_control_command(line);
+  switch (c.kind) {
+    case ControlCommand::Kind::status:
+      return decider_->status();
+    case ControlCommand::Kind::stop:
+      stop("`tessel ctl stop`");
+      return "ok: the workers save a checkpoint at their next step boundary and stop";
+    case ControlCommand::Kind::scale:
+      return decider_->scale(c.workers);
+    case ControlCommand::Kind::refused:
+      break;
   }
-  if (cmd != "scale")
-    return fmt::format("refused: unknown command '{}'; try: scale N, status, stop", cmd);
-  // Exactly one whole number: "scale 2.5", "scale 2abc" and "scale 1 2" are refused, not read
-  // as 2, 2 and 1.
-  std::string count, extra;
-  in >> count >> extra;
-  if (count.empty() || !extra.empty()) return "refused: scale takes one worker count (scale N)";
-  try {
-    return decider_->scale(int(parse_integer(count, "the worker count of `scale N`", 1, 1 << 20)));
-  } catch (const ConfigError& e) {
-    return fmt::format("refused: {}", e.what());
-  }
+  return c.refusal;
 }
 
 void Coordinator::watch_hosts_file() {
@@ -233,12 +226,9 @@ void Coordinator::watch_hosts_file() {
   const int64_t mtime = t.time_since_epoch().count();
   if (mtime == hosts_mtime_) return;
   hosts_mtime_ = mtime;
-  std::ifstream in(cfg_.hosts_file);
-  int slots = 0;
-  for (std::string line; std::getline(in, line);) {
-    const auto first = line.find_first_not_of(" \t\r");
-    if (first != std::string::npos && line[first] != '#') ++slots;
-  }
+  std::ifstream in(cfg_.hosts_file, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  const int slots = count_host_slots(text);
   // A new count (the file's first reading included) that differs from the job's asks for it.
   const bool changed = slots != hosts_slots_;
   hosts_slots_ = slots;

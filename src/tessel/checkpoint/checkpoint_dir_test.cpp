@@ -107,6 +107,47 @@ TEST(CheckpointDir, ResumingOnOtherDataIsRefusedAndTheSameDataElsewhereIsNot) {
   EXPECT_NO_THROW(check_resumable(other, old, "ck/step-2"));
 }
 
+// The newest checkpoint damaged on disk (one flipped byte in a rank file): a restart sets it
+// aside and resumes from the one before it, instead of failing on it at every start.
+TEST(CheckpointDir, ADamagedNewestCheckpointIsSetAsideAndTheOneBeforeIsResumedFrom) {
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const auto cfg = config::testing::write_config(
+      dir, corpus,
+      "training: {steps: 6, stop_at: 4, global_batch: 4, micro_batch: 2, threads: 1}\n"
+      "checkpoint: {dir: ck, every: 2, keep: 5}\n");
+  const std::string train =
+      fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2}",
+                  dir.path().string(), tessel::testing::tessel_binary().string(), cfg);
+  std::string out;
+  ASSERT_EQ(tessel::testing::run_command(train, &out), 0) << out;
+  const fs::path newest = dir / "ck" / checkpoint_step_name(4);
+  ASSERT_TRUE(fs::exists(newest / "manifest.json")) << out;
+  {
+    // A byte in the middle of the rank file: tensor data, which only a full read notices.
+    const auto file = newest / "rank-00000.safetensors";
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    const auto size = fs::file_size(file);
+    f.seekg(std::streamoff(size / 2));
+    char c = 0;
+    f.get(c);
+    f.seekp(std::streamoff(size / 2));
+    f.put(char(c ^ 0x10));
+  }
+  // `tessel train` to the end: resumes at step 2, not 4, and finishes.
+  config::testing::write_config(
+      dir, corpus,
+      "training: {steps: 6, global_batch: 4, micro_batch: 2, threads: 1}\n"
+      "checkpoint: {dir: ck, every: 2, keep: 5}\n",
+      "cfg.yaml");
+  ASSERT_EQ(tessel::testing::run_command(train, &out), 0) << out;
+  EXPECT_TRUE(contains(out, "is damaged")) << out;
+  EXPECT_TRUE(contains(out, "at step 2")) << out;
+  EXPECT_TRUE(fs::exists(dir / "ck" / (checkpoint_step_name(4) + ".corrupt")));
+  EXPECT_EQ(latest_sharded_checkpoint((dir / "ck").string()),
+            (dir / "ck" / checkpoint_step_name(6)).string());
+}
+
 // Runs `script` in a private mount namespace (so it may mount a tmpfs or a read-only bind);
 // false when this machine cannot make one.
 bool in_mount_namespace(const TempDir& dir, const std::string& script, std::string* out, int* rc) {

@@ -30,9 +30,42 @@ std::string checkpoint_step_name(int64_t step) {
   return fmt::format("step-{:08d}", step);
 }
 
+std::optional<std::string> newest_intact_checkpoint(const std::string& dir) {
+  std::vector<std::string> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step-", 0) == 0 && n.find('.') == std::string::npos)
+      steps.push_back(n);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // newest first (names sort by step)
+  std::optional<std::string> named;
+  try {
+    named = latest_sharded_checkpoint(dir);
+  } catch (const CorruptDataError& e) {
+    spdlog::warn("{}", e.what());  // `latest` is rewritten below
+  }
+  for (const auto& name : steps) {
+    const std::string path = (fs::path(dir) / name).string();
+    try {
+      store::CheckpointReader(path).verify();
+    } catch (const CorruptDataError& e) {
+      const std::string aside = path + ".corrupt";
+      fs::remove_all(aside, ec);
+      fs::rename(path, aside, ec);
+      spdlog::warn("checkpoint {} is damaged ({}); moved aside to {}, using the one before it",
+                   path, e.what(), aside);
+      continue;
+    }
+    if (named != path) write_file_atomically((fs::path(dir) / "latest").string(), name + "\n");
+    return path;
+  }
+  return std::nullopt;
+}
+
 std::optional<ResumePoint> find_resume_point(const config::TrainConfig& cfg) {
   if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return std::nullopt;
-  auto path = latest_sharded_checkpoint(cfg.checkpoint.dir);
+  auto path = newest_intact_checkpoint(cfg.checkpoint.dir);
   if (!path) return std::nullopt;
   return ResumePoint{*path, store::CheckpointReader(*path).meta().at("step").get<int64_t>()};
 }

@@ -37,7 +37,13 @@ std::string checkpoint_step_name(int64_t step);
 // CorruptDataError when `latest` names something that is not there.
 std::optional<std::string> latest_sharded_checkpoint(const std::string& dir);
 
-// Where a run of `cfg` starts: the newest complete checkpoint under checkpoint.dir when
+// The newest checkpoint under `dir` that reads back whole (CheckpointReader::verify: every byte
+// against its checksum). A newer one that does not -- damaged on disk, or by hand -- is moved
+// aside as step-N.corrupt (kept for a look, never read again) with a warning naming the damage,
+// and `latest` is pointed at the one returned. Nothing when no intact checkpoint is left.
+std::optional<std::string> newest_intact_checkpoint(const std::string& dir);
+
+// Where a run of `cfg` starts: the newest intact checkpoint under checkpoint.dir when
 // checkpoint.resume is on, with its step; nothing for a fresh start. `tessel train` decides this
 // once and tells its workers (runtime/worker_env.h: TESSEL_RESUME_FROM), so they cannot disagree.
 struct ResumePoint {

@@ -111,7 +111,11 @@ void ElasticWorker::skip_timeline_through(int64_t step) {
 bool ElasticWorker::resume() {
   std::optional<std::string> path;
   if (!env.resume_from) {
-    if (auto point = checkpoint::find_resume_point(cfg)) path = point->path;
+    // A worker of a fixed launch, told nothing: the checkpoint `latest` names. (`tessel train`
+    // decides once, verifying it, and tells every worker: several of them checking and setting
+    // aside damaged checkpoints at once would race.)
+    if (cfg.checkpoint.resume && !cfg.checkpoint.dir.empty())
+      path = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir);
   } else if (!env.resume_from->empty()) {
     path = *env.resume_from;
   }

@@ -157,7 +157,8 @@ std::set<int> Decider::state_holders() const {
 
 void Decider::start_recovery(const std::string& cause) {
   ++failures_;
-  recovery_.emplace();
+  // Not emplace(): clang 14 does not see the nested type as constructible here.
+  recovery_ = Recovery{};
   recovery_->cause = cause;
   recovery_->detected = Clock::now();
   recovery_->deadline = recovery_->detected + recovery_deadline(cfg_.comm_timeout_s);

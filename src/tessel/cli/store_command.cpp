@@ -4,10 +4,8 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -15,6 +13,7 @@
 #include "tessel/cli/output_guard.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
+#include "tessel/core/stop_signal.h"
 #include "tessel/store/checkpoint_store.h"
 #include "tessel/store/http_server.h"
 #include "tessel/store/npy.h"
@@ -121,11 +120,6 @@ int store_verify(const StoreArgs& a) {
   }
 }
 
-std::atomic<int> g_stop_signal{0};
-extern "C" void on_stop_signal(int sig) {
-  g_stop_signal = sig;
-}
-
 int store_serve(const StoreArgs& a) {
   store::StoreServerOptions options;
   options.host = a.host;
@@ -137,33 +131,16 @@ int store_serve(const StoreArgs& a) {
   options.limits.max_connections_per_client = size_t(a.max_connections_per_client);
   // Checks the host and token before anything else happens (ConfigError names the fix).
   store::StoreServer server(a.dir, options);
-  g_stop_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {
-  }, old_term{};
-  ::sigaction(SIGINT, &sa, &old_int);
-  ::sigaction(SIGTERM, &sa, &old_term);
-  auto restore = [&] {
-    ::sigaction(SIGINT, &old_int, nullptr);
-    ::sigaction(SIGTERM, &old_term, nullptr);
-  };
-  int port = 0;
-  try {
-    port = server.start();
-  } catch (...) {
-    restore();
-    throw;
-  }
+  // Ctrl-C or SIGTERM: stop serving, let the requests in flight finish, exit 0.
+  StopSignals stop;
+  const int port = server.start();
   fmt::print("serving {} ({} tensors) on http://{}:{}/v1/tensors{}; Ctrl-C stops\n", a.dir,
              server.reader().tensors().size(), a.host, port,
              server.requires_token() ? " (requests need \"Authorization: Bearer <token>\")" : "");
   std::fflush(stdout);
-  while (g_stop_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  while (stop_requested() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   server.stop();
-  restore();
-  fmt::print("stopped (signal {})\n", g_stop_signal.load());
+  fmt::print("stopped (signal {})\n", stop_requested());
   std::fflush(stdout);
   return 0;
 }

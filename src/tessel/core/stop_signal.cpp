@@ -31,6 +31,7 @@ StopSignals::StopSignals() {
   bool expected = false;
   TESSEL_CHECK(installed.compare_exchange_strong(expected, true), InvalidArgumentError,
                "StopSignals: one is installed already in this process");
+  received = 0;  // a request belongs to the installation that received it
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);

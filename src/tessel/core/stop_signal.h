@@ -20,7 +20,8 @@ class StopSignals {
   StopSignals& operator=(const StopSignals&) = delete;
 };
 
-// The first stop signal received while a StopSignals lived (0: none), e.g. SIGTERM.
+// The first stop signal received while the current (or last) StopSignals lived (0: none), e.g.
+// SIGTERM.
 int stop_requested();
 
 // Forgets a received signal (for a process that handled it and goes on, and for tests).

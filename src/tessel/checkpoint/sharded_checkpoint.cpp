@@ -30,7 +30,11 @@ std::string checkpoint_step_name(int64_t step) {
   return fmt::format("step-{:08d}", step);
 }
 
-std::optional<std::string> newest_intact_checkpoint(const std::string& dir) {
+namespace {
+
+// The names of the published step directories in `dir` (not staging, swapped-out or corrupt
+// ones, which carry a '.'), oldest first: the names sort by step.
+std::vector<std::string> step_dir_names(const std::string& dir) {
   std::vector<std::string> steps;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -38,7 +42,16 @@ std::optional<std::string> newest_intact_checkpoint(const std::string& dir) {
     if (e.is_directory() && n.rfind("step-", 0) == 0 && n.find('.') == std::string::npos)
       steps.push_back(n);
   }
-  std::sort(steps.rbegin(), steps.rend());  // newest first (names sort by step)
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+}  // namespace
+
+std::optional<std::string> newest_intact_checkpoint(const std::string& dir) {
+  auto steps = step_dir_names(dir);
+  std::reverse(steps.begin(), steps.end());  // newest first
+  std::error_code ec;
   std::optional<std::string> named;
   try {
     named = latest_sharded_checkpoint(dir);
@@ -139,14 +152,8 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
   writer.commit(num_ranks, meta);
   const std::string name = fs::path(writer.dir()).filename().string();
   { write_file_atomically((fs::path(dir) / "latest").string(), name + "\n"); }
-  // Keep the newest `keep` step directories (names sort by step).
-  std::vector<std::string> steps;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (e.is_directory() && n.rfind("step-", 0) == 0 && n.find('.') == std::string::npos)
-      steps.push_back(n);
-  }
-  std::sort(steps.begin(), steps.end());
+  // Keep the newest `keep` step directories.
+  const auto steps = step_dir_names(dir);
   for (size_t i = 0; i + size_t(std::max(keep, 1)) < steps.size(); ++i) {
     if (steps[i] == name) continue;
     std::error_code ec;

@@ -194,7 +194,10 @@ void RankTrainer::save_checkpoint() {
   std::vector<std::span<const float>> buffers;
   for (auto b : state_buffers()) buffers.emplace_back(b.data(), b.size());
   checkpoint::add_rank_state(writer, layout(), rank, buffers);
-  const auto meta = checkpoint::checkpoint_meta(cfg, plan, step, cursor);
+  // Only rank 0 commits, and only it needs the manifest's meta (which reads the data's
+  // fingerprint).
+  const auto meta =
+      rank == 0 ? checkpoint::checkpoint_meta(cfg, plan, step, cursor) : nlohmann::json();
   if (cfg.checkpoint.async) {
     finish_checkpoint();  // the previous save's failure is handled before this one starts
     async_step_ = step;

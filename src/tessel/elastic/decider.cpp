@@ -77,7 +77,7 @@ void Decider::fence(int process, const std::string& why) {
 void Decider::check_heartbeats() {
   std::set<int> alive;
   for (const auto& kv : store_->list(alive_prefix(job_)))
-    if (const int p = process_of(alive_prefix(job_), kv.key); p >= 0) alive.insert(p);
+    if (const int p = key_number(alive_prefix(job_), kv.key); p >= 0) alive.insert(p);
   for (int p : running_) {
     if (alive.contains(p))
       heartbeats_.insert(p);
@@ -91,7 +91,7 @@ void Decider::check_heartbeats() {
 std::vector<Decider::Start> Decider::leave() {
   std::vector<int> leaving, staying;
   for (const auto& kv : store_->list(leaving_prefix(job_)))
-    if (const int p = process_of(leaving_prefix(job_), kv.key); p >= 0 && !left_.contains(p))
+    if (const int p = key_number(leaving_prefix(job_), kv.key); p >= 0 && !left_.contains(p))
       leaving.push_back(p);
   std::erase_if(leaving, [&](int p) {
     return std::find(members_.begin(), members_.end(), p) == members_.end();

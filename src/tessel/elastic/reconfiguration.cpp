@@ -164,27 +164,22 @@ std::string stop_key(const std::string& job) {
   return job_prefix(job) + "decisions/stop";
 }
 
-int process_of(const std::string& prefix, const std::string& key) {
+int key_number(const std::string& prefix, const std::string& key) {
   if (key.size() <= prefix.size() || key.size() > prefix.size() + 9 ||
       key.compare(0, prefix.size(), prefix) != 0)
     return -1;
-  int p = 0;
+  int n = 0;
   for (size_t i = prefix.size(); i < key.size(); ++i) {
     if (key[i] < '0' || key[i] > '9') return -1;
-    p = p * 10 + (key[i] - '0');
+    n = n * 10 + (key[i] - '0');
   }
-  return p;
+  return n;
 }
 
 int record_generation(const std::string& job, const std::string& key) {
+  // Always 8 digits (record_key).
   const std::string prefix = records_prefix(job);
-  if (key.size() != prefix.size() + 8 || key.compare(0, prefix.size(), prefix) != 0) return -1;
-  int g = 0;
-  for (size_t i = prefix.size(); i < key.size(); ++i) {
-    if (key[i] < '0' || key[i] > '9') return -1;
-    g = g * 10 + (key[i] - '0');
-  }
-  return g;
+  return key.size() == prefix.size() + 8 ? key_number(prefix, key) : -1;
 }
 
 }  // namespace tessel::elastic

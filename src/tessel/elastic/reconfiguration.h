@@ -132,8 +132,9 @@ std::string leaving_key(const std::string& job, int process);
 // decisions/stop: the job stops (its reason as the value): every world saves at its next step
 // boundary and its processes exit.
 std::string stop_key(const std::string& job);
-// The process id ending `key` under `prefix`, or -1 when the key is not prefix + a number.
-int process_of(const std::string& prefix, const std::string& key);
+// The number ending `key` under `prefix` (a process id, a generation), or -1 when the key is not
+// prefix + up to 9 digits.
+int key_number(const std::string& prefix, const std::string& key);
 // The record's generation when `key` is a record key of the job, else -1.
 int record_generation(const std::string& job, const std::string& key);
 

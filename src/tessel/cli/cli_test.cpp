@@ -53,11 +53,8 @@ TEST(Cli, PrepareThenTrainTinyModel) {
   EXPECT_EQ(lines, 3);
 }
 
-// Metrics that cannot be written (here to /dev/full, as to a full disk) do not stop training,
-// but the run says its outputs are incomplete and does not end as a success; before, it printed
-// "done" and exited 0 with nothing written.
-TEST(Cli, AnIncompleteOutputIsNotASuccess) {
-  TempDir dir;
+// dir/t.yaml: two steps of gpt2-tiny on dir/c.tok (prepared here), with `extra` lines.
+void write_two_step_run(const TempDir& dir, const std::string& extra = "") {
   std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
   ASSERT_EQ(tessel("data prepare --input " + (dir / "a.txt").string() + " --output " +
                    (dir / "c.tok").string())
@@ -66,7 +63,15 @@ TEST(Cli, AnIncompleteOutputIsNotASuccess) {
   std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\n"
                                 << "data: {path: c.tok, seq_len: 16}\n"
                                 << "training: {steps: 2, global_batch: 4, micro_batch: 2}\n"
-                                << "output: {metrics: /dev/full}\n";
+                                << extra;
+}
+
+// Metrics that cannot be written (here to /dev/full, as to a full disk) do not stop training,
+// but the run says its outputs are incomplete and does not end as a success; before, it printed
+// "done" and exited 0 with nothing written.
+TEST(Cli, AnIncompleteOutputIsNotASuccess) {
+  TempDir dir;
+  write_two_step_run(dir, "output: {metrics: /dev/full}\n");
   const auto r = tessel("train " + (dir / "t.yaml").string());
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("outputs are incomplete: /dev/full: No space left on device"),
@@ -86,14 +91,7 @@ TEST(Cli, StandardOutputThatCannotBeWrittenIsAFailure) {
             std::string::npos)
       << r.output;
 
-  std::ofstream(dir / "a.txt") << std::string(3000, 'a') + "hello tessel, hello world. ";
-  ASSERT_EQ(tessel("data prepare --input " + (dir / "a.txt").string() + " --output " +
-                   (dir / "c.tok").string())
-                .status,
-            0);
-  std::ofstream(dir / "t.yaml") << "model: {preset: gpt2-tiny}\n"
-                                << "data: {path: c.tok, seq_len: 16}\n"
-                                << "training: {steps: 2, global_batch: 4, micro_batch: 2}\n";
+  write_two_step_run(dir);
   r.status = run_command("{ TESSEL_CTL_DIR=" + (dir / "ctl").string() + " " + bin() + " train " +
                              (dir / "t.yaml").string() + " 2>&3 >/dev/full; } 3>&1",
                          &r.output);

@@ -77,6 +77,29 @@ TEST(TrainConfig, HostSettingsAndOutputsAreConfigKeys) {
   EXPECT_NE(msg.find("network"), std::string::npos) << msg;
 }
 
+// The stall, stop and failed-save settings: read, and refused out of range with their key named.
+TEST(TrainConfig, HeartbeatStopGraceAndSaveFailurePolicyAreCheckedKeys) {
+  TempDir dir;
+  const std::string head = "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\n";
+  auto cfg =
+      TrainConfig::load(write(dir, head + "elastic: {heartbeat_timeout_s: 3, stop_grace_s: 0}\n"
+                                          "checkpoint: {dir: ck, on_error: stop}\n"));
+  EXPECT_EQ(cfg.heartbeat_timeout_s, 3);
+  EXPECT_EQ(cfg.stop_grace_s, 0);
+  EXPECT_EQ(cfg.checkpoint.on_error, "stop");
+  EXPECT_EQ(TrainConfig::load(write(dir, head)).checkpoint.on_error, "continue");
+  for (const char* bad :
+       {"elastic: {heartbeat_timeout_s: 0.5}\n", "elastic: {heartbeat_timeout_s: 5000}\n",
+        "elastic: {stop_grace_s: -1}\n", "checkpoint: {on_error: ignore}\n"}) {
+    const auto msg = error_of<ConfigError>(write(dir, head + bad));
+    const std::string key = std::string(bad).find("heartbeat") != std::string::npos
+                                ? "heartbeat_timeout_s"
+                            : std::string(bad).find("grace") != std::string::npos ? "stop_grace_s"
+                                                                                  : "on_error";
+    EXPECT_NE(msg.find(key), std::string::npos) << bad << ": " << msg;
+  }
+}
+
 TEST(TrainConfig, MalformedYamlNamesFileAndLine) {
   TempDir dir;
   auto msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny\ndata: [1, 2\n"));

@@ -107,6 +107,31 @@ TEST(CheckpointDir, ResumingOnOtherDataIsRefusedAndTheSameDataElsewhereIsNot) {
   EXPECT_NO_THROW(check_resumable(other, old, "ck/step-2"));
 }
 
+// A manifest whose meta misses a field or has one of the wrong type (damaged, or written by a
+// conversion, which holds weights only) is a CorruptDataError naming the checkpoint, not a JSON
+// library exception that ends the run as an "internal error".
+TEST(CheckpointDir, AMetaWithAFieldMissingOrOfTheWrongTypeIsCorruptDataNamingTheCheckpoint) {
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const auto cfg = config::TrainConfig::load(config::testing::write_config(
+      dir, corpus, "training: {steps: 4, global_batch: 4, micro_batch: 2}\n"));
+  const auto meta = checkpoint_meta(cfg, cfg.plan, 2, 8);
+  auto missing = meta;
+  missing.erase("data_seed");
+  auto wrong = meta;
+  wrong["data"]["path"] = 7;
+  wrong["data"]["fingerprint"] = {{"bytes", 1}};  // differs: the message reads the path
+  for (const auto& bad : {missing, wrong}) {
+    try {
+      check_resumable(cfg, bad, "ck/step-2");
+      ADD_FAILURE() << "resumed from " << bad.dump();
+    } catch (const CorruptDataError& e) {
+      EXPECT_TRUE(contains(e.what(), "ck/step-2")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "manifest.json")) << e.what();
+    }
+  }
+}
+
 // The newest checkpoint damaged on disk (one flipped byte in a rank file): a restart sets it
 // aside and resumes from the one before it, instead of failing on it at every start.
 TEST(CheckpointDir, ADamagedNewestCheckpointIsSetAsideAndTheOneBeforeIsResumedFrom) {
@@ -165,6 +190,58 @@ std::string train_script(const TempDir& dir, const std::string& cfg) {
          fmt::format("T='{} train {}'\n", tessel::testing::tessel_binary().string(), cfg);
 }
 
+// SIGTERM to a run that did not resume (checkpoint.resume: false) over a damaged newest checkpoint
+// (a header byte flipped: any read of its meta fails): the save at the stop reads what is
+// published, and must save rather than end the run on it. Before, the worker died with "corrupt
+// data" there and the job lost every step since the previous checkpoint (found by the fault soak:
+// a damaged checkpoint, then SIGTERM to the job).
+TEST(CheckpointDir, AStopOverADamagedNewestCheckpointStillSaves) {
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const std::string sections =
+      "training: {steps: 2000, global_batch: 4, micro_batch: 1, threads: 1}\n"
+      "parallel: {dp: 2, micro_batch: 1}\n"
+      "elastic: {stop_grace_s: 10}\n"
+      "output: {metrics: metrics.jsonl}\n";
+  std::string out;
+  // The first run: a checkpoint at step 2, whose header is then damaged.
+  config::testing::write_config(
+      dir, corpus,
+      "training: {steps: 2, global_batch: 4, micro_batch: 1, threads: 1}\n"
+      "parallel: {dp: 2, micro_batch: 1}\ncheckpoint: {dir: ck, every: 2}\n",
+      "first.yaml");
+  ASSERT_EQ(tessel::testing::run_command(train_script(dir, "first.yaml") + "$T 2>&1", &out), 0)
+      << out;
+  const fs::path damaged = dir / "ck" / checkpoint_step_name(2);
+  {
+    std::fstream f(damaged / "rank-00000.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(20);
+    f.put('#');  // inside the header's JSON
+  }
+  EXPECT_THROW(store::CheckpointReader{damaged.string()}, CorruptDataError);
+  config::testing::write_config(
+      dir, corpus, sections + "checkpoint: {dir: ck, every: 1000, resume: false}\n", "second.yaml");
+  const int rc = tessel::testing::run_command(
+      train_script(dir, "second.yaml") +
+          "$T > train.out 2>&1 &\nL=$!\n"
+          "for i in $(seq 3000); do [ -s metrics.jsonl ] && break; sleep 0.01; done\n"
+          "kill -TERM $L\nwait $L\necho train exit $?\ncat ck/latest\n",
+      &out);
+  std::string log;
+  {
+    std::ifstream in(dir / "train.out");
+    log.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(contains(out, "train exit 143")) << out << log;
+  EXPECT_TRUE(contains(log, "cannot be read")) << log;
+  // The stop's own checkpoint is published and reads (at step 2 it replaced the damaged one).
+  const auto latest = latest_sharded_checkpoint((dir / "ck").string());
+  ASSERT_TRUE(latest.has_value()) << log;
+  EXPECT_NO_THROW(store::CheckpointReader(*latest).verify()) << log;
+}
+
 TEST(CheckpointDir, AReadOnlyCheckpointDirIsRefusedBeforeTheFirstStep) {
   TempDir dir;
   const auto corpus = config::testing::make_corpus(dir);
@@ -187,15 +264,15 @@ TEST(CheckpointDir, AReadOnlyCheckpointDirIsRefusedBeforeTheFirstStep) {
 
 // The checkpoint disk fills up after the first save and is freed two saves later: the saves in
 // between fail, each leaving the previous checkpoint and nothing of its own, training goes on, and
-// the later saves succeed.
-TEST(CheckpointDir, AFullDiskKeepsThePreviousCheckpointAndTheNextIntervalSavesAgain) {
+// the later saves succeed. `sections` sets the layout and the kind of save.
+void expect_a_full_disk_keeps_the_previous_checkpoint(const std::string& sections) {
   TempDir dir;
   const auto corpus = config::testing::make_corpus(dir);
   const auto cfg = config::testing::write_config(
       dir, corpus,
       "training: {steps: 60, global_batch: 4, micro_batch: 2, threads: 1}\n"
-      "checkpoint: {dir: ck, every: 5, keep: 1}\n"
-      "output: {metrics: metrics.jsonl}\n");
+      "output: {metrics: metrics.jsonl}\n" +
+          sections);
   fs::create_directories(dir / "ck");
   std::string out;
   int rc = 0;
@@ -224,6 +301,19 @@ TEST(CheckpointDir, AFullDiskKeepsThePreviousCheckpointAndTheNextIntervalSavesAg
   EXPECT_TRUE(contains(log, "the previous checkpoint")) << log;
   EXPECT_TRUE(contains(out, "step-00000060")) << out;  // the last save succeeded
   EXPECT_FALSE(contains(out, ".tmp-")) << out;         // nothing left of the failed ones
+}
+
+TEST(CheckpointDir, AFullDiskKeepsThePreviousCheckpointAndTheNextIntervalSavesAgain) {
+  expect_a_full_disk_keeps_the_previous_checkpoint("checkpoint: {dir: ck, every: 5, keep: 1}\n");
+}
+
+// The same with background saves on two workers: a rank whose write fails marks it in the staging
+// directory, and rank 0 removes the directory once every rank is done with it (before, the failed
+// saves' staging directories stayed until the next start).
+TEST(CheckpointDir, AFullDiskDuringBackgroundSavesOnTwoWorkersLeavesNothingBehind) {
+  expect_a_full_disk_keeps_the_previous_checkpoint(
+      "checkpoint: {dir: ck, every: 5, keep: 1, async: true}\n"
+      "parallel: {dp: 2, micro_batch: 1}\n");
 }
 
 }  // namespace

@@ -255,7 +255,10 @@ nlohmann::json checkpoint_meta(const TrainConfig& cfg, const layout::Plan& plan,
           {"global_batch", cfg.training.global_batch}};
 }
 
-void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const std::string& path) {
+namespace {
+
+void check_resumable_meta(const TrainConfig& cfg, const nlohmann::json& meta,
+                          const std::string& path) {
   auto saved = meta.at("model");
   auto wanted = to_json(cfg.model);
   saved.erase("name");
@@ -288,6 +291,22 @@ void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const s
   if (saved_data.value("path", cfg.data.path) != cfg.data.path)
     spdlog::info("checkpoint '{}' was trained on '{}'; data.path '{}' holds the same tokens", path,
                  saved_data.value("path", std::string()), cfg.data.path);
+}
+
+}  // namespace
+
+void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const std::string& path) {
+  try {
+    check_resumable_meta(cfg, meta, path);
+  } catch (const nlohmann::json::exception& e) {
+    // A field missing or of the wrong type: a damaged manifest, or a checkpoint that `tessel
+    // train` did not write (a conversion holds weights only).
+    TESSEL_THROW(CorruptDataError,
+                 "checkpoint '{}' cannot be resumed from: the meta in its manifest.json is not "
+                 "what `tessel train` writes ({}); point checkpoint.dir at a training checkpoint "
+                 "or set checkpoint.resume: false",
+                 path, e.what());
+  }
 }
 
 void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,

@@ -41,15 +41,24 @@ std::shared_ptr<const data::TokenSource> open_data(const config::TrainConfig& cf
   return source;
 }
 
-// Waits until rank files 0..n-1 are in a save's staging directory (each appears whole: they are
-// renamed into place), bounded by `timeout`. `cancelled` (set when a peer failed) ends the wait
-// at once with PeerLostError.
-void wait_for_rank_files(const std::string& staging, int n, std::chrono::milliseconds timeout,
-                         const std::atomic<bool>& cancelled) {
+// Waits until every rank 0..n-1 has either its file (each appears whole: they are renamed into
+// place) or its failure marker in a save's staging directory, bounded by `timeout`; returns the
+// ranks that failed. Waiting for all of them, not just to the first failure, means nobody writes
+// into the directory any more once it is cleaned up. `cancelled` (set when a peer failed) ends
+// the wait at once with PeerLostError.
+std::vector<int> wait_for_rank_files(const std::string& staging, int n,
+                                     std::chrono::milliseconds timeout,
+                                     const std::atomic<bool>& cancelled) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int> failed;
   for (int r = 0; r < n; ++r) {
     const auto path = std::filesystem::path(staging) / store::rank_file_name(r);
+    const auto marker = std::filesystem::path(staging) / store::rank_failed_name(r);
     while (!std::filesystem::exists(path)) {
+      if (std::filesystem::exists(marker)) {
+        failed.push_back(r);
+        break;
+      }
       TESSEL_CHECK(!cancelled.load(), PeerLostError,
                    "checkpoint: a peer failed before rank {}'s file {} was written", r,
                    path.string());
@@ -59,6 +68,7 @@ void wait_for_rank_files(const std::string& staging, int n, std::chrono::millise
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
+  return failed;
 }
 
 }  // namespace
@@ -185,8 +195,17 @@ double RankTrainer::evaluate() {
 
 void RankTrainer::save_checkpoint() {
   const auto& dir = cfg.checkpoint.dir;
+  // The previous background save ends first on every rank (its failure handled here): past the
+  // barrier below nobody writes into its staging directory any more, so rank 0 removes what a
+  // failed one left (its own thread cleaned up already, unless a rank it stopped waiting for came
+  // later).
+  const int64_t previous = async_step_;
+  const bool previous_saved = finish_checkpoint();
   if (rank == 0) std::filesystem::create_directories(dir);
   groups.world->barrier();
+  if (rank == 0 && !previous_saved)
+    store::cleanup_interrupted_saves(
+        (std::filesystem::path(dir) / checkpoint::checkpoint_step_name(previous)).string());
   store::CheckpointWriterOptions opt;
   opt.save_id = fmt::format("{}-{}", env.job_id, step);
   store::CheckpointWriter writer(
@@ -199,30 +218,36 @@ void RankTrainer::save_checkpoint() {
   const auto meta =
       rank == 0 ? checkpoint::checkpoint_meta(cfg, plan, step, cursor) : nlohmann::json();
   if (cfg.checkpoint.async) {
-    finish_checkpoint();  // the previous save's failure is handled before this one starts
     async_step_ = step;
     // The state is already copied (add_rank_state): write in the background. Rank 0 then waits
-    // for every rank's file and publishes; a save that fails is reported and leaves the previous
-    // checkpoint in place, training goes on.
+    // for every rank's file and publishes; a save that fails on any rank is reported, its files
+    // are removed and the previous checkpoint stays, training goes on.
     const int world_size = plan.world();
     const auto timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
     const int keep = cfg.checkpoint.keep;
     const int r = rank;
     const std::atomic<bool>* cancelled = &save_cancelled_;
-    saver_.save(std::move(writer),
-                [world_size, meta, timeout, keep, r, dir, cancelled](store::CheckpointWriter& w) {
-                  if (r != 0) return;
-                  try {
-                    wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
-                    checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
-                  } catch (...) {
-                    // What the ranks wrote would fill the disk until the next start.
-                    store::cleanup_interrupted_saves(w.dir());
-                    throw;
-                  }
-                  spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)",
-                               w.dir(), double(w.bytes()) / 1e6);
-                });
+    saver_.save(std::move(writer), [world_size, meta, timeout, keep, r, dir, cancelled](
+                                       store::CheckpointWriter& w, std::exception_ptr write_error) {
+      if (r != 0) {
+        if (write_error) std::rethrow_exception(write_error);
+        return;
+      }
+      try {
+        const auto failed = wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
+        if (write_error) std::rethrow_exception(write_error);
+        TESSEL_CHECK(failed.empty(), IoError,
+                     "rank {} could not write its share of {} (see its log)",
+                     failed.empty() ? 0 : failed.front(), w.dir());
+        checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+      } catch (...) {
+        // What the ranks wrote would fill the disk until the next start.
+        store::cleanup_interrupted_saves(w.dir());
+        throw;
+      }
+      spdlog::info("saved checkpoint {} ({:.1f} MB from this rank, in the background)", w.dir(),
+                   double(w.bytes()) / 1e6);
+    });
     return;
   }
   // Every rank's outcome: one rank's full disk fails the whole save, on every rank alike.
@@ -255,15 +280,17 @@ void RankTrainer::save_checkpoint() {
               error.empty() ? "another rank could not write its share (see its log)" : error);
 }
 
-void RankTrainer::finish_checkpoint() {
+bool RankTrainer::finish_checkpoint() {
   try {
     saver_.wait();
+    return true;
   } catch (const IoError& e) {
     save_failed(cfg.checkpoint.dir, async_step_, e.what());
   } catch (const TimeoutError& e) {
-    // Rank 0 waited for a rank's file that a failed write never produced.
+    // Rank 0 waited for a rank's file that a failed write never produced, nor marked as failed.
     save_failed(cfg.checkpoint.dir, async_step_, e.what());
   }
+  return false;
 }
 
 void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std::string& why) {
@@ -283,13 +310,19 @@ void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std
 }
 
 // The barrier first: a member may still be finishing the previous world's background save of
-// this very step. Rank 0 looks at what is published.
+// this very step. Rank 0 looks at what is published; a published checkpoint it cannot read
+// (damaged on disk) is as good as none: this step is saved, and the run, which still holds its
+// whole state, does not end on it.
 void RankTrainer::save_checkpoint_unless_published() {
   groups.world->barrier();
   int64_t published = -1;
   if (rank == 0)
-    if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
-      published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
+    if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir)) try {
+        published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
+      } catch (const std::exception& e) {
+        spdlog::warn("the newest checkpoint cannot be read ({}); saving step {} anyway", e.what(),
+                     step);
+      }
   std::vector<int64_t> all(size_t(groups.world->size()));
   groups.world->all_gather(&published, 1, all.data());
   if (all[0] != step) save_checkpoint();

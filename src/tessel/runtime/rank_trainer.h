@@ -73,8 +73,9 @@ class RankTrainer {
   // checkpoint stays, and checkpoint.on_error says whether training goes on (the failure logged,
   // and kept as an incomplete output when it was the run's last save) or IoError ends it.
   void save_checkpoint();
-  // Ends the background save, if one runs; its failure is handled as above.
-  void finish_checkpoint();
+  // Ends the background save, if one runs; its failure is handled as above. False when it
+  // failed.
+  bool finish_checkpoint();
   // Saves this step's checkpoint unless checkpoint.dir has it published already (collective).
   void save_checkpoint_unless_published();
 

@@ -1,5 +1,7 @@
 #include "tessel/store/async_saver.h"
 
+#include <utility>
+
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
 
@@ -13,7 +15,7 @@ AsyncSaver::~AsyncSaver() {
   }
 }
 
-void AsyncSaver::save(CheckpointWriter writer, std::function<void(CheckpointWriter&)> then) {
+void AsyncSaver::save(CheckpointWriter writer, Then then) {
   wait();
   writer.snapshot();
   {
@@ -24,9 +26,16 @@ void AsyncSaver::save(CheckpointWriter writer, std::function<void(CheckpointWrit
     std::exception_ptr error;
     try {
       w.write_rank_file();
-      if (then) then(w);
     } catch (...) {
       error = std::current_exception();
+      w.mark_failed();
+    }
+    if (then) {
+      try {
+        then(w, std::exchange(error, nullptr));
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
     std::lock_guard lock(mutex_);
     error_ = error;

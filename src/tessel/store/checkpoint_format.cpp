@@ -85,6 +85,10 @@ std::string rank_file_name(int rank) {
   return fmt::format("rank-{:05d}.safetensors", rank);
 }
 
+std::string rank_failed_name(int rank) {
+  return fmt::format("rank-{:05d}.failed", rank);
+}
+
 std::string staging_dir_for(const std::string& dir, const std::string& save_id) {
   return detail::normalize_dir(dir) + ".tmp-" + save_id;
 }

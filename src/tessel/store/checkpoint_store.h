@@ -62,6 +62,9 @@ inline constexpr int kCheckpointVersion = 1;
 
 // "rank-00003.safetensors"
 std::string rank_file_name(int rank);
+// "rank-00003.failed": left in the staging directory by a rank whose write failed, so that the
+// committing rank stops waiting for its file (CheckpointWriter::mark_failed).
+std::string rank_failed_name(int rank);
 // DIR.tmp-<save_id>: where a save's files are written before the commit publishes them.
 std::string staging_dir_for(const std::string& dir, const std::string& save_id);
 
@@ -110,6 +113,10 @@ class CheckpointWriter {
 
   // Writes DIR.tmp-<id>/rank-<rank>.safetensors atomically; returns its path. Throws IoError.
   std::string write_rank_file();
+  // After write_rank_file() failed: leaves DIR.tmp-<id>/rank-<rank>.failed (an empty file) for
+  // the committing rank to find. Best effort (a full disk may refuse even that: the committer
+  // then waits for its timeout); returns whether the marker is there.
+  bool mark_failed() noexcept;
   // Builds index.json from rank files 0..num_ranks-1 (reading their headers only), writes
   // manifest.json last (with `meta`, a JSON object, under "meta") and publishes the checkpoint as
   // DIR. Call on one rank after every rank's write_rank_file() returned. Throws IoError when a

@@ -467,7 +467,10 @@ TEST(AsyncSaver, WritesTheSameBytesAsASynchronousSave) {
   }
   {
     AsyncSaver saver;
-    saver.save(writer_for(async_dir), [](CheckpointWriter& wr) { wr.commit(1, kMeta); });
+    saver.save(writer_for(async_dir), [](CheckpointWriter& wr, std::exception_ptr error) {
+      ASSERT_FALSE(error);
+      wr.commit(1, kMeta);
+    });
     // Training goes on: the buffers change while the save runs.
     for (auto& b : buffers) std::fill(b.begin(), b.end(), char(0x7f));
     saver.wait();
@@ -488,6 +491,34 @@ TEST(AsyncSaver, RethrowsTheBackgroundError) {
   saver.save(std::move(wr));
   EXPECT_THROW(saver.wait(), IoError);
   saver.wait();  // reported once
+}
+
+// A rank whose background write fails leaves its failure marker in the staging directory (the
+// committing rank stops waiting for its file there), and `then` still runs, with the write's
+// error, so that the committing rank can clean up: what it throws is the save's error.
+TEST(AsyncSaver, AFailedWriteLeavesItsMarkerAndStillRunsThenWithTheError) {
+  TempDir dir;
+  const auto ckpt = (dir / "ckpt").string();
+  const auto staging = staging_dir_for(ckpt, "s1");
+  // A directory where the rank file should go: the rename into place fails.
+  fs::create_directories(fs::path(staging) / rank_file_name(3));
+  std::vector<float> x(4);
+  CheckpointWriter wr(ckpt, 3, opts("s1", 100));
+  wr.add("x", Tensor::wrap(x.data(), Shape{4}));
+  AsyncSaver saver;
+  bool ran = false, marker_seen = false;
+  saver.save(std::move(wr), [&](CheckpointWriter& w, std::exception_ptr error) {
+    ran = true;
+    marker_seen = fs::exists(fs::path(w.staging_dir()) / rank_failed_name(3));
+    EXPECT_TRUE(error);
+    EXPECT_EQ(cleanup_interrupted_saves(w.dir()), 1);
+    throw TimeoutError("what then threw");
+  });
+  EXPECT_THROW(saver.wait(), TimeoutError);
+  EXPECT_TRUE(ran);
+  EXPECT_TRUE(marker_seen);
+  EXPECT_FALSE(fs::exists(staging));
+  EXPECT_EQ(rank_failed_name(3), "rank-00003.failed");
 }
 
 }  // namespace

@@ -317,6 +317,16 @@ std::string CheckpointWriter::write_rank_file() {
   return path;
 }
 
+bool CheckpointWriter::mark_failed() noexcept {
+  // Only inside a staging directory that exists: creating it again here could leave one behind
+  // after the committer has cleaned up.
+  const std::string path = (fs::path(staging_) / rank_failed_name(rank_)).string();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
 void CheckpointWriter::commit(int num_ranks, const nlohmann::json& meta) {
   TESSEL_CHECK(num_ranks >= 1, InvalidArgumentError, "commit needs num_ranks >= 1, got {}",
                num_ranks);

@@ -85,6 +85,21 @@ bool listening(const std::string& path) {
   return ok || err != ECONNREFUSED;
 }
 
+// Removes the sockets of jobs whose launcher was killed (SIGKILL, a crash): nobody listens on them
+// any more. Only those older than a minute: a job that has just bound its socket may not listen
+// yet, and refuses connections for that instant.
+void remove_stale_sockets(const std::string& dir) {
+  std::error_code ec;
+  const auto now = fs::file_time_type::clock::now();
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".sock" || !e.is_socket(ec)) continue;
+    const auto written = fs::last_write_time(e.path(), ec);
+    if (ec || now - written < std::chrono::minutes(1) || listening(e.path().string())) continue;
+    if (fs::remove(e.path(), ec))
+      spdlog::info("removed {}, a stale control socket", e.path().string());
+  }
+}
+
 void write_all(int fd, const std::string& s) {
   size_t off = 0;
   while (off < s.size()) {
@@ -122,6 +137,7 @@ Coordinator::Coordinator(config::TrainConfig cfg, std::string job_id, int initia
   std::error_code ec;
   // Only this user may reach the job: the directory 0700 (when it is ours), the socket 0600.
   if (fs::create_directories(dir, ec)) ::chmod(dir.c_str(), 0700);
+  remove_stale_sockets(dir);
   socket_path_ = (fs::path(dir) / (job_id_ + ".sock")).string();
   const auto addr = address_of(socket_path_);
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);

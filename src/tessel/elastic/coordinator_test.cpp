@@ -151,6 +151,42 @@ TEST(Coordinator, ScaleRequestsAreCheckedByThePlannerAndPublishedForTheWorkers) 
   unsetenv("TESSEL_CTL_DIR");
 }
 
+// A socket left by a launcher that was killed (nobody listens; older than a minute) is removed
+// when the next job starts in the same directory; a fresh one (a job that has bound but may not
+// listen yet) and a live job's socket are not.
+TEST(Coordinator, AStaleControlSocketIsRemovedWhenTheNextJobStarts) {
+  TempDir dir;
+  const auto ctl = dir / "ctl";
+  std::filesystem::create_directories(ctl);
+  setenv("TESSEL_CTL_DIR", ctl.c_str(), 1);
+  // Bound, then closed without unlinking: what a SIGKILLed launcher leaves.
+  auto leave_socket = [&](const std::string& name) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const auto path = (ctl / name).string();
+    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    ::close(fd);
+    return ctl / name;
+  };
+  const auto stale = leave_socket("killed.sock");
+  const auto fresh = leave_socket("starting.sock");
+  std::filesystem::last_write_time(
+      stale, std::filesystem::file_time_type::clock::now() - std::chrono::minutes(5));
+  auto cfg = config::TrainConfig::load(config::testing::write_config(
+      dir, (dir / "none.tok").string(), kTraining + "parallel: {dp: 2}\n"));
+  Coordinator live(cfg, "live", 2);
+  std::filesystem::last_write_time(
+      live.socket_path(), std::filesystem::file_time_type::clock::now() - std::chrono::minutes(5));
+  Coordinator next(cfg, "next", 2);
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(fresh));
+  EXPECT_TRUE(std::filesystem::exists(live.socket_path()));
+  EXPECT_TRUE(std::filesystem::exists(next.socket_path()));
+  unsetenv("TESSEL_CTL_DIR");
+}
+
 // The watched hosts file: a changed count of worker slots becomes a scale request; the same
 // count, blank lines and comments do not; a count the planner refuses publishes nothing.
 TEST(Coordinator, HostsFileChangesBecomeScaleRequests) {

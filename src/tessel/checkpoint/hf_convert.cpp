@@ -138,9 +138,15 @@ class HfConfigReader {
   HfConfigReader(const json& j, std::string what) : j_(j), what_(std::move(what)) {}
 
   bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
+  // For messages only: whatever the file says, never a second error while reporting the first.
+  std::string model_type() const {
+    return has("model_type") && j_.at("model_type").is_string()
+               ? j_.at("model_type").get<std::string>()
+               : std::string("model");
+  }
   int required_int(const char* key) const {
     TESSEL_CHECK(has(key), CorruptDataError, "{} has no '{}'; a {} config needs it", what_, key,
-                 j_.value("model_type", std::string("model")));
+                 model_type());
     return as_int(key);
   }
   int int_or(const char* key, int fallback) const { return has(key) ? as_int(key) : fallback; }

@@ -130,6 +130,7 @@ class JsonLines:
         self.offset = 0
         self.lines = []  # (offset, record)
         self.partial = b""
+        self.fragments = 0  # unfinished lines of killed writers
 
     def poll(self):
         try:
@@ -149,15 +150,29 @@ class JsonLines:
                 break
             line = data[pos:nl].strip()
             if line:
-                rec = (start + pos, json.loads(line))
-                self.lines.append(rec)
-                new.append(rec[1])
+                rec = (start + pos, self.parse(line))
+                if rec[1] is not None:
+                    self.lines.append(rec)
+                    new.append(rec[1])
             pos = nl + 1
         self.partial = data[pos:]
         return new
 
     def size(self):
         return self.offset
+
+    def parse(self, line):
+        """One record; a line that a killed worker left unfinished has the next record glued
+        to it: that record is kept, the fragment dropped."""
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self.fragments += 1
+            at = line.rfind(b'{"')
+            try:
+                return json.loads(line[at:]) if at > 0 else None
+            except json.JSONDecodeError:
+                return None
 
 
 class Job:
@@ -298,6 +313,8 @@ class Soak:
         return self.rng.choice(pids) if pids else None
 
     def kill(self, pid, sig=signal.SIGKILL):
+        if pid is None:
+            return False
         try:
             os.kill(pid, sig)
             return True
@@ -347,8 +364,12 @@ class Soak:
             pid = self.victim()
             sig = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP,
                    "sigterm_worker": signal.SIGTERM}[kind]
-            self.kill(pid, sig)
-            gone = (lambda: proc_stat(pid) is None or proc_stat(pid)[0] == "Z")
+            if pid is None or not self.kill(pid, sig):
+                return f"{sig.name}: no worker to signal", None
+
+            def gone():
+                st = proc_stat(pid)
+                return st is None or st[0] == "Z"
             return f"{sig.name} worker {pid}", gone
         if kind == "kill_in_save":
             if not self.wait_for(lambda: self.staging(), 20):
@@ -420,17 +441,16 @@ class Soak:
         free = st.f_bavail * st.f_frsize
         newest = self.checkpoints()[-1:] or [None]
         failures = self.count_in_logs(SAVE_FAILED)
-        with open(fill, "wb") as f:
+        fd = os.open(fill, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
             left = max(0, free - 64 * 1024)
             chunk = b"\0" * (1 << 20)
-            try:
-                while left > 0:
-                    n = min(left, len(chunk))
-                    f.write(chunk[:n])
-                    left -= n
-                f.flush()
-            except OSError:
-                pass
+            while left > 0:
+                left -= os.write(fd, chunk[:min(left, len(chunk))])
+        except OSError:
+            pass  # full already: a save is being staged
+        finally:
+            os.close(fd)
         failed = self.wait_for(lambda: self.count_in_logs(SAVE_FAILED) > failures, 30)
         fill.unlink()
         detail = (f"filled the checkpoint disk ({free >> 20} MiB free) "
@@ -725,6 +745,7 @@ def main():
         "restarts": len(job.runs) - 1,
         "recovery_s_median": sorted(f["recovery_s"] for f in faults)[len(faults) // 2]
         if faults else 0,
+        "recovery_s_max": max((f["recovery_s"] for f in faults), default=0),
         "minutes": args.minutes,
         "seed": args.seed,
     }

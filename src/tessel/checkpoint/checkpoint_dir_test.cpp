@@ -184,6 +184,74 @@ bool in_mount_namespace(const TempDir& dir, const std::string& script, std::stri
   return true;
 }
 
+// Every checkpoint damaged: the run refuses to start from scratch (which would throw away what
+// the job trained) and says how to choose; `latest`, which named a damaged one, is removed; with
+// checkpoint.resume: false it starts afresh. Before, it logged a warning and trained from step 0
+// (found by the fault soak, after two damaged checkpoints in a row).
+TEST(CheckpointDir, NoIntactCheckpointLeftIsAnErrorNotAFreshStart) {
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const std::string training =
+      "training: {steps: 4, global_batch: 4, micro_batch: 2, threads: 1}\n";
+  const auto cfg =
+      config::testing::write_config(dir, corpus, training + "checkpoint: {dir: ck, every: 4}\n");
+  const std::string train =
+      fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2} 2>&1",
+                  dir.path().string(), tessel::testing::tessel_binary().string(), cfg);
+  std::string out;
+  ASSERT_EQ(tessel::testing::run_command(train, &out), 0) << out;
+  const fs::path only = dir / "ck" / checkpoint_step_name(4);
+  {
+    std::fstream f(only / "rank-00000.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(20);
+    f.put('#');
+  }
+  std::string refused;
+  EXPECT_NE(tessel::testing::run_command(train, &refused), 0) << refused;
+  EXPECT_TRUE(contains(refused, "no intact checkpoint")) << refused;
+  EXPECT_TRUE(contains(refused, "checkpoint.resume: false")) << refused;
+  EXPECT_FALSE(contains(refused, "training gpt2-tiny")) << refused;  // no step was trained
+  EXPECT_TRUE(fs::exists(dir / "ck" / (checkpoint_step_name(4) + ".corrupt")));
+  EXPECT_FALSE(fs::exists(dir / "ck" / "latest"));
+  // Again: the set-aside checkpoint still shows that the job saved here before.
+  std::string again;
+  EXPECT_NE(tessel::testing::run_command(train, &again), 0) << again;
+  EXPECT_TRUE(contains(again, "no intact checkpoint")) << again;
+  config::testing::write_config(
+      dir, corpus, training + "checkpoint: {dir: ck, every: 4, resume: false}\n", "cfg.yaml");
+  std::string fresh;
+  EXPECT_EQ(tessel::testing::run_command(train, &fresh), 0) << fresh;
+}
+
+// A checkpoint set aside as damaged is kept until `keep` newer intact ones exist, then removed
+// with the others retention removes: set-aside copies must not fill the disk the next saves need
+// (the fault soak's 48 MiB disk filled up with them).
+TEST(CheckpointDir, SetAsideCheckpointsAreRemovedOnceKeepNewerOnesExist) {
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const auto cfg = config::testing::write_config(
+      dir, corpus,
+      "training: {steps: 8, global_batch: 4, micro_batch: 2, threads: 1}\n"
+      "checkpoint: {dir: ck, every: 2, keep: 2, resume: false}\n");
+  for (const char* name : {"step-00000001.corrupt", "step-00000007.corrupt"}) {
+    fs::create_directories(dir / "ck" / name);
+    std::ofstream(dir / "ck" / name / "rank-00000.safetensors") << "damaged";
+  }
+  std::string out;
+  ASSERT_EQ(tessel::testing::run_command(
+                fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2} 2>&1",
+                            dir.path().string(), tessel::testing::tessel_binary().string(), cfg),
+                &out),
+            0)
+      << out;
+  // Kept: step-6 and step-8. The set-aside step-1 is older than both; step-7 is not.
+  EXPECT_FALSE(fs::exists(dir / "ck" / "step-00000001.corrupt"));
+  EXPECT_TRUE(fs::exists(dir / "ck" / "step-00000007.corrupt"));
+  EXPECT_TRUE(fs::exists(dir / "ck" / checkpoint_step_name(6)));
+  EXPECT_FALSE(fs::exists(dir / "ck" / checkpoint_step_name(4)));
+}
+
 std::string train_script(const TempDir& dir, const std::string& cfg) {
   return fmt::format("cd {} && export TESSEL_CTL_DIR={}/ctl OMP_NUM_THREADS=1\n",
                      dir.path().string(), dir.path().string()) +

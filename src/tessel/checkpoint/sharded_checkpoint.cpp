@@ -73,13 +73,35 @@ std::optional<std::string> newest_intact_checkpoint(const std::string& dir) {
     if (named != path) write_file_atomically((fs::path(dir) / "latest").string(), name + "\n");
     return path;
   }
+  // `latest` would name what is not there: later reads of it must not fail on it.
+  fs::remove(fs::path(dir) / "latest", ec);
   return std::nullopt;
 }
 
 std::optional<ResumePoint> find_resume_point(const config::TrainConfig& cfg) {
   if (cfg.checkpoint.dir.empty() || !cfg.checkpoint.resume) return std::nullopt;
-  auto path = newest_intact_checkpoint(cfg.checkpoint.dir);
-  if (!path) return std::nullopt;
+  const auto& dir = cfg.checkpoint.dir;
+  // What shows that a run saved here before: `latest`, a checkpoint, one set aside as damaged.
+  std::vector<std::string> seen;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n == "latest" || (n.rfind("step-", 0) == 0 && n.find(".tmp-") == std::string::npos))
+      seen.push_back(n);
+  }
+  auto path = newest_intact_checkpoint(dir);
+  if (!path) {
+    // Starting from scratch here would silently throw away what the job trained.
+    std::sort(seen.begin(), seen.end());
+    std::string list;
+    for (const auto& n : seen) list += (list.empty() ? "" : ", ") + n;
+    TESSEL_CHECK(seen.empty(), CorruptDataError,
+                 "checkpoint.dir '{}' has no intact checkpoint to resume from (found: {}; damaged "
+                 "ones are set aside as step-N.corrupt): restore a checkpoint there, or set "
+                 "checkpoint.resume: false to start from scratch",
+                 dir, list);
+    return std::nullopt;
+  }
   return ResumePoint{*path, store::CheckpointReader(*path).meta().at("step").get<int64_t>()};
 }
 
@@ -154,10 +176,24 @@ void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nl
   { write_file_atomically((fs::path(dir) / "latest").string(), name + "\n"); }
   // Keep the newest `keep` step directories.
   const auto steps = step_dir_names(dir);
-  for (size_t i = 0; i + size_t(std::max(keep, 1)) < steps.size(); ++i) {
+  const size_t kept = size_t(std::max(keep, 1));
+  for (size_t i = 0; i + kept < steps.size(); ++i) {
     if (steps[i] == name) continue;
     std::error_code ec;
     fs::remove_all(fs::path(dir) / steps[i], ec);
+  }
+  // A checkpoint set aside as damaged (step-N.corrupt) is kept for a look until `keep` newer
+  // intact ones exist, so that set-aside copies cannot fill the disk the next saves need.
+  if (steps.size() < kept) return;
+  const std::string oldest_kept = steps[steps.size() - kept];
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step-", 0) == 0 && n.ends_with(".corrupt") &&
+        n.substr(0, n.size() - std::string_view(".corrupt").size()) < oldest_kept) {
+      std::error_code rm;
+      fs::remove_all(e.path(), rm);
+    }
   }
 }
 

@@ -40,12 +40,15 @@ std::optional<std::string> latest_sharded_checkpoint(const std::string& dir);
 // The newest checkpoint under `dir` that reads back whole (CheckpointReader::verify: every byte
 // against its checksum). A newer one that does not -- damaged on disk, or by hand -- is moved
 // aside as step-N.corrupt (kept for a look, never read again) with a warning naming the damage,
-// and `latest` is pointed at the one returned. Nothing when no intact checkpoint is left.
+// and `latest` is pointed at the one returned. Nothing when no intact checkpoint is left (and
+// `latest`, which would name nothing, is removed).
 std::optional<std::string> newest_intact_checkpoint(const std::string& dir);
 
 // Where a run of `cfg` starts: the newest intact checkpoint under checkpoint.dir when
 // checkpoint.resume is on, with its step; nothing for a fresh start. `tessel train` decides this
 // once and tells its workers (runtime/worker_env.h: TESSEL_RESUME_FROM), so they cannot disagree.
+// Throws CorruptDataError when the directory shows earlier saves (`latest`, step-N, step-N.corrupt)
+// but none is intact: a silent fresh start would throw away what the job trained.
 struct ResumePoint {
   std::string path;
   int64_t step = 0;
@@ -85,7 +88,8 @@ void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& 
                     const std::vector<std::span<const float>>& buffers);
 
 // On one rank, after every rank's write_rank_file(): commits the checkpoint of `step` (written by
-// `writer` into dir/step-N), points `latest` at it and removes all but the newest `keep`.
+// `writer` into dir/step-N), points `latest` at it and removes all but the newest `keep`, and
+// the damaged ones set aside (step-N.corrupt) older than every kept one.
 void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nlohmann::json& meta,
                         const std::string& dir, int keep);
 

@@ -340,7 +340,9 @@ std::vector<Decider::Start> Decider::recover() {
   in.next_process_id = next_process_id_;
   in.replace_failed = cfg_.replace_failed;
   if (!cfg_.checkpoint.dir.empty())
-    in.checkpoint = checkpoint::newest_intact_checkpoint(cfg_.checkpoint.dir);
+    in.find_checkpoint = [dir = cfg_.checkpoint.dir] {
+      return checkpoint::newest_intact_checkpoint(dir);
+    };
   auto m = decide_recovery(cfg_, in);
   m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
   m.record["planning_s_coordinator"] = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -104,13 +104,16 @@ Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryIn
     return m;
   }
 
-  TESSEL_CHECK(in.checkpoint.has_value(), Error,
+  const auto checkpoint =
+      in.checkpoint ? in.checkpoint
+                    : (in.find_checkpoint ? in.find_checkpoint() : std::optional<std::string>());
+  TESSEL_CHECK(checkpoint.has_value(), Error,
                "{}; state has no surviving copy ({}) and there is no checkpoint to restore it "
                "from: set checkpoint.dir and checkpoint.every in the config so a job can survive "
                "losing the only copy of some state",
                in.cause, lost);
-  store::CheckpointReader reader(*in.checkpoint);
-  m.checkpoint = *in.checkpoint;
+  store::CheckpointReader reader(*checkpoint);
+  m.checkpoint = *checkpoint;
   // Every rank reads from the checkpoint; `from` only names the plan that failed (the newest
   // any survivor held) for the event line.
   m.from = m.to;

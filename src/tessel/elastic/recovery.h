@@ -20,6 +20,7 @@
 //     survivors beyond it leave.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +39,10 @@ struct RecoveryInput {
   int next_process_id = 0;             // the first id free for new processes
   bool replace_failed = false;
   std::optional<std::string> checkpoint;  // the newest published checkpoint (a step-N directory)
+  // When `checkpoint` is unset: finds it, called only when the survivors do not hold the whole
+  // state (verifying a checkpoint reads all of it; a recovery from replicas must not wait on that,
+  // nor set aside checkpoints while the survivors may be publishing one).
+  std::function<std::optional<std::string>()> find_checkpoint;
 };
 
 // The recovery's switch description (Reconfiguration with recovery set; `record` carries lost,

@@ -49,7 +49,15 @@ TEST(Recovery, ReplicasCarryTheStateLive) {
   in.failures = 1;
   in.generation = 1;
   in.next_process_id = 4;
+  // Recovering from replicas never looks for a checkpoint: verifying one reads all of it, and
+  // the decider's search sets damaged ones aside while the survivors may be publishing.
+  int looked = 0;
+  in.find_checkpoint = [&] {
+    ++looked;
+    return std::optional<std::string>();
+  };
   auto m = decide_recovery(cfg, in);
+  EXPECT_EQ(looked, 0);
   EXPECT_TRUE(m.recovery);
   EXPECT_TRUE(m.checkpoint.empty());
   // Step 7 is held whole by process 3 alone (a full replica): the newest state wins.
@@ -112,8 +120,13 @@ TEST(Recovery, LostOptimizerShardsRollBackToTheCheckpoint) {
   in.reports = {report(cfg, cfg.plan, 0, 0, 6)};
   in.dead = {1};
   in.cause = "worker 1 was killed";
-  in.checkpoint = ck;
+  int looked = 0;
+  in.find_checkpoint = [&] {  // only when the survivors lack some state
+    ++looked;
+    return ck;
+  };
   auto m = decide_recovery(cfg, in);
+  EXPECT_EQ(looked, 1);
   EXPECT_EQ(m.checkpoint, *ck);
   EXPECT_EQ(m.from, cfg.plan.with_defaults(cfg.model));  // the plan that failed, for the event
   EXPECT_EQ(m.step, 4);

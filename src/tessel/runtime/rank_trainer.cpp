@@ -297,7 +297,12 @@ void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std
   TESSEL_CHECK(cfg.checkpoint.on_error != "stop", IoError,
                "checkpoint {} could not be saved: {} (checkpoint.on_error: stop ends the job)", dir,
                why);
-  const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir);
+  std::optional<std::string> latest;
+  try {
+    latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir);
+  } catch (const Error&) {
+    // `latest` names nothing readable: the message says there is no earlier checkpoint.
+  }
   spdlog::error(
       "checkpoint {} not saved: {}; {}; training goes on and saves again at the next "
       "interval",
@@ -316,13 +321,13 @@ void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std
 void RankTrainer::save_checkpoint_unless_published() {
   groups.world->barrier();
   int64_t published = -1;
-  if (rank == 0)
-    if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir)) try {
+  if (rank == 0) try {
+      if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
         published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
-      } catch (const std::exception& e) {
-        spdlog::warn("the newest checkpoint cannot be read ({}); saving step {} anyway", e.what(),
-                     step);
-      }
+    } catch (const std::exception& e) {
+      spdlog::warn("the newest checkpoint cannot be read ({}); saving step {} anyway", e.what(),
+                   step);
+    }
   std::vector<int64_t> all(size_t(groups.world->size()));
   groups.world->all_gather(&published, 1, all.data());
   if (all[0] != step) save_checkpoint();

@@ -10,8 +10,9 @@ Faults (one at a time; the next fires once the job has recovered from the last, 
   sigterm_worker   SIGTERM of a random worker: a preemption notice, a planned leave
   kill_in_save     SIGKILL of a random worker while a checkpoint is being staged (a step-N.tmp-*
                    directory exists)
-  kill_in_switch   SIGKILL of a random worker 0-0.6 s after a scale request, or a second SIGKILL
-                   0.05-0.3 s after a first (while the job recovers from it)
+  kill_in_switch   SIGKILL of a random worker 0-0.6 s after a scale request (recovered once the
+                   job runs the requested count: the failure must not swallow the request), or a
+                   second SIGKILL 0.05-0.3 s after a first (while the job recovers from it)
   disk_full        the checkpoint disk (a small tmpfs) filled to its last 64 KiB until a save has
                    failed, then freed
   corrupt          a byte flipped in the newest checkpoint's tensor data
@@ -386,7 +387,9 @@ class Soak:
                 time.sleep(self.rng.uniform(0, 0.6))
                 pid = self.victim()
                 self.kill(pid)
-                return f"scale {n} (rc {rc}) then SIGKILL worker {pid}", None
+                # The failure must not swallow the request: the job ends up on n workers.
+                return (f"scale {n} (rc {rc}) then SIGKILL worker {pid}",
+                        lambda: rc == 0 and job.workers == n)
             first = self.victim()
             self.kill(first)
             time.sleep(self.rng.uniform(0.05, 0.3))

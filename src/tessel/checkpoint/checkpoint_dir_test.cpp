@@ -132,6 +132,19 @@ TEST(CheckpointDir, AMetaWithAFieldMissingOrOfTheWrongTypeIsCorruptDataNamingThe
   }
 }
 
+// `tessel train cfg` in `dir`, as one shell line (its output on stdout).
+std::string train_command(const TempDir& dir, const std::string& cfg) {
+  return fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2} 2>&1",
+                     dir.path().string(), tessel::testing::tessel_binary().string(), cfg);
+}
+
+// Flips a byte inside a rank file's header JSON: any read of the checkpoint's meta then fails.
+void damage_header(const fs::path& rank_file) {
+  std::fstream f(rank_file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(20);
+  f.put('#');
+}
+
 // The newest checkpoint damaged on disk (one flipped byte in a rank file): a restart sets it
 // aside and resumes from the one before it, instead of failing on it at every start.
 TEST(CheckpointDir, ADamagedNewestCheckpointIsSetAsideAndTheOneBeforeIsResumedFrom) {
@@ -141,9 +154,7 @@ TEST(CheckpointDir, ADamagedNewestCheckpointIsSetAsideAndTheOneBeforeIsResumedFr
       dir, corpus,
       "training: {steps: 6, stop_at: 4, global_batch: 4, micro_batch: 2, threads: 1}\n"
       "checkpoint: {dir: ck, every: 2, keep: 5}\n");
-  const std::string train =
-      fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2}",
-                  dir.path().string(), tessel::testing::tessel_binary().string(), cfg);
+  const std::string train = train_command(dir, cfg);
   std::string out;
   ASSERT_EQ(tessel::testing::run_command(train, &out), 0) << out;
   const fs::path newest = dir / "ck" / checkpoint_step_name(4);
@@ -195,18 +206,11 @@ TEST(CheckpointDir, NoIntactCheckpointLeftIsAnErrorNotAFreshStart) {
       "training: {steps: 4, global_batch: 4, micro_batch: 2, threads: 1}\n";
   const auto cfg =
       config::testing::write_config(dir, corpus, training + "checkpoint: {dir: ck, every: 4}\n");
-  const std::string train =
-      fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2} 2>&1",
-                  dir.path().string(), tessel::testing::tessel_binary().string(), cfg);
+  const std::string train = train_command(dir, cfg);
   std::string out;
   ASSERT_EQ(tessel::testing::run_command(train, &out), 0) << out;
   const fs::path only = dir / "ck" / checkpoint_step_name(4);
-  {
-    std::fstream f(only / "rank-00000.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(20);
-    f.put('#');
-  }
+  damage_header(only / "rank-00000.safetensors");
   std::string refused;
   EXPECT_NE(tessel::testing::run_command(train, &refused), 0) << refused;
   EXPECT_TRUE(contains(refused, "no intact checkpoint")) << refused;
@@ -239,12 +243,7 @@ TEST(CheckpointDir, SetAsideCheckpointsAreRemovedOnceKeepNewerOnesExist) {
     std::ofstream(dir / "ck" / name / "rank-00000.safetensors") << "damaged";
   }
   std::string out;
-  ASSERT_EQ(tessel::testing::run_command(
-                fmt::format("cd {0} && TESSEL_CTL_DIR={0}/ctl OMP_NUM_THREADS=1 {1} train {2} 2>&1",
-                            dir.path().string(), tessel::testing::tessel_binary().string(), cfg),
-                &out),
-            0)
-      << out;
+  ASSERT_EQ(tessel::testing::run_command(train_command(dir, cfg), &out), 0) << out;
   // Kept: step-6 and step-8. The set-aside step-1 is older than both; step-7 is not.
   EXPECT_FALSE(fs::exists(dir / "ck" / "step-00000001.corrupt"));
   EXPECT_TRUE(fs::exists(dir / "ck" / "step-00000007.corrupt"));
@@ -281,12 +280,7 @@ TEST(CheckpointDir, AStopOverADamagedNewestCheckpointStillSaves) {
   ASSERT_EQ(tessel::testing::run_command(train_script(dir, "first.yaml") + "$T 2>&1", &out), 0)
       << out;
   const fs::path damaged = dir / "ck" / checkpoint_step_name(2);
-  {
-    std::fstream f(damaged / "rank-00000.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(20);
-    f.put('#');  // inside the header's JSON
-  }
+  damage_header(damaged / "rank-00000.safetensors");
   EXPECT_THROW(store::CheckpointReader{damaged.string()}, CorruptDataError);
   config::testing::write_config(
       dir, corpus, sections + "checkpoint: {dir: ck, every: 1000, resume: false}\n", "second.yaml");

@@ -75,9 +75,11 @@ std::string read_line(int fd, int timeout_ms, size_t max_bytes) {
 }
 
 // Whether a process listens on the Unix socket at `path` (a refused connection: a leftover).
+// Non-blocking: a live job whose backlog is full answers EAGAIN at once instead of making the
+// caller wait.
 bool listening(const std::string& path) {
   const auto addr = address_of(path);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return true;  // cannot tell: keep it, connecting later names the error
   const bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
   const int err = errno;

@@ -219,6 +219,18 @@ void CommState::abort(const std::string& reason) noexcept {
   close_connections();
 }
 
+void CommState::settled() {
+  mesh_settling = false;
+  bool aborted = false;
+  {
+    // abort() sets aborted_ under this lock before it looks at mesh_settling: either it saw the
+    // flag cleared and closed the connections itself, or this sees aborted_.
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted = aborted_;
+  }
+  if (aborted) close_connections();
+}
+
 std::string CommState::where(const char* op, int peer) const {
   std::string s = fmt::format("{} on group '{}' (rank {} of {}", op, name, rank, size);
   if (peer >= 0) s += fmt::format(", peer rank {}", peer);
@@ -246,7 +258,7 @@ void CommState::ensure_healthy(const char* op) {
 }
 
 void CommState::close_connections() noexcept {
-  if (!context) return;
+  if (!context || mesh_settling.load()) return;
   try {
     context->closeConnections();
   } catch (...) {

@@ -20,16 +20,18 @@
 // operation at its start, and the failing rank closes its connections so the peers that were
 // waiting on it fail in turn.
 //
-// abort() (Communicator::abort) is the one entry point used from a thread other than the user
-// thread. It only touches what mu_ guards (the verdict, the aborted flag, the current wait) and
-// then closes the connections, which Gloo serializes per pair; the user thread's own fields
-// (failure_kind, failure, next_tag, scratch) stay single-threaded. A wait registered after the
-// abort throws at once, a wait registered before it is aborted, so no wait blocks after abort.
+// abort() (Communicator::abort, or the callback a StoreOptions::abort_signal runs on the thread
+// that fires it) is the one entry point used from a thread other than the user thread. It only
+// touches what mu_ guards (the verdict, the aborted flag, the current wait) and then closes the
+// connections, which Gloo serializes per pair; the user thread's own fields (failure_kind, failure,
+// next_tag, scratch) stay single-threaded. A wait registered after the abort throws at once, a wait
+// registered before it is aborted, so no wait blocks after abort.
 #pragma once
 
 #include <gloo/common/error.h>
 #include <gloo/common/logging.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -78,6 +80,16 @@ struct CommState {
   FailureKind failure_kind = FailureKind::kNone;
   std::string failure;
 
+  // True while Communicator::connect runs its final barrier: until everyone passed it, a peer's
+  // I/O thread may not have taken in its end of every connection yet, and Gloo crashes that peer
+  // when such a connection is reset (full_mesh.h). So meanwhile fail() and abort() leave the
+  // connections open (abort() still ends the wait and every later one); a connect that fails
+  // then releases them gracefully as it unwinds, and one that succeeds calls settled().
+  std::atomic<bool> mesh_settling{false};
+  // Ends mesh_settling, and closes the connections if abort() ran meanwhile (after the abort,
+  // peers must still learn of it at once).
+  void settled();
+
   ~CommState();
 
   // Posts the sentinels and starts the watchdog; called once the context is connected.
@@ -90,9 +102,10 @@ struct CommState {
   // when the watchdog saw a peer's connection fail since, or abort() ran (which also breaks it).
   void ensure_healthy(const char* op);
 
-  // Records the failure, closes every connection so peers blocked on this rank fail fast, and
-  // throws the matching tessel error. Unless this rank timed out itself, a peer loss the watchdog
-  // saw takes precedence over the symptom the user thread met (an aborted wait, a closed pair).
+  // Records the failure, closes every connection (not while mesh_settling) so peers blocked on
+  // this rank fail fast, and throws the matching tessel error. Unless this rank timed out itself,
+  // a peer loss the watchdog saw takes precedence over the symptom the user thread met (an
+  // aborted wait, a closed pair).
   [[noreturn]] void fail(const char* op, int peer, FailureKind kind, std::chrono::milliseconds t,
                          const std::string& gloo_message);
 
@@ -117,7 +130,8 @@ struct CommState {
 
   // Breaks the communicator on purpose, from any thread (see Communicator::abort): records the
   // verdict unless there is one, aborts the user thread's current wait, makes every later wait
-  // throw at once, and closes every connection. Idempotent.
+  // throw at once, and closes every connection (not while mesh_settling: see settled()).
+  // Idempotent.
   void abort(const std::string& reason) noexcept;
 
  private:

@@ -2,7 +2,7 @@
 
 #include <gloo/common/error.h>
 #include <gloo/common/logging.h>
-#include <gloo/rendezvous/context.h>
+#include <gloo/context.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -13,6 +13,7 @@
 #include <numeric>
 
 #include "tessel/comm/comm_state.h"
+#include "tessel/comm/full_mesh.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm {
@@ -264,6 +265,14 @@ void Request::finish(std::chrono::milliseconds timeout) {
 Communicator::Communicator(std::shared_ptr<detail::CommState> state) : state_(std::move(state)) {}
 Communicator::~Communicator() = default;
 
+void Communicator::follow(const std::shared_ptr<AbortSignal>& signal) {
+  if (!signal) return;
+  // The raw pointer is safe: the registration is dropped (waiting for a running callback) before
+  // state_ is released.
+  abort_registration_ =
+      signal->on_abort([state = state_.get()](const std::string& reason) { state->abort(reason); });
+}
+
 std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
                                                     const std::string& group_name, int rank,
                                                     int size, std::chrono::milliseconds timeout,
@@ -281,11 +290,26 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
   state->rank = rank;
   state->size = size;
   state->timeout = timeout;
-  if (size == 1) return std::unique_ptr<Communicator>(new Communicator(std::move(state)));
+  const char* op = "connect";
+  const std::string where = state->where(op, -1);
+  const auto& signal = store.abort_signal;
+  // Once the signal has fired, whatever failed meanwhile (a store wait, a pair, the barrier) was
+  // the abort's doing or no longer matters: the caller asked to stop.
+  auto throw_if_aborted = [&] {
+    if (signal && signal->aborted()) {
+      TESSEL_THROW(PeerLostError, "{} failed: rendezvous aborted by this process: {}", where,
+                   signal->reason());
+    }
+  };
+  throw_if_aborted();
+  if (size == 1) {
+    std::unique_ptr<Communicator> comm(new Communicator(std::move(state)));
+    comm->follow(signal);
+    return comm;
+  }
 
   ignore_sigpipe();
   GroupStore group_store(store, group_name);
-  const char* op = "connect";
   try {
     gloo::transport::tcp::attr attr;
     if (!transport.iface.empty()) {
@@ -294,34 +318,48 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
       attr.hostname = transport.hostname;
     }
     state->device = gloo::transport::tcp::CreateDevice(attr);
-    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     // Rendezvous waits for every peer to start, so it runs under the (usually longer) store
-    // timeout: the store enforces it on its waits, and Gloo's pairs allow 5x their context's
-    // timeout for the TCP handshake, hence the fifth. Operations pass their timeouts explicitly.
-    context->setTimeout(std::max(store.timeout / 5, std::chrono::milliseconds(1)));
-    context->connectFullMesh(group_store.store(), state->device);
+    // timeout: the store enforces it on its waits, and Gloo's pairs allow 5x their timeout for
+    // the TCP handshake, hence the fifth. Operations pass their timeouts explicitly.
+    auto context = detail::connect_full_mesh(
+        group_store.store(), rank, size, state->device,
+        std::max(store.timeout / 5, std::chrono::milliseconds(1)), signal);
     context->setTimeout(timeout);
+    state->mesh_settling = true;
     state->context = std::move(context);
     state->start_watchdog();
   } catch (const gloo::EnforceNotMet& e) {
+    throw_if_aborted();
     const std::string message = e.what();
     TESSEL_CHECK(message.find("File already exists") == std::string::npos, ConfigError,
                  "{}: rank {} is already registered in rendezvous store '{}' under prefix '{}'; "
                  "every new world needs a new generation: {}",
-                 state->where(op, -1), rank, group_store.location(), group_store.prefix(), message);
+                 where, rank, group_store.location(), group_store.prefix(), message);
     state->fail(op, -1, FailureKind::kOther, store.timeout, message);
   } catch (const gloo::IoException& e) {
+    throw_if_aborted();
     state->fail(op, -1, detail::classify_gloo_message(e.what()), store.timeout,
                 std::string(e.what()) + fmt::format(" [store '{}', prefix '{}']",
                                                     group_store.location(), group_store.prefix()));
   } catch (const gloo::Exception& e) {
+    throw_if_aborted();
     state->fail(op, -1, FailureKind::kOther, store.timeout, e.what());
   }
   std::unique_ptr<Communicator> comm(new Communicator(std::move(state)));
+  // From here the signal aborts the communicator (at once if it fired since the rendezvous
+  // stopped watching it), which also ends the barrier below.
+  comm->follow(signal);
   // A rank's pairs can be connected while some peers are still connecting to others; leave only
   // when the whole mesh is up, so a short operation timeout right after connect cannot fire on a
   // peer that is merely still joining.
-  comm->barrier(store.timeout);
+  try {
+    comm->barrier(store.timeout);
+  } catch (const Error&) {
+    throw_if_aborted();
+    throw;
+  }
+  // Everyone entered the barrier, so every peer's rendezvous has taken in all its connections.
+  comm->state_->settled();
   return comm;
 }
 

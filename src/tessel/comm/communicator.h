@@ -7,8 +7,9 @@
 // thread-safe: one thread at a time, Requests included; the one exception is abort(), which any
 // thread may call at any time.
 //
-// Gloo provides the transport (full mesh of TCP pairs, unbound buffers, rendezvous); the
-// collectives are scheduled here on top of it (ring reduce-scatter/all-gather/all-reduce,
+// Gloo provides the transport (TCP pairs, unbound buffers); the rendezvous that connects a group's
+// full mesh of pairs is tessel's (full_mesh.h: Gloo's protocol, but abortable), and the
+// collectives are scheduled here on top of the pairs (ring reduce-scatter/all-gather/all-reduce,
 // binomial-tree broadcast) so that every blocking wait can be reached by the watchdog described
 // in comm_state.h. All of them work in place on the caller's memory, without staging copies.
 //
@@ -25,6 +26,12 @@
 // and after any other failure this class does, so peers blocked on this rank fail fast with
 // PeerLostError instead of waiting out their own timeout. Later calls throw the same kind of
 // error again. Recover by connecting new communicators under a new store generation.
+//
+// Aborting a generation. StoreOptions::abort_signal (abort_signal.h), when set, covers a
+// communicator's whole life: firing it while connect() runs makes connect() throw PeerLostError
+// (see connect), and firing it later breaks the communicator exactly as abort(reason) does. So a
+// thread that learns the world is lost (the elastic runtime's control-store watcher) stops every
+// group of the generation, connecting or connected, with one call.
 //
 // Process-wide side effect: connecting a group of size > 1 sets SIGPIPE to SIG_IGN when it still
 // has its default action, because Gloo writes to sockets without MSG_NOSIGNAL and a write to a
@@ -44,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/comm/abort_signal.h"
 #include "tessel/comm/store.h"
 
 namespace gloo::transport {
@@ -111,12 +119,23 @@ class Communicator {
 
   // Joins group `group_name` as `rank` of `size` through the store described by `store`
   // (a directory or the control store, prefix store_prefix(store, group_name); see store.h).
-  // Blocks until all `size` members are connected
-  // to each other (it ends with a barrier);
-  // rendezvous is bounded by store.timeout, and `timeout` becomes the communicator's default
-  // timeout for every later call. Throws ConfigError for bad arguments or a (job, generation,
-  // group, rank) already registered in the store, TimeoutError when peers do not show up in time,
-  // PeerLostError when a peer disappears during the handshake.
+  // Blocks until all `size` members are connected to each other (it ends with a barrier);
+  // rendezvous is bounded by store.timeout (each wait for the store, each pair's TCP handshake,
+  // the final barrier), and `timeout` becomes the communicator's default timeout for every later
+  // call. Throws ConfigError for bad arguments or a (job, generation, group, rank) already
+  // registered in the store, TimeoutError when peers do not show up in time, PeerLostError when
+  // a peer disappears during the handshake.
+  //
+  // With store.abort_signal set: when the signal has fired before the call, or fires during it
+  // (another thread calls abort), connect throws PeerLostError "connect on group '<g>' (rank r of
+  // n) failed: rendezvous aborted by this process: <reason>" within a fraction of a second,
+  // whatever it was waiting for: the store (polled, or waited on in slices of
+  // kAbortableWaitSlice, control_rendezvous.h), a peer's TCP handshake (closed after
+  // kHandshakeGrace, full_mesh.h, during which abort() waits), the final barrier. The connections
+  // it had are closed as it unwinds, so peers connecting with this rank fail fast too. A signal
+  // firing just as connect completes may instead leave the returned communicator broken as by
+  // abort(reason): its next call throws PeerLostError. Once connected, the communicator stays
+  // registered with the signal until it is destroyed.
   static std::unique_ptr<Communicator> connect(const StoreOptions& store,
                                                const std::string& group_name, int rank, int size,
                                                std::chrono::milliseconds timeout = kDefaultTimeout,
@@ -147,7 +166,8 @@ class Communicator {
   // keep reporting that first failure. Size-1 groups have no connections, but are broken all the
   // same: their later calls throw PeerLostError too, so every group of an aborted process behaves
   // alike. Idempotent (the first reason is kept); never throws. The Communicator must outlive the
-  // call (do not race it with the destructor).
+  // call (do not race it with the destructor). Firing the StoreOptions::abort_signal it was
+  // connected with calls this (the destructor unregisters first, so that one may race).
   void abort(const std::string& reason) noexcept;
 
   // In place: every rank ends with the element-wise sum over ranks of data[0, n). Ring
@@ -191,7 +211,12 @@ class Communicator {
 
  private:
   explicit Communicator(std::shared_ptr<detail::CommState> state);
+  // Makes `signal` (if any) abort this communicator from now on; at once if it has fired.
+  void follow(const std::shared_ptr<AbortSignal>& signal);
+
   std::shared_ptr<detail::CommState> state_;
+  // Destroyed before state_: a callback running on another thread is waited for.
+  AbortSignal::Registration abort_registration_;
 };
 
 // Splits n elements into `parts` chunks whose sizes differ by at most one (the first n % parts

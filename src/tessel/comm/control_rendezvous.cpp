@@ -2,6 +2,9 @@
 
 #include <gloo/common/error.h>
 
+#include <algorithm>
+
+#include "tessel/comm/abort_signal.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm {
@@ -32,8 +35,9 @@ auto for_gloo(const char* what, const std::vector<std::string>& keys,
 }  // namespace
 
 ControlRendezvousStore::ControlRendezvousStore(ControlStore& store,
-                                               std::chrono::milliseconds timeout)
-    : store_(store), timeout_(timeout) {
+                                               std::chrono::milliseconds timeout,
+                                               std::shared_ptr<AbortSignal> abort_signal)
+    : store_(store), timeout_(timeout), abort_signal_(std::move(abort_signal)) {
   TESSEL_CHECK(timeout_.count() > 0, ConfigError, "rendezvous timeout {} ms must be positive",
                timeout_.count());
 }
@@ -62,7 +66,30 @@ std::vector<char> ControlRendezvousStore::get(const std::string& key) {
 }
 
 void ControlRendezvousStore::wait(const std::vector<std::string>& keys) {
-  for_gloo("waiting for", keys, timeout_, [&] { store_.wait(keys, timeout_); });
+  if (!abort_signal_) {
+    for_gloo("waiting for", keys, timeout_, [&] { store_.wait(keys, timeout_); });
+    return;
+  }
+  // The control store's wait cannot be interrupted from another thread, so wait in slices and
+  // look at the signal between them. A slice that times out is no error until the whole timeout
+  // has passed; the last one's TimeoutError (naming the keys still missing) is then reported.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for_gloo("waiting for", keys, timeout_, [&] {
+    for (;;) {
+      if (abort_signal_->aborted()) {
+        throw gloo::IoException("rendezvous aborted while waiting for store key(s): " +
+                                names(keys) + ": " + abort_signal_->reason());
+      }
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        store_.wait(keys, std::clamp(left, std::chrono::milliseconds(1), kAbortableWaitSlice));
+        return;
+      } catch (const TimeoutError&) {
+        if (std::chrono::steady_clock::now() >= deadline) throw;
+      }
+    }
+  });
 }
 
 void ControlRendezvousStore::wait(const std::vector<std::string>& keys,

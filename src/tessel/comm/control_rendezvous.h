@@ -10,12 +10,17 @@
 //     whatever Gloo passes (some of its callers pass its 30 s default instead of ours);
 //   - a wait that times out, or a control store that cannot be reached, throws gloo::IoException
 //     naming the keys ("timeout" in its text for the first), which is what the Communicator maps
-//     to TimeoutError and PeerLostError. Other errors of the control store pass unchanged.
+//     to TimeoutError and PeerLostError. Other errors of the control store pass unchanged;
+//   - given an abort signal, a wait (and get()) waits in slices of at most kAbortableWaitSlice
+//     and throws gloo::IoException "rendezvous aborted while waiting for store key(s):
+//     <keys>: <reason>" at the first slice's end after the signal fired. Without one it waits in
+//     one call, as before (a slice costs the control store requests).
 #pragma once
 
 #include <gloo/rendezvous/store.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,10 +28,18 @@
 
 namespace tessel::comm {
 
+class AbortSignal;
+
+// How long a wait on the control store may go without looking at the abort signal: each slice is
+// one wait on the control store (for etcd: a read of the keys and a watch, on a new connection),
+// so shorter slices react faster and cost more requests. Only waits with a signal are sliced.
+inline constexpr std::chrono::milliseconds kAbortableWaitSlice{200};
+
 class ControlRendezvousStore final : public gloo::rendezvous::Store {
  public:
   // `store` must outlive this object. Throws ConfigError unless timeout > 0.
-  ControlRendezvousStore(ControlStore& store, std::chrono::milliseconds timeout);
+  ControlRendezvousStore(ControlStore& store, std::chrono::milliseconds timeout,
+                         std::shared_ptr<AbortSignal> abort_signal = nullptr);
 
   void set(const std::string& key, const std::vector<char>& data) override;
   std::vector<char> get(const std::string& key) override;
@@ -39,6 +52,7 @@ class ControlRendezvousStore final : public gloo::rendezvous::Store {
  private:
   ControlStore& store_;
   const std::chrono::milliseconds timeout_;
+  const std::shared_ptr<AbortSignal> abort_signal_;  // null: waits cannot be aborted
 };
 
 }  // namespace tessel::comm

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "tessel/comm/abort_signal.h"
 #include "tessel/comm/comm_state.h"
 #include "tessel/comm/communicator.h"
 #include "tessel/comm/etcd_store.h"
@@ -79,6 +80,48 @@ TEST(ControlRendezvous, AWaitTimesOutAsAGlooIoExceptionNamingTheMissingKey) {
   EXPECT_LT(Clock::now() - start, 10s);
   EXPECT_THROW(store.get("world/7"), gloo::IoException);
   EXPECT_THROW(ControlRendezvousStore(control, 0ms), ConfigError);
+}
+
+// With an abort signal the adapter waits in slices: the signal ends a wait within about a slice,
+// a key that appears after several slices is still found, and the whole timeout still applies.
+TEST(ControlRendezvous, WithASignalAWaitEndsOnAbortAndStillFindsLateKeys) {
+  MemoryStore control;
+  auto signal = std::make_shared<AbortSignal>();
+  ControlRendezvousStore store(control, 60s, signal);
+
+  std::thread late([&] {
+    std::this_thread::sleep_for(kAbortableWaitSlice * 2 + 50ms);
+    control.set("world/1", "address");
+  });
+  EXPECT_EQ(store.get("world/1"), bytes("address"));
+  late.join();
+
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(50ms);
+    signal->abort("process 4 died");
+  });
+  const auto start = Clock::now();
+  try {
+    store.wait({"world/1", "world/2"});
+    FAIL() << "waited for a key nobody sets";
+  } catch (const gloo::IoException& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rendezvous aborted"), std::string::npos) << what;
+    EXPECT_NE(what.find("world/2"), std::string::npos) << what;
+    EXPECT_NE(what.find("process 4 died"), std::string::npos) << what;
+  }
+  aborter.join();
+  EXPECT_LT(Clock::now() - start, 30s);
+
+  ControlRendezvousStore short_wait(control, kAbortableWaitSlice * 2 + 30ms,
+                                    std::make_shared<AbortSignal>());
+  try {
+    short_wait.wait({"world/9"});
+    FAIL() << "waited for a key nobody sets";
+  } catch (const gloo::IoException& e) {
+    EXPECT_EQ(detail::classify_gloo_message(e.what()), detail::FailureKind::kTimeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("world/9"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ControlRendezvous, AnUnreachableControlStoreIsALostPeerForGloo) {

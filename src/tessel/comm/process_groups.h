@@ -107,6 +107,11 @@ struct ProcessGroups {
 // Connects all groups of `world_rank` (world, tp, dp, pp, embed, dp_grad, in that order on every
 // rank, so the sequence of blocking rendezvous cannot deadlock). Throws ConfigError when world_size
 // does not equal layout.world_size(), plus whatever Communicator::connect throws.
+//
+// store.abort_signal (store.h), when set, is passed to every group's connect: firing it from
+// another thread ends the connect in progress with PeerLostError (the groups connected before it
+// are aborted and released as the error leaves), and once this returned it breaks every group as
+// ProcessGroups::abort does. One call thus stops a world, connecting or connected.
 ProcessGroups connect_process_groups(const StoreOptions& store, const GridLayout& layout,
                                      int world_rank, int world_size,
                                      std::chrono::milliseconds timeout = kDefaultTimeout,

@@ -269,5 +269,75 @@ TEST(ProcessGroupsTest, AbortBreaksEveryGroup) {
   for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
 }
 
+// One signal stops a whole world, connecting or connected. dp=2 x tp=2: rank 3 joins only the
+// world and its tp group (by hand) and then idles, so rank 1 is left waiting in its dp group's
+// rendezvous (dp.1 = {1, 3}) while ranks 0 and 2 connect all their groups. Ranks 0 and 2 then
+// fire their signals: every group breaks (world, tp, dp and dp_grad with PeerLostError; the
+// size-1 pp and embed groups, which only the signal can reach, naming its reason). Rank 1 fires
+// its signal last: connect_process_groups throws PeerLostError naming the aborted rendezvous.
+// Store timeouts are 60 s, the deadline 20 s.
+TEST(ProcessGroupsTest, OneSignalAbortsAWorldConnectingOrConnected) {
+  const GridLayout layout{2, 2, 1};
+  tessel::testing::TempDir dir;
+  const StoreOptions store{(dir.path() / "store").string(), "signal-job", 0, 60s};
+  auto file = [&](const std::string& name) { return dir.path() / name; };
+  auto wait_for = [&](const std::string& name) {
+    while (!std::filesystem::exists(file(name))) std::this_thread::sleep_for(1ms);
+  };
+  auto outcomes = testing::run_ranks(4, 20s, [&](int rank) {
+    if (rank == 3) {
+      auto world = Communicator::connect(store, "world", 3, 4, 30s);
+      const GroupSpec tp = axis_group(layout, 3, Axis::kTp);
+      auto tp_group = Communicator::connect(store, tp.name, tp.rank_in_group, tp.size(), 30s);
+      wait_for("done.1");
+      return testing::kChildOk;
+    }
+    StoreOptions o = store;
+    o.abort_signal = std::make_shared<AbortSignal>();
+    const std::string reason = "rank " + std::to_string(rank) + " saw recovery 2";
+    if (rank == 1) {
+      std::thread aborter([&] {
+        wait_for("aborted.0");
+        wait_for("aborted.2");
+        std::this_thread::sleep_for(100ms);
+        o.abort_signal->abort(reason);
+      });
+      std::string what;
+      try {
+        connect_process_groups(o, layout, rank, 4, 30s);
+      } catch (const PeerLostError& e) {
+        what = e.what();
+      }
+      aborter.join();
+      std::ofstream(file("done.1")).put('x');
+      CHILD_CHECK(what.find("rendezvous aborted by this process: " + reason) != std::string::npos,
+                  rank, "connect_process_groups: '" + what + "'");
+      CHILD_CHECK(what.find("group 'dp.1'") != std::string::npos, rank, what);
+      return testing::kChildOk;
+    }
+    ProcessGroups g = connect_process_groups(o, layout, rank, 4, 30s);
+    o.abort_signal->abort(reason);
+    std::ofstream(file("aborted." + std::to_string(rank))).put('x');
+    const std::pair<const char*, Communicator*> groups[] = {
+        {"world", g.world.get()}, {"tp", g.tp.get()},       {"dp", g.dp.get()},
+        {"pp", g.pp.get()},       {"embed", g.embed.get()}, {"dp_grad", g.dp_grad.get()}};
+    for (const auto& [name, c] : groups) {
+      CHILD_CHECK(c != nullptr, rank, std::string(name) + " missing");
+      std::string what;
+      try {
+        c->barrier();
+      } catch (const PeerLostError& e) {
+        what = e.what();
+      }
+      CHILD_CHECK(!what.empty(), rank, std::string(name) + ": barrier after the signal passed");
+      if (c->size() == 1) {
+        CHILD_CHECK(what.find(reason) != std::string::npos, rank, std::string(name) + ": " + what);
+      }
+    }
+    return testing::kChildOk;
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
+}
+
 }  // namespace
 }  // namespace tessel::comm

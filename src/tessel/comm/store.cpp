@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "tessel/comm/abort_signal.h"
 #include "tessel/comm/control_rendezvous.h"
 #include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
@@ -14,14 +15,22 @@
 namespace tessel::comm {
 namespace {
 
+std::string names(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "" : " ") + k;
+  return out;
+}
+
 // Gloo's FileStore with waits bounded by our timeout, to the millisecond. Gloo's own wait rounds
 // elapsed time down to whole seconds (a 10 ms timeout fires after 1 s) and some of its callers
 // pass its 30 s default instead of ours, so the timeout argument is ignored in favour of the one
-// this store was built with.
+// this store was built with. The wait polls, so it also looks at the abort signal (if any) at
+// every poll.
 class TimedFileStore : public gloo::rendezvous::FileStore {
  public:
-  TimedFileStore(const std::string& path, std::chrono::milliseconds timeout)
-      : FileStore(path), timeout_(timeout) {}
+  TimedFileStore(const std::string& path, std::chrono::milliseconds timeout,
+                 std::shared_ptr<AbortSignal> abort_signal)
+      : FileStore(path), timeout_(timeout), abort_signal_(std::move(abort_signal)) {}
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
@@ -30,11 +39,13 @@ class TimedFileStore : public gloo::rendezvous::FileStore {
     // Poll quickly at first (peers usually arrive within milliseconds), then back off.
     auto pause = std::chrono::microseconds(500);
     while (!check(keys)) {
+      if (abort_signal_ && abort_signal_->aborted()) {
+        throw gloo::IoException("rendezvous aborted while waiting for store key(s): " +
+                                names(keys) + ": " + abort_signal_->reason());
+      }
       if (std::chrono::steady_clock::now() >= deadline) {
-        std::string names;
-        for (const auto& k : keys) names += (names.empty() ? "" : " ") + k;
         throw gloo::IoException("Wait timeout after " + std::to_string(timeout_.count()) +
-                                " ms for store key(s): " + names);
+                                " ms for store key(s): " + names(keys));
       }
       std::this_thread::sleep_for(pause);
       pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
@@ -43,6 +54,7 @@ class TimedFileStore : public gloo::rendezvous::FileStore {
 
  private:
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<AbortSignal> abort_signal_;  // null: no abort
 };
 
 }  // namespace
@@ -91,11 +103,13 @@ GroupStore::GroupStore(const StoreOptions& options, const std::string& group_nam
                  "cannot create rendezvous store directory '{}': {}", options.path,
                  ec ? ec.message() : "not a directory");
     location_ = options.path;
-    base_store_ = std::make_unique<TimedFileStore>(options.path, options.timeout);
+    base_store_ =
+        std::make_unique<TimedFileStore>(options.path, options.timeout, options.abort_signal);
   } else {
     location_ = options.control_endpoint;
     control_ = std::make_unique<EtcdStore>(options.control_endpoint);
-    base_store_ = std::make_unique<ControlRendezvousStore>(*control_, options.timeout);
+    base_store_ =
+        std::make_unique<ControlRendezvousStore>(*control_, options.timeout, options.abort_signal);
   }
   prefix_store_ = std::make_unique<gloo::rendezvous::PrefixStore>(prefix_, *base_store_);
 }

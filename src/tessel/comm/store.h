@@ -15,6 +15,9 @@
 //
 // Every wait on the store is bounded by StoreOptions::timeout (Gloo's own FileStore measures
 // timeouts in whole seconds and defaults to 30 s; this layer enforces ours to the millisecond).
+// With StoreOptions::abort_signal set, every wait also ends soon after the signal fires (the
+// FileStore's polls look at it each time, the control store is waited on in slices, see
+// control_rendezvous.h), throwing gloo::IoException "rendezvous aborted ...: <reason>".
 #pragma once
 
 #include <chrono>
@@ -28,8 +31,10 @@ class Store;
 
 namespace tessel::comm {
 
+class AbortSignal;
 class ControlStore;
 
+// Where and under which names one generation's process groups meet.
 struct StoreOptions {
   std::string path;                          // directory for Gloo's FileStore; created if missing
   std::string job_id;                        // non-empty, no '/'
@@ -39,6 +44,11 @@ struct StoreOptions {
   // not used (it may be empty). Initialized so that StoreOptions{path, job, generation, timeout}
   // stays warning-free.
   std::string control_endpoint = {};
+  // When set, firing it aborts every rendezvous made with these options (Communicator::connect,
+  // connect_process_groups, the store's waits) within a fraction of a second, and every
+  // communicator they made (see communicator.h). A signal belongs to one generation: once fired,
+  // every later connect with it fails at once, so a new generation needs a new signal.
+  std::shared_ptr<AbortSignal> abort_signal = {};
 };
 
 // Throws ConfigError when the options cannot form a valid prefix (no store: empty path and
@@ -55,8 +65,9 @@ std::string store_prefix(const StoreOptions& options, const std::string& group_n
 
 // The rendezvous store of one group: a FileStore on options.path, or a ControlRendezvousStore
 // (control_rendezvous.h) over an EtcdStore client of options.control_endpoint, wrapped so every
-// wait honours options.timeout, under a gloo::rendezvous::PrefixStore with
-// store_prefix(options, group). Owns every layer; store() stays valid while this object lives.
+// wait honours options.timeout and options.abort_signal, under a gloo::rendezvous::PrefixStore
+// with store_prefix(options, group). Owns every layer; store() stays valid while this object
+// lives.
 class GroupStore {
  public:
   // Creates options.path if needed (FileStore only; the control store is reached lazily, at the
@@ -67,8 +78,9 @@ class GroupStore {
   GroupStore(const GroupStore&) = delete;
   GroupStore& operator=(const GroupStore&) = delete;
 
-  // The prefixed store to hand to gloo::rendezvous::Context::connectFullMesh. Gloo exceptions
-  // from it propagate unchanged (the Communicator maps them).
+  // The prefixed store the Communicator's rendezvous (full_mesh.h) runs on. Gloo exceptions from
+  // it propagate unchanged (the Communicator maps them); a wait ended by the abort signal throws
+  // gloo::IoException naming the keys and the signal's reason.
   gloo::rendezvous::Store& store();
   const std::string& prefix() const { return prefix_; }
   // Where the keys are, for messages: the FileStore's directory or the control store's endpoint.

@@ -5,6 +5,9 @@
 #include <gloo/rendezvous/store.h>
 #include <gtest/gtest.h>
 
+#include <thread>
+
+#include "tessel/comm/abort_signal.h"
 #include "tessel/core/error.h"
 #include "tessel/testing/testing.h"
 
@@ -72,6 +75,36 @@ TEST(StoreTest, WaitForAMissingKeyTimesOut) {
   EXPECT_THROW(store.store().get("never"), gloo::IoException);
   store.store().set("there", bytes("x"));
   EXPECT_NO_THROW(store.store().wait({"there"}));
+}
+
+// With an abort signal, a wait (and a get, which waits) ends soon after the signal fires, long
+// before its 60 s timeout, naming the keys and the reason; a wait for a key that is there does not
+// look at the signal.
+TEST(StoreTest, AnAbortSignalEndsAWait) {
+  tessel::testing::TempDir dir;
+  auto o = options(dir, 0);
+  o.timeout = 60s;
+  o.abort_signal = std::make_shared<AbortSignal>();
+  GroupStore store(o, "world");
+  store.store().set("there", bytes("x"));
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(50ms);
+    o.abort_signal->abort("recovery 3");
+  });
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    store.store().wait({"never"});
+    ADD_FAILURE() << "the wait ended without the key";
+  } catch (const gloo::IoException& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rendezvous aborted"), std::string::npos) << what;
+    EXPECT_NE(what.find("never"), std::string::npos) << what;
+    EXPECT_NE(what.find("recovery 3"), std::string::npos) << what;
+  }
+  aborter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+  EXPECT_THROW(store.store().get("never"), gloo::IoException);
+  EXPECT_EQ(store.store().get("there"), bytes("x"));
 }
 
 }  // namespace

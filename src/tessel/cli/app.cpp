@@ -12,6 +12,7 @@
 #include <random>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
+#include "tessel/cli/cluster_command.h"
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/count_flag.h"
 #include "tessel/cli/output_guard.h"
@@ -47,6 +48,7 @@ struct Args {
   std::vector<std::string> worker_command;
   std::string train_log_dir;
   std::string job_id;
+  std::string cluster;  // train --cluster
 };
 
 config::TrainConfig load_train_config(const Args& args) {
@@ -149,8 +151,13 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
                     ->check(kCount);
   cmd->add_option("--log-dir", args.train_log_dir,
                   "directory for one log file per worker (--nproc > 1)");
+  cmd->add_option("--cluster", args.cluster,
+                  "run on a cluster of `tessel agent`s instead of this host: etcd's URL, "
+                  "http://host:port[/cluster]")
+      ->excludes(nproc);
   cmd->callback([&, nproc] {
     action = [&, nproc] {
+      if (!args.cluster.empty()) return train_on_cluster(args.config, args.steps, args.cluster);
       auto cfg = load_train_config(args);
       if (nproc->count() == 0) args.nproc = cfg.max_workers();
       // One worker too: a world of one, run by the same loop as every layout (and scalable
@@ -161,11 +168,13 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   // One rank of `tessel train --nproc N`; started by it, not meant to be run by hand.
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");  // hidden
-  worker->add_option("config", args.config, "YAML config file")->required();
+  // Without a config: the job its cluster runs (TESSEL_CLUSTER, started by `tessel agent`).
+  worker->add_option("config", args.config, "YAML config file");
   worker->add_option("--steps", args.steps, "override training.steps")->check(kCount);
   worker->callback([&] {
     action = [&] {
-      auto cfg = load_train_config(args);
+      auto cfg = args.config.empty() ? runtime::WorkerEnv::from_environment().cluster_config()
+                                     : load_train_config(args);
       // SIGTERM or SIGINT to a worker: it finishes its step and leaves (runtime/parallel_trainer.h)
       // instead of dying with the steps since the last checkpoint.
       StopSignals stop_signals;
@@ -271,6 +280,7 @@ int run(int argc, char** argv) {
   add_train(app, args, action);
   add_data(app, args, action);
   add_launch(app, args, action);
+  add_agent_command(app, args.log_level, action);
   add_presets(app, action);
   add_ctl(app, args, action);
   add_plan_command(app, action);

@@ -259,6 +259,7 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   el.read("stop_grace_s", c.stop_grace_s);
   TESSEL_CHECK(c.stop_grace_s >= 0 && c.stop_grace_s <= 86400, ConfigError,
                "{}: must be 0..86400 seconds, got {}", el.where("stop_grace_s"), c.stop_grace_s);
+  el.read("grow_to_slots", c.grow_to_slots);
   el.reject_unknown_keys();
   c.hosts_file = resolve(c.hosts_file, base);
 

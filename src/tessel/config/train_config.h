@@ -13,7 +13,7 @@
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
 //   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, control_store,
-//                heartbeat_timeout_s, stop_grace_s}
+//                heartbeat_timeout_s, stop_grace_s, grow_to_slots}
 //               (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
@@ -171,6 +171,10 @@ struct TrainConfig {
   // workers finish their step, save a checkpoint and exit within this many seconds; then they are
   // stopped.
   double stop_grace_s = 30;
+  // elastic.grow_to_slots: on a cluster of `tessel agent`s, a host that joins makes the job grow,
+  // at a step boundary, to the largest worker count the hosts' slots hold that the planner lays
+  // out. false: the job keeps its worker count (hosts that join only take replacements).
+  bool grow_to_slots = true;
 
   // The config's plans, numbered 0 for `plan` and i for timeline[i - 1], and the one in force
   // during step `step` (0-based). (The running job's generation counter differs: it also counts

@@ -1,6 +1,7 @@
 #include "tessel/elastic/decider.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -14,8 +15,15 @@
 namespace tessel::elastic {
 
 Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
-                 std::string job, int initial_workers, int64_t start_step)
-    : cfg_(std::move(cfg)), store_(std::move(store)), job_(std::move(job)) {
+                 std::string job, int initial_workers, int64_t start_step, std::vector<Host> hosts)
+    : cfg_(std::move(cfg)),
+      store_(std::move(store)),
+      job_(std::move(job)),
+      hosts_(std::move(hosts)) {
+  TESSEL_CHECK(!hosts_.empty(), ConfigError, "job {}: no host to run workers on", job_);
+  TESSEL_CHECK(initial_workers <= capacity(), ConfigError,
+               "job {}: {} workers do not fit the hosts' {} slots", job_, initial_workers,
+               capacity());
   const auto claimed = store_->compare_and_set(generation_key(job_), 0, "0");
   TESSEL_CHECK(claimed.has_value(), ConfigError,
                "job {} already has decisions in the control store ({} exists): another `tessel "
@@ -26,9 +34,176 @@ Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> st
   plan_ = cfg_.plan_at(start_step);
   members_ = first_members(initial_workers);
   next_process_id_ = initial_workers;
-  running_ = {members_.begin(), members_.end()};
+  for (int p : members_) {
+    host_of_[p] = free_host();
+    running_.insert(p);
+  }
   step_ = start_step;
   skip_timeline_through(start_step);
+}
+
+Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
+                 std::string job, const History& history, std::vector<Host> hosts)
+    : cfg_(std::move(cfg)), store_(std::move(store)), job_(std::move(job)) {
+  // The job as the last record left it (the first world when there is none).
+  std::optional<Reconfiguration> last;
+  for (const auto& kv : store_->list(records_prefix(job_))) {
+    const int g = record_generation(job_, kv.key);
+    if (g < 0) continue;
+    auto r = Reconfiguration::from_json(nlohmann::json::parse(kv.value), kv.key);
+    if (!last || r.generation > last->generation) last = std::move(r);
+  }
+  const auto claimed = store_->get(generation_key(job_));
+  TESSEL_CHECK(claimed.has_value(), CorruptDataError, "job {} has no {}: nothing to take over",
+               job_, generation_key(job_));
+  generation_ = last ? last->generation : 0;
+  generation_revision_ = claimed->revision;
+  if (claimed->value != std::to_string(generation_)) {
+    // Claimed by the coordinator that died before it wrote the record: nobody saw it.
+    const auto rev = store_->compare_and_set(generation_key(job_), claimed->revision,
+                                             std::to_string(generation_));
+    TESSEL_CHECK(rev.has_value(), ConfigError,
+                 "job {}: {} changed while this coordinator took over; another one runs", job_,
+                 generation_key(job_));
+    generation_revision_ = *rev;
+  }
+  plan_ = last ? last->to : cfg_.plan_at(history.start_step);
+  members_ = last ? last->to_members : history.first_members;
+  step_ = last ? std::max(last->step, history.start_step) : history.start_step;
+  next_process_id_ = last ? last->next_process_id : int(history.first_members.size());
+  for (const auto& [p, h] : history.host_of) next_process_id_ = std::max(next_process_id_, p + 1);
+  applied_request_ = requests_ = last ? last->applied_request : 0;
+  failures_ = last ? last->failures : 0;
+  accept_progress_from_ = !last ? 0 : last->recovery ? last->generation : last->generation - 1;
+  if (auto kv = store_->get(progress_key(job_))) {
+    const auto pr = Progress::from_json(nlohmann::json::parse(kv->value), kv->key);
+    if (pr.generation >= accept_progress_from_) step_ = std::max(step_, pr.step);
+    if (last && pr.generation < last->generation) {
+      pending_ = last->generation;
+      pending_request_ = last->request;
+      if (!last->recovery) preparing_.insert(last->spawn.begin(), last->spawn.end());
+    }
+  }
+  // The processes the job counts on: the last record's members and the ones it started, and
+  // while it is pending the ones it moves state from. Every other process was counted out by an
+  // earlier decision (it died, or left and exits by itself). An exit of one the job counts on may
+  // not have been acted on before the coordinator was lost: such a process stays running here,
+  // and its exit is handed to on_exit() again (the caller's next round).
+  std::set<int> current(members_.begin(), members_.end());
+  if (last) current.insert(last->spawn.begin(), last->spawn.end());
+  if (last && pending_) current.insert(last->from_members.begin(), last->from_members.end());
+  host_of_ = history.host_of;
+  for (const auto& [p, h] : history.host_of)
+    if (current.contains(p)) running_.insert(p);
+  // Every host a running process is on, so that set_hosts() below finds the gone ones lost.
+  for (const auto& [p, h] : history.host_of)
+    if (running_.contains(p) &&
+        std::none_of(hosts_.begin(), hosts_.end(), [&](const Host& x) { return x.id == h; }))
+      hosts_.push_back({h, 0, fmt::format("host {}", h)});
+  for (const auto& kv : store_->list(alive_prefix(job_)))
+    if (const int p = key_number(alive_prefix(job_), kv.key); p >= 0) heartbeats_.insert(p);
+  skip_timeline_through(step_);
+  if (last && last->timeline)
+    while (next_timeline_ < cfg_.timeline.size() &&
+           cfg_.timeline[next_timeline_].at_step <= last->at_step)
+      ++next_timeline_;
+  if (auto kv = store_->get(stop_key(job_))) {
+    try {
+      stop_reason_ = nlohmann::json::parse(kv->value).at("reason").get<std::string>();
+    } catch (const std::exception&) {
+      stop_reason_ = kv->value;
+    }
+  }
+  // A failure announced but not yet decided: decided again, from the reports already written.
+  if (auto kv = store_->get(failure_key(job_))) {
+    const int64_t announced = comm::parse_counter(kv->key, kv->value);
+    if (announced > failures_) {
+      failures_ = announced - 1;
+      start_recovery(
+          fmt::format("failure {} (its coordinator was lost before deciding)", announced));
+    }
+  }
+  spdlog::info("job {}: took over at generation {} ({} workers, step {}{})", job_, generation_,
+               members_.size(), step_, pending_ ? ", a switch pending" : "");
+  set_hosts(hosts, false);
+}
+
+std::vector<Decider::Start> Decider::initial_starts() const {
+  std::vector<Start> out;
+  for (int p : members_) out.push_back({p, 0, host_of(p)});
+  return out;
+}
+
+int Decider::capacity() const {
+  int64_t n = 0;
+  for (const auto& h : hosts_) {
+    if (h.slots <= 0) return std::numeric_limits<int>::max();
+    n += h.slots;
+  }
+  return int(std::min<int64_t>(n, std::numeric_limits<int>::max()));
+}
+
+std::string Decider::where(int process) const {
+  // Only where there is more than the one local host.
+  const int h = host_of(process);
+  for (const auto& x : hosts_)
+    if (x.id == h) return x.slots > 0 ? fmt::format(" on host {} ({})", h, x.name) : "";
+  return h >= 0 ? fmt::format(" on host {}", h) : "";
+}
+
+int Decider::host_of(int process) const {
+  auto it = host_of_.find(process);
+  return it == host_of_.end() ? -1 : it->second;
+}
+
+int Decider::free_host() const {
+  // Fill hosts in order: consecutive ranks (a tensor-parallel group) share a host.
+  for (const auto& h : hosts_) {
+    if (h.slots <= 0) return h.id;
+    int used = 0;
+    for (int p : running_)
+      if (host_of(p) == h.id) ++used;
+    if (used < h.slots) return h.id;
+  }
+  TESSEL_THROW(ConfigError,
+               "job {}: every host's slots are taken ({} in all); no place for one "
+               "more worker",
+               job_, capacity());
+}
+
+int Decider::workers_for_capacity() const {
+  // Any larger count would not fit; the planner may lay out none of the counts near it.
+  const int most = std::min(capacity(), std::max(cfg_.max_workers(), 1) * 64);
+  for (int n = most; n >= 1; --n) {
+    try {
+      cfg_.plan_for_workers(n);
+      return n;
+    } catch (const ConfigError&) {
+    }
+  }
+  return 0;
+}
+
+void Decider::set_hosts(const std::vector<Host>& hosts, bool grow) {
+  std::set<int> listed;
+  for (const auto& h : hosts) listed.insert(h.id);
+  std::vector<Host> lost;
+  for (const auto& h : hosts_)
+    if (!listed.contains(h.id)) lost.push_back(h);
+  for (const auto& h : lost) {
+    std::vector<int> gone;
+    for (int p : running_)
+      if (host_of(p) == h.id) gone.push_back(p);
+    spdlog::warn("host {} ({}) is lost with {} worker(s)", h.id, h.name, gone.size());
+    for (int p : gone) on_exit(p, false, true, "was lost with its host");
+  }
+  hosts_ = hosts;  // after the deaths: their causes name the host
+  if (!grow || !stop_reason_.empty()) return;
+  const int target = workers_for_capacity();
+  if (target > int(members_.size()) && target != grow_target_) {
+    grow_target_ = target;
+    spdlog::info("the hosts hold {} workers: {}", target, scale(target));
+  }
 }
 
 void Decider::skip_timeline_through(int64_t step) {
@@ -123,6 +298,9 @@ std::string Decider::status() const {
 }
 
 bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& how) {
+  // Already counted out (lost with its host, whose agent reports the exit once back): its death
+  // was recovered from then.
+  if (!running_.contains(process)) return true;
   running_.erase(process);
   preparing_.erase(process);
   if (ok) {
@@ -137,8 +315,9 @@ bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& ho
   if (!signaled && !fenced_.contains(process)) return false;
   auto fenced = fenced_.find(process);
   const std::string cause =
-      fenced != fenced_.end() ? fmt::format("worker {} {} and was fenced", process, fenced->second)
-                              : fmt::format("worker {} {}", process, how);
+      fenced != fenced_.end()
+          ? fmt::format("worker {}{} {} and was fenced", process, where(process), fenced->second)
+          : fmt::format("worker {}{} {}", process, where(process), how);
   if (recovery_)
     recovery_->cause += "; " + cause;
   else
@@ -195,6 +374,17 @@ Reconfiguration Decider::switch_to(layout::Plan to, const std::string& cause,
 std::vector<Decider::Start> Decider::publish(Reconfiguration r) {
   TESSEL_CHECK(r.generation > generation_, InvalidArgumentError,
                "record of generation {} published after generation {}", r.generation, generation_);
+  // Where each new process runs (placed before anything is written: a record that cannot be
+  // placed is never published), and where every rank's process is: a transfer prefers sources
+  // on the receiver's host.
+  for (int p : r.spawn) {
+    host_of_[p] = free_host();
+    running_.insert(p);
+  }
+  r.from_hosts.clear();
+  for (int p : r.from_members) r.from_hosts.push_back(std::max(host_of(p), 0));
+  r.to_hosts.clear();
+  for (int p : r.to_members) r.to_hosts.push_back(host_of(p));
   const auto rev = store_->compare_and_set(generation_key(job_), generation_revision_,
                                            std::to_string(r.generation));
   TESSEL_CHECK(rev.has_value(), ConfigError,
@@ -214,8 +404,7 @@ std::vector<Decider::Start> Decider::publish(Reconfiguration r) {
   pending_request_ = r.request;
   std::vector<Start> starts;
   for (int p : r.spawn) {
-    starts.push_back({p, r.generation});
-    running_.insert(p);
+    starts.push_back({p, r.generation, host_of(p)});
     // Until the switch, a process started for it holds no state (a recovery's are state holders
     // at once: they join its transition).
     if (!r.recovery) preparing_.insert(p);
@@ -243,7 +432,12 @@ std::vector<Decider::Start> Decider::update() {
   if (!recovery_) {
     // A failure nobody died of (a collective timed out, a connection reset) is reported as the
     // next failure; it is recovered from the same way, with every process surviving.
-    const auto reports = store_->list(reports_prefix(job_, failures_ + 1));
+    auto reports = store_->list(reports_prefix(job_, failures_ + 1));
+    // Only from processes of the job: one fenced or lost with its host (cut off, then back)
+    // may report what it met long after its world was replaced.
+    std::erase_if(reports, [&](const comm::KeyValue& kv) {
+      return !running_.contains(key_number(reports_prefix(job_, failures_ + 1), kv.key));
+    });
     if (!reports.empty()) {
       std::string error = "a failure";
       try {
@@ -339,6 +533,7 @@ std::vector<Decider::Start> Decider::recover() {
   in.generation = g;
   in.next_process_id = next_process_id_;
   in.replace_failed = cfg_.replace_failed;
+  in.max_workers = capacity();
   if (!cfg_.checkpoint.dir.empty())
     in.find_checkpoint = [dir = cfg_.checkpoint.dir] {
       return checkpoint::newest_intact_checkpoint(dir);

@@ -46,22 +46,62 @@
 
 namespace tessel::elastic {
 
+// A machine that runs workers: its id (unique for the job's life; a machine that comes back is a
+// new host), how many workers it takes (0: any number, the one host of `tessel train`) and its
+// name for messages.
+struct Host {
+  int id = 0;
+  int slots = 0;
+  std::string name = "local";
+};
+
 class Decider {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // A process to start, for the switch to `generation` (TESSEL_JOIN_GENERATION).
+  // A process to start on `host`, for the switch to `generation` (TESSEL_JOIN_GENERATION; 0: the
+  // job's first world).
   struct Start {
     int process = 0;
     int generation = 0;
+    int host = 0;
   };
 
   // The job's processes 0..initial_workers-1 run the plan in force at `start_step` (0, or the
-  // step of the checkpoint the job resumes from) as generation 0. Claims the job's decisions in
-  // the store: throws ConfigError when the job already has some (another coordinator of the same
-  // job, or a store not cleaned after an earlier job of that name).
+  // step of the checkpoint the job resumes from) as generation 0, placed on `hosts` in order
+  // (initial_starts() says where). Claims the job's decisions in the store: throws ConfigError
+  // when the job already has some (another coordinator of the same job, or a store not cleaned
+  // after an earlier job of that name), or when the hosts' slots cannot hold initial_workers.
   Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store, std::string job,
-          int initial_workers, int64_t start_step);
+          int initial_workers, int64_t start_step, std::vector<Host> hosts = {Host{}});
+
+  // What a coordinator that takes over a running job (cluster_coordinator.h) knows besides the
+  // job's decisions and reports: its first world, where every process was placed and which
+  // ended.
+  struct History {
+    int64_t start_step = 0;
+    std::vector<int> first_members;
+    std::map<int, int> host_of;  // every process started so far, and its host
+  };
+  // Takes over the job's decisions from a coordinator that is gone: the plan, members, pending
+  // record, failure being recovered from, scale requests applied and stop from the store, the
+  // processes from `history`. A process on a host not in `hosts` is lost with it (recovered
+  // from like any death); a generation claimed but whose record was never written is given
+  // back. Throws CorruptDataError when the job's decisions do not parse.
+  Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store, std::string job,
+          const History& history, std::vector<Host> hosts);
+
+  // The first world's processes and their hosts.
+  std::vector<Start> initial_starts() const;
+
+  // The hosts that can run workers now. A host no longer listed is lost: each of its processes
+  // is a death (one recovery for them all). With `grow`, new slots are a scale request to the
+  // largest worker count they can hold that the planner lays out, applied at a step boundary.
+  void set_hosts(const std::vector<Host>& hosts, bool grow);
+  // Workers the hosts can hold (INT_MAX when one takes any number).
+  int capacity() const;
+  // The host of a process started by this decider (-1 when unknown).
+  int host_of(int process) const;
 
   // `scale N`: the planner's plan for N workers, or the reason there is none ("refused: ...").
   std::string scale(int workers);
@@ -87,6 +127,10 @@ class Decider {
   std::vector<Start> update();
 
   int workers() const { return int(members_.size()); }
+  // Whether a process this decider started has not ended (as far as it knows).
+  bool running(int process) const { return running_.contains(process); }
+  // No process runs: the job is over.
+  bool idle() const { return running_.empty(); }
 
  private:
   // Publishes record r (r.generation = generation_ + 1) after moving decisions/generation with
@@ -102,6 +146,12 @@ class Decider {
   void start_recovery(const std::string& cause);
   std::set<int> state_holders() const;
   std::vector<Start> recover();
+  // " on host <id> (<name>)" for messages; empty on the one local host.
+  std::string where(int process) const;
+  // A host with a free slot for one more process (ConfigError when none has one).
+  int free_host() const;
+  // The largest worker count the hosts hold that has a plan (0: none).
+  int workers_for_capacity() const;
   void skip_timeline_through(int64_t step);
 
   config::TrainConfig cfg_;
@@ -113,6 +163,9 @@ class Decider {
   int generation_ = 0;
   layout::Plan plan_;
   std::vector<int> members_;
+  std::vector<Host> hosts_;
+  std::map<int, int> host_of_;  // every process started, and its host
+  int grow_target_ = 0;         // the worker count last asked for when slots came
   int next_process_id_ = 0;
   size_t next_timeline_ = 0;
   int64_t step_ = 0;              // the newest step rank 0 reported (or the start step)

@@ -22,17 +22,22 @@ namespace tessel::elastic {
 
 class Heartbeat {
  public:
-  // Grants the lease and sets `key` on it (throws as the store does), then renews it every
-  // ttl / 4 on a background thread.
+  // Grants the lease and sets `key` to `value` on it (throws as the store does), then renews it
+  // every ttl / 4 on a background thread. The store's calls should be bounded well within the
+  // ttl (a renewal that hangs cannot be retried in time).
   Heartbeat(std::shared_ptr<comm::ControlStore> store, std::string key,
-            std::chrono::milliseconds ttl);
+            std::chrono::milliseconds ttl, const std::string& value = "alive");
   ~Heartbeat();  // stops renewing
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
 
-  // The lease expired before a renewal reached the store: this process was taken for stalled
-  // and has been fenced. It must not send state or write a checkpoint again.
+  // No renewal reached the store for a whole ttl (or the store said the lease had expired):
+  // this process was taken for stalled, or its host for gone, and has been fenced. It must not
+  // send state or write a checkpoint again. A renewal that fails once, within the ttl, is not a
+  // loss: the next one may get through.
   bool lost() const { return lost_; }
+  // The lease, for other keys that live exactly as long as this one.
+  comm::LeaseId lease() const { return lease_; }
 
  private:
   void run();

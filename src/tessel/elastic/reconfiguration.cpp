@@ -12,6 +12,8 @@ nlohmann::json Reconfiguration::to_json() const {
           {"to", layout::to_json(to)},
           {"from_members", from_members},
           {"to_members", to_members},
+          {"from_hosts", from_hosts},
+          {"to_hosts", to_hosts},
           {"spawn", spawn},
           {"next_process_id", next_process_id},
           {"cause", cause},
@@ -36,6 +38,9 @@ Reconfiguration Reconfiguration::from_json(const nlohmann::json& d, const std::s
     m.to = layout::plan_from_json(d.at("to"));
     m.from_members = d.at("from_members").get<std::vector<int>>();
     m.to_members = d.at("to_members").get<std::vector<int>>();
+    // Absent in records of a job on one host.
+    m.from_hosts = d.value("from_hosts", std::vector<int>{});
+    m.to_hosts = d.value("to_hosts", std::vector<int>{});
     m.spawn = d.at("spawn").get<std::vector<int>>();
     m.next_process_id = d.at("next_process_id").get<int>();
     m.cause = d.at("cause").get<std::string>();
@@ -50,6 +55,13 @@ Reconfiguration Reconfiguration::from_json(const nlohmann::json& d, const std::s
     m.step = d.at("step").get<int64_t>();
     m.cursor = d.at("cursor").get<int64_t>();
     m.record = d.at("record");
+    TESSEL_CHECK((m.from_hosts.empty() || m.from_hosts.size() == m.from_members.size()) &&
+                     (m.to_hosts.empty() || m.to_hosts.size() == m.to_members.size()),
+                 CorruptDataError,
+                 "{} is not a valid switch description: {} hosts for {} old ranks, {} for {} new "
+                 "ones",
+                 what, m.from_hosts.size(), m.from_members.size(), m.to_hosts.size(),
+                 m.to_members.size());
     return m;
   } catch (const nlohmann::json::exception& e) {
     TESSEL_THROW(CorruptDataError, "{} is not a valid switch description: {}", what, e.what());

@@ -52,12 +52,15 @@ struct Reconfiguration {
   layout::Plan from, to;
   std::vector<int> from_members;  // process of each rank of `from` (kLostProcess: not a source)
   std::vector<int> to_members;    // process of each rank of `to`
-  std::vector<int> spawn;         // processes the coordinator starts for this switch
-  int next_process_id = 0;        // the id the next new process gets
-  std::string cause;              // "timeline (workers)", "scale request", "worker 2 died: ..."
-  int64_t request = 0;            // the scale request it applies (0: none)
-  int64_t applied_request = 0;    // the newest scale request applied once it is done
-  int64_t failures = 0;           // failures recovered from so far (this one included)
+  // The host of each rank's process (ids the coordinator gives hosts; all 0 on one host): a
+  // transfer prefers sources on the receiver's host. Empty: every process on one host.
+  std::vector<int> from_hosts, to_hosts;
+  std::vector<int> spawn;       // processes the coordinator starts for this switch
+  int next_process_id = 0;      // the id the next new process gets
+  std::string cause;            // "timeline (workers)", "scale request", "worker 2 died: ..."
+  int64_t request = 0;          // the scale request it applies (0: none)
+  int64_t applied_request = 0;  // the newest scale request applied once it is done
+  int64_t failures = 0;         // failures recovered from so far (this one included)
   // When the switch happens: after step at_step (a timeline entry; 0 for a planned leave: at the
   // first boundary where every member has seen it, never prepared), or -- negative -- at the first
   // step boundary where every member has seen the record (then prepared over

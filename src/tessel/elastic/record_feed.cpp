@@ -40,8 +40,14 @@ void RecordFeed::apply(const comm::KeyValue& kv, bool erased) {
       view_.records.insert_or_assign(g, std::move(r));
     } else if (kv.key == failure_key(job_)) {
       const int64_t e = comm::parse_counter(kv.key, kv.value);
-      std::lock_guard lock(mu_);
-      view_.failure = std::max(view_.failure, e);
+      bool newer = false;
+      {
+        std::lock_guard lock(mu_);
+        newer = e > view_.failure;
+        view_.failure = std::max(view_.failure, e);
+      }
+      std::lock_guard lock(callback_mu_);
+      if (newer && on_failure_) on_failure_(e);
     } else if (kv.key == stop_key(job_)) {
       auto reason = nlohmann::json::parse(kv.value).at("reason").get<std::string>();
       std::lock_guard lock(mu_);
@@ -95,6 +101,11 @@ void RecordFeed::follow() {
       pause = std::min(pause * 2, std::chrono::milliseconds(1000));
     }
   }
+}
+
+void RecordFeed::on_failure(std::function<void(int64_t)> callback) {
+  std::lock_guard lock(callback_mu_);
+  on_failure_ = std::move(callback);
 }
 
 RecordFeed::View RecordFeed::view() const {

@@ -60,6 +60,12 @@ class RecordFeed {
   // PeerLostError when the store stopped answering before that.
   bool wait_until(const std::function<bool(const View&)>& done, Clock::time_point deadline) const;
 
+  // Called on the feed's thread, with the failure's number, whenever the failure being
+  // recovered from increases. A worker blocked in a collective with a peer on a lost host (no
+  // reset ever comes from a machine that is gone) hears of it here instead of at its
+  // communication timeout. Replaces an earlier callback; must not block.
+  void on_failure(std::function<void(int64_t)> callback);
+
   comm::ControlStore& store() { return *store_; }
   const std::string& job() const { return job_; }
 
@@ -74,6 +80,8 @@ class RecordFeed {
   View view_;
   int64_t revision_ = 0;  // the newest revision applied
   bool stop_ = false;
+  std::mutex callback_mu_;
+  std::function<void(int64_t)> on_failure_;
   std::thread thread_;
 };
 

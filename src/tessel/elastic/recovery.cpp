@@ -68,7 +68,8 @@ Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryIn
                "checkpoint), or set elastic.replace_failed so new workers take the dead ones' "
                "places",
                in.cause);
-  const int wanted = int(survivors.size()) + (in.replace_failed ? int(in.dead.size()) : 0);
+  const int wanted = std::min(int(survivors.size()) + (in.replace_failed ? int(in.dead.size()) : 0),
+                              in.max_workers);
   std::string why_not;
   int workers = wanted;
   for (; workers >= 1; --workers) {

@@ -16,11 +16,12 @@
 //  2. Processes. Every survivor stays (sources first, in old rank order, so most of them keep
 //     their buffers where the new plan lays state out alike), plus, with replace_failed, one new
 //     process per dead one. The plan is the planner's for that many workers (keeping the global
-//     batch); when no plan fits that count, the largest count below it that has one, and the
-//     survivors beyond it leave.
+//     batch), at most max_workers (the slots of the hosts left); when no plan fits that count,
+//     the largest count below it that has one, and the survivors beyond it leave.
 #pragma once
 
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +39,7 @@ struct RecoveryInput {
   int generation = 0;                  // the generation to create
   int next_process_id = 0;             // the first id free for new processes
   bool replace_failed = false;
+  int max_workers = std::numeric_limits<int>::max();  // what the hosts' slots hold
   std::optional<std::string> checkpoint;  // the newest published checkpoint (a step-N directory)
   // When `checkpoint` is unset: finds it, called only when the survivors do not hold the whole
   // state (verifying a checkpoint reads all of it; a recovery from replicas must not wait on that,

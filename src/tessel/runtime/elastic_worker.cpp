@@ -68,10 +68,15 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
     control = std::make_shared<comm::EtcdStore>(
         env.control_store, std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
     feed = std::make_unique<RecordFeed>(control, env.job_id);
+    env.signals = std::make_shared<GenerationSignals>();
+    feed->on_failure([signals = env.signals](int64_t e) { signals->announce(e); });
     progress = std::make_unique<elastic::Reporter>(control, elastic::progress_key(env.job_id));
+    // A client of its own, whose calls end within a renewal's period: one hanging on a cut link
+    // for the whole communication timeout would outlive the lease it renews.
+    const auto ttl = std::chrono::milliseconds(int64_t(cfg.heartbeat_timeout_s * 1000));
     heartbeat = std::make_unique<elastic::Heartbeat>(
-        control, elastic::alive_key(env.job_id, env.rank),
-        std::chrono::milliseconds(int64_t(cfg.heartbeat_timeout_s * 1000)));
+        std::make_shared<comm::EtcdStore>(env.control_store, ttl / 4),
+        elastic::alive_key(env.job_id, env.rank), ttl);
   }
   const int64_t join = env.join_generation;
   if (join > 0) {
@@ -88,6 +93,7 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
     plan = m.from;
     members = m.from_members;
     failures = m.failures;
+    env.signals->acknowledge(failures);
     applied_request = m.applied_request;
     skip_timeline_through(m.recovery ? m.step : m.step - 1);
     joining = std::move(m);
@@ -303,9 +309,13 @@ std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const Reconfigur
       std::make_shared<const layout::StateLayout>(layout::StateLayout::build(cfg.model, sw.from));
   auto to =
       std::make_shared<const layout::StateLayout>(layout::StateLayout::build(cfg.model, sw.to));
-  auto transfer = reshard::TransferPlan::build(
-      *from, *to, std::vector<int>(size_t(sw.from.world()), 0),
-      std::vector<int>(size_t(sw.to.world()), 0), sw.from_members, sw.to_members);
+  // The hosts the coordinator placed the processes on (none named: all on this one).
+  auto hosts = [](const std::vector<int>& named, int world) {
+    return named.empty() ? std::vector<int>(size_t(world), 0) : named;
+  };
+  auto transfer = reshard::TransferPlan::build(*from, *to, hosts(sw.from_hosts, sw.from.world()),
+                                               hosts(sw.to_hosts, sw.to.world()), sw.from_members,
+                                               sw.to_members);
   return std::make_shared<const PlannedSwitch>(PlannedSwitch{
       std::move(from), std::move(to), sw.from_members, sw.to_members, std::move(transfer)});
 }
@@ -380,6 +390,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
     members = sw.to_members;
     if (sw.timeline) skip_timeline_through(sw.at_step);
     failures = std::max(failures, sw.failures);
+    if (env.signals) env.signals->acknowledge(failures);
     applied_request = std::max(applied_request, sw.applied_request);
   };
   if (new_rank < 0 && old_rank < 0) {  // nothing to give or take
@@ -410,7 +421,8 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
   const auto store = env.store(store_generation, cfg.comm_timeout_s);
   // Waits for every process of the transition, joiners (being started now) included.
   auto t1 = std::chrono::steady_clock::now();
-  auto union_world = reshard::connect_transition_world(store, tplan, me, store.timeout);
+  auto union_world =
+      reshard::connect_transition_world(store, tplan, me, store.timeout, env.transport());
   const double connect_s = seconds_since(t1);
   t1 = std::chrono::steady_clock::now();
   // The old buffers first: the successor may take over chunks (and their memory) it keeps.
@@ -552,6 +564,7 @@ void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_r
 void ElasticWorker::recover(const std::string& what) {
   drop_preparation();
   ++failures;
+  if (env.signals) env.signals->acknowledge(failures);
   FailureReport r;
   r.process = env.rank;
   r.error = what;

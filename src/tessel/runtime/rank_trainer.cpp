@@ -29,7 +29,8 @@ comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env
   if (plan.order == layout::RankOrder::dp_tp_pp)
     grid.order = {comm::Axis::kDp, comm::Axis::kTp, comm::Axis::kPp};
   const auto store = env.store(store_generation, cfg.comm_timeout_s);
-  return comm::connect_process_groups(store, grid, rank, plan.world(), store.timeout);
+  return comm::connect_process_groups(store, grid, rank, plan.world(), store.timeout,
+                                      env.transport());
 }
 
 std::shared_ptr<const data::TokenSource> open_data(const config::TrainConfig& cfg) {

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/parse_number.h"
+#include "tessel/elastic/submission.h"
 
 namespace tessel::runtime {
 
@@ -39,6 +41,8 @@ WorkerEnv WorkerEnv::from_environment() {
   e.join_generation = env_int("TESSEL_JOIN_GENERATION", false);
   e.elastic = env_int("TESSEL_ELASTIC", false) == 1;
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
+  e.cluster = env_string("TESSEL_CLUSTER", false);
+  e.host_address = env_string("TESSEL_HOST_ADDRESS", false);
   // A worker started for a switch may take a rank beyond the world the job started with: its
   // place comes from the switch.
   TESSEL_CHECK(!e.elastic || !e.control_store.empty(), ConfigError,
@@ -56,7 +60,22 @@ comm::StoreOptions WorkerEnv::store(int64_t store_generation, double timeout_s) 
   options.job_id = job_id;
   options.generation = store_generation;
   options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+  if (signals) options.abort_signal = signals->of(store_generation);
   return options;
+}
+
+comm::TransportOptions WorkerEnv::transport() const {
+  comm::TransportOptions t;
+  if (!host_address.empty()) t.hostname = host_address;
+  return t;
+}
+
+config::TrainConfig WorkerEnv::cluster_config() const {
+  TESSEL_CHECK(!cluster.empty() && !control_store.empty(), ConfigError,
+               "`tessel worker` needs a config file, or TESSEL_CLUSTER and TESSEL_CONTROL_STORE "
+               "(set by `tessel agent`)");
+  comm::EtcdStore store(control_store);
+  return elastic::submitted_config(store, cluster);
 }
 
 }  // namespace tessel::runtime

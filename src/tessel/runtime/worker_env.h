@@ -2,10 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
+#include "tessel/comm/communicator.h"
 #include "tessel/comm/store.h"
+#include "tessel/config/train_config.h"
+#include "tessel/runtime/generation_signals.h"
 
 namespace tessel::runtime {
 
@@ -23,16 +27,30 @@ struct WorkerEnv {
   // The checkpoint the launcher chose to resume from ("" for a fresh start; unset when no
   // launcher chose: the worker looks for it itself, checkpoint::find_resume_point).
   std::optional<std::string> resume_from;
+  // Started by a `tessel agent` (elastic/agent.h): the cluster whose job this is, and the address
+  // other hosts reach this host's processes at (Gloo binds to it). Empty: one host, loopback.
+  std::string cluster;
+  std::string host_address;
+  // The abort signals of this process's generations (elastic processes; none for a fixed launch):
+  // store() gives each generation's rendezvous its signal.
+  std::shared_ptr<GenerationSignals> signals;
 
-  // Reads TESSEL_RANK, TESSEL_WORLD_SIZE, TESSEL_JOB_ID (required), TESSEL_STORE_DIR or
-  // TESSEL_CONTROL_STORE (one of them), TESSEL_GENERATION, TESSEL_JOIN_GENERATION and
-  // TESSEL_ELASTIC (0 when unset) and TESSEL_RESUME_FROM (may be unset). Throws
-  // ConfigError naming the missing or malformed variable.
+  // Reads TESSEL_CLUSTER, TESSEL_HOST_ADDRESS (both may be unset), TESSEL_RANK, TESSEL_WORLD_SIZE,
+  // TESSEL_JOB_ID (required), TESSEL_STORE_DIR or TESSEL_CONTROL_STORE (one of them),
+  // TESSEL_GENERATION, TESSEL_JOIN_GENERATION and TESSEL_ELASTIC (0 when unset) and
+  // TESSEL_RESUME_FROM (may be unset). Throws ConfigError naming the missing or malformed variable.
   static WorkerEnv from_environment();
 
   // The rendezvous of the world under store generation `store_generation` (env.generation + the
   // job's switches so far), every wait bounded by `timeout_s` (training.comm_timeout_s).
   comm::StoreOptions store(int64_t store_generation, double timeout_s) const;
+
+  // Where this process's connections listen: host_address, else loopback.
+  comm::TransportOptions transport() const;
+
+  // The config of the job the cluster runs (elastic/submission.h). Throws ConfigError when this
+  // process was not started by an agent, PeerLostError when the store does not answer.
+  config::TrainConfig cluster_config() const;
 };
 
 }  // namespace tessel::runtime

@@ -1,0 +1,132 @@
+// A cluster of hosts on etcd: what `tessel agent` (agent.h) writes about its host, how a job is
+// submitted to the cluster, and the keys through which the job's coordinator -- whichever agent
+// holds the election -- has processes started, fenced and reported on hosts it does not run on.
+//
+// Keys of the cluster, under /tessel/clusters/<cluster>/:
+//   next-host      a counter (compare-and-set): every registration of an agent takes the next host
+//                  id, so a machine that comes back after being cut off is a new host, and
+//                  nothing addressed to its old incarnation reaches it
+//   hosts/<id>     HostRecord, on the agent's lease: gone when the agent stops renewing it (the
+//                  machine died, or the network cut it off)
+//   job            JobSubmission: the job the cluster runs (one at a time); created only when
+//                  absent, so a second job is refused while one runs
+// Keys of the job, beside its control-plane keys (reconfiguration.h), under /tessel/<job>/:
+//   coordinator            the agent elected coordinator (its host id), on that agent's lease:
+//                          when its host dies the key expires and another agent takes over
+//   placement/<process>    Placement: the host that runs the process and the generation it was
+//                          started for; that host's agent starts it
+//   fence/<process>        the coordinator asks the process's agent to kill it (it stopped
+//                          answering)
+//   reports/exits/<process> ExitReport, written by the agent that ran the process
+//   decisions/start        StartRecord: the first world (plan, members, hosts, step)
+//   decisions/done         JobEnd: the job is over (every agent stops its workers; the submitter
+//                          reports it)
+//   requests/stop          the submitter was interrupted (its reason as the value): the job saves
+//                          at its next step boundary and stops
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tessel/comm/control_store.h"
+#include "tessel/layout/plan.h"
+
+namespace tessel::elastic {
+
+// What an agent says about its host.
+struct HostRecord {
+  int id = 0;
+  std::string name;     // for messages: the agent's --name, else the machine's hostname
+  std::string address;  // where the host's workers are reached (Gloo binds to it)
+  int slots = 1;        // worker processes it runs
+  std::string iface;    // the network interface named for it ("" when only the address is)
+  int64_t agent_pid = 0;
+  double started = 0;  // when the agent registered (Unix time)
+
+  nlohmann::json to_json() const;
+  static HostRecord from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+// A job as `tessel train --cluster` submits it: the config's text (every host reads the same),
+// its overrides and the job's id.
+struct JobSubmission {
+  std::string job;
+  std::string config_yaml;
+  std::string config_path;  // where it was read from, for messages
+  int64_t steps = 0;        // --steps (0: the config's)
+  double submitted = 0;
+
+  nlohmann::json to_json() const;
+  static JobSubmission from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+struct Placement {
+  int process = 0;
+  int host = 0;
+  int generation = 0;  // started for the switch to this generation (0: the first world)
+
+  nlohmann::json to_json() const;
+  static Placement from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+struct ExitReport {
+  int process = 0;
+  int host = 0;
+  bool ok = false;
+  bool signaled = false;
+  std::string how;  // "exited with code 3", "was killed by signal 9 (SIGKILL)"
+
+  nlohmann::json to_json() const;
+  static ExitReport from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+// The first world of the job.
+struct StartRecord {
+  layout::Plan plan;
+  std::vector<int> members, hosts;
+  int64_t step = 0;
+  std::string resume_from;  // the checkpoint it resumes from ("" for a fresh start)
+
+  nlohmann::json to_json() const;
+  static StartRecord from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+struct JobEnd {
+  int exit_code = 0;
+  std::string reason;  // empty on success
+
+  nlohmann::json to_json() const;
+  static JobEnd from_json(const nlohmann::json& doc, const std::string& what);
+};
+
+// Cluster names and job ids become key segments: letters, digits, '-', '_' and '.', 1-64
+// characters. Throws ConfigError naming `what` otherwise.
+void check_key_segment(const std::string& name, const std::string& what);
+
+std::string cluster_prefix(const std::string& cluster);  // "/tessel/clusters/<cluster>/"
+std::string next_host_key(const std::string& cluster);
+std::string hosts_prefix(const std::string& cluster);
+std::string host_key(const std::string& cluster, int host);
+std::string submission_key(const std::string& cluster);
+std::string coordinator_key(const std::string& job);
+std::string placement_prefix(const std::string& job);
+std::string placement_key(const std::string& job, int process);
+std::string fence_prefix(const std::string& job);
+std::string fence_key(const std::string& job, int process);
+std::string exits_prefix(const std::string& job);
+std::string exit_key(const std::string& job, int process);
+std::string start_key(const std::string& job);
+std::string done_key(const std::string& job);
+std::string stop_request_key(const std::string& job);
+
+// The hosts registered now, by id (records that do not parse are skipped with a warning).
+std::vector<HostRecord> list_hosts(comm::ControlStore& store, const std::string& cluster);
+
+// Takes the next host id of the cluster (compare-and-set on next-host; retried on contention).
+int take_host_id(comm::ControlStore& store, const std::string& cluster);
+
+}  // namespace tessel::elastic

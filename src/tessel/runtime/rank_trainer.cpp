@@ -208,7 +208,9 @@ void RankTrainer::save_checkpoint() {
     store::cleanup_interrupted_saves(
         (std::filesystem::path(dir) / checkpoint::checkpoint_step_name(previous)).string());
   store::CheckpointWriterOptions opt;
-  opt.save_id = fmt::format("{}-{}", env.job_id, step);
+  // The generation too: a process of a world the job replaced (its host cut off, not yet
+  // fenced) saving the same step never writes into this world's staging directory.
+  opt.save_id = fmt::format("{}-g{}-{}", env.job_id, generation, step);
   store::CheckpointWriter writer(
       (std::filesystem::path(dir) / checkpoint::checkpoint_step_name(step)).string(), rank, opt);
   std::vector<std::span<const float>> buffers;

@@ -66,13 +66,14 @@ JobSubmission JobSubmission::from_json(const nlohmann::json& d, const std::strin
 }
 
 nlohmann::json Placement::to_json() const {
-  return {{"process", process}, {"host", host}, {"generation", generation}};
+  return {
+      {"process", process}, {"host", host}, {"generation", generation}, {"host_name", host_name}};
 }
 
 Placement Placement::from_json(const nlohmann::json& d, const std::string& what) {
   return parse(what, "placement", [&] {
     return Placement{d.at("process").get<int>(), d.at("host").get<int>(),
-                     d.at("generation").get<int>()};
+                     d.at("generation").get<int>(), d.at("host_name").get<std::string>()};
   });
 }
 

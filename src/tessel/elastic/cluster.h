@@ -67,7 +67,8 @@ struct JobSubmission {
 struct Placement {
   int process = 0;
   int host = 0;
-  int generation = 0;  // started for the switch to this generation (0: the first world)
+  int generation = 0;     // started for the switch to this generation (0: the first world)
+  std::string host_name;  // for messages, also once the host is gone
 
   nlohmann::json to_json() const;
   static Placement from_json(const nlohmann::json& doc, const std::string& what);

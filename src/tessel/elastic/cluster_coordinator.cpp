@@ -52,8 +52,9 @@ bool ClusterCoordinator::start_first_world(const std::vector<Host>& hosts) {
 
 void ClusterCoordinator::place(const std::vector<Decider::Start>& starts) {
   for (const auto& s : starts)
-    store_->set(placement_key(job_, s.process),
-                Placement{s.process, s.host, s.generation}.to_json().dump());
+    store_->set(
+        placement_key(job_, s.process),
+        Placement{s.process, s.host, s.generation, decider_->host_name(s.host)}.to_json().dump());
 }
 
 std::optional<JobEnd> ClusterCoordinator::finish(JobEnd end) {
@@ -72,6 +73,7 @@ void ClusterCoordinator::take_over(const StartRecord& start, const std::vector<H
   for (const auto& kv : store_->list(placement_prefix(job_))) {
     const auto p = Placement::from_json(nlohmann::json::parse(kv.value), kv.key);
     h.host_of[p.process] = p.host;
+    h.host_names[p.host] = p.host_name;
   }
   for (const auto& kv : store_->list(fence_prefix(job_)))
     if (const int p = key_number(fence_prefix(job_), kv.key); p >= 0) fenced_.insert(p);

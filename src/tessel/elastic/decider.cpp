@@ -99,7 +99,9 @@ Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> st
   for (const auto& [p, h] : history.host_of)
     if (running_.contains(p) &&
         std::none_of(hosts_.begin(), hosts_.end(), [&](const Host& x) { return x.id == h; }))
-      hosts_.push_back({h, 0, fmt::format("host {}", h)});
+      hosts_.push_back(
+          {h, 1,
+           history.host_names.contains(h) ? history.host_names.at(h) : fmt::format("host {}", h)});
   for (const auto& kv : store_->list(alive_prefix(job_)))
     if (const int p = key_number(alive_prefix(job_), kv.key); p >= 0) heartbeats_.insert(p);
   skip_timeline_through(step_);
@@ -149,6 +151,12 @@ std::string Decider::where(int process) const {
   for (const auto& x : hosts_)
     if (x.id == h) return x.slots > 0 ? fmt::format(" on host {} ({})", h, x.name) : "";
   return h >= 0 ? fmt::format(" on host {}", h) : "";
+}
+
+std::string Decider::host_name(int host) const {
+  for (const auto& x : hosts_)
+    if (x.id == host) return x.name;
+  return fmt::format("host {}", host);
 }
 
 int Decider::host_of(int process) const {

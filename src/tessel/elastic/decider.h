@@ -81,7 +81,8 @@ class Decider {
   struct History {
     int64_t start_step = 0;
     std::vector<int> first_members;
-    std::map<int, int> host_of;  // every process started so far, and its host
+    std::map<int, int> host_of;             // every process started so far, and its host
+    std::map<int, std::string> host_names;  // of those hosts, for messages
   };
   // Takes over the job's decisions from a coordinator that is gone: the plan, members, pending
   // record, failure being recovered from, scale requests applied and stop from the store, the
@@ -100,8 +101,9 @@ class Decider {
   void set_hosts(const std::vector<Host>& hosts, bool grow);
   // Workers the hosts can hold (INT_MAX when one takes any number).
   int capacity() const;
-  // The host of a process started by this decider (-1 when unknown).
+  // The host of a process started by this decider (-1 when unknown), and its name.
   int host_of(int process) const;
+  std::string host_name(int host) const;
 
   // `scale N`: the planner's plan for N workers, or the reason there is none ("refused: ...").
   std::string scale(int workers);

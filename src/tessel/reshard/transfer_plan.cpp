@@ -240,6 +240,7 @@ class SourceChooser {
       if (P_.process_of_old_rank(c->rank) == q) take(d, *c);
     }
     for (const Box& r : remaining_) min_bytes += r.volume() * int64_t(sizeof(float));
+    min_cross_host_bytes_ += cross_host_minimum(cands, q);
     while (!remaining_.empty()) {
       const StatePiece* best = best_remote_copy(cands, q);
       if (best == nullptr) throw_lost(d);
@@ -249,6 +250,7 @@ class SourceChooser {
   }
 
   std::vector<Transfer> transfers() && { return std::move(transfers_); }
+  int64_t min_cross_host_bytes() const { return min_cross_host_bytes_; }
 
  private:
   bool lost(int old_rank) const { return P_.process_of_old_rank(old_rank) == TransferPlan::kLost; }
@@ -282,6 +284,29 @@ class SourceChooser {
     }
     remaining_.swap(next_);
     return taken;
+  }
+
+  // The bytes of what is still missing that no copy on the receiver's host holds: they must
+  // cross hosts whatever the sources (the placement's bound, against which the chosen sources'
+  // traffic is measured).
+  int64_t cross_host_minimum(const std::vector<const StatePiece*>& cands, int q) const {
+    std::vector<Box> missing = remaining_, next;
+    const int hq = P_.host_of(q);
+    for (const StatePiece* c : cands) {
+      if (P_.host_of(P_.process_of_old_rank(c->rank)) != hq) continue;
+      next.clear();
+      for (const Box& r : missing) {
+        const Box part = r.intersect(c->global);
+        if (part.empty())
+          next.push_back(r);
+        else
+          subtract(r, part, next);
+      }
+      missing.swap(next);
+    }
+    int64_t bytes = 0;
+    for (const Box& r : missing) bytes += r.volume() * int64_t(sizeof(float));
+    return bytes;
   }
 
   // Among the other processes' copies holding something still missing: one on the receiver's
@@ -337,6 +362,7 @@ class SourceChooser {
   std::vector<int64_t> load_;          // bytes each process sends so far, by union rank
   std::vector<Box> remaining_, next_;  // what the current piece still misses
   std::vector<Transfer> transfers_;
+  int64_t min_cross_host_bytes_ = 0;
 };
 
 // The transfers between processes grouped into one message per (sender, receiver) pair, ordered
@@ -407,6 +433,7 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
   SourceChooser sources(P, from, to);
   for (const StatePiece* d : pieces_to_write(to, P.kept_, P.stats_.total_bytes))
     sources.write(*d, P.stats_.min_bytes);
+  P.stats_.min_cross_host_bytes = sources.min_cross_host_bytes();
   P.transfers_ = std::move(sources).transfers();
   P.messages_ = group_into_messages(P.transfers_, P.stats_.local_copy_bytes);
   count_traffic(P, P.stats_);

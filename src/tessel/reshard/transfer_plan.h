@@ -67,14 +67,15 @@ struct Message {
 };
 
 struct TransferStats {
-  int64_t bytes_moved = 0;       // between processes (sum of message sizes)
-  int64_t bytes_cross_host = 0;  // part of bytes_moved between different hosts
-  int64_t max_send_bytes = 0;    // most bytes one process sends
-  int64_t max_recv_bytes = 0;    // most bytes one process receives
-  int64_t min_bytes = 0;         // the bytes new processes need but do not hold (lower bound)
-  int64_t local_copy_bytes = 0;  // copied within a process between different places
-  int64_t kept_bytes = 0;        // in buffers a process keeps unchanged
-  int64_t total_bytes = 0;       // the new layout's state, all ranks together
+  int64_t bytes_moved = 0;           // between processes (sum of message sizes)
+  int64_t bytes_cross_host = 0;      // part of bytes_moved between different hosts
+  int64_t max_send_bytes = 0;        // most bytes one process sends
+  int64_t max_recv_bytes = 0;        // most bytes one process receives
+  int64_t min_bytes = 0;             // the bytes new processes need but do not hold (lower bound)
+  int64_t min_cross_host_bytes = 0;  // of those, what no copy on the receiver's host holds
+  int64_t local_copy_bytes = 0;      // copied within a process between different places
+  int64_t kept_bytes = 0;            // in buffers a process keeps unchanged
+  int64_t total_bytes = 0;           // the new layout's state, all ranks together
   int64_t messages = 0;
 };
 

@@ -258,6 +258,8 @@ void check_plan(const TransferPlan& plan, const layout::StateLayout& from,
   for (auto& [p, n] : recv) max_recv = std::max(max_recv, n);
   EXPECT_EQ(st.bytes_moved, moved);
   EXPECT_EQ(st.bytes_cross_host, cross);
+  // Same-host sources come first, so only what no copy on the receiver's host holds crosses.
+  EXPECT_EQ(st.bytes_cross_host, st.min_cross_host_bytes);
   EXPECT_EQ(st.max_send_bytes, max_sent);
   EXPECT_EQ(st.max_recv_bytes, max_recv);
   EXPECT_EQ(st.local_copy_bytes, local);
@@ -652,6 +654,7 @@ TEST(Reshard, PrefersTheSameHostThenTheLeastLoadedSender) {
   // Old processes 0 (host 0) and 1 (host 1); joining process 2 on host 1: all from process 1.
   const auto near = TransferPlan::build(A, B, {0, 1}, {0, 1, 1});
   EXPECT_EQ(near.stats().bytes_cross_host, 0);
+  EXPECT_EQ(near.stats().min_cross_host_bytes, 0);
   ASSERT_EQ(near.messages().size(), 1u);
   EXPECT_EQ(near.messages()[0].src_process, 1);
   // Joining process 2 on a third host: both replicas send, balanced to within the largest piece.
@@ -663,6 +666,7 @@ TEST(Reshard, PrefersTheSameHostThenTheLeastLoadedSender) {
   EXPECT_EQ(s0 + s1, far.stats().bytes_moved);
   EXPECT_LE(std::abs(s0 - s1), largest);
   EXPECT_EQ(far.stats().bytes_cross_host, far.stats().bytes_moved);
+  EXPECT_EQ(far.stats().min_cross_host_bytes, far.stats().bytes_moved);
   EXPECT_EQ(far.stats().max_send_bytes, std::max(s0, s1));
 }
 

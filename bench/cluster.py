@@ -44,7 +44,7 @@ SEQ = 64
 SMALL_MODEL = """model: {family: gpt2, n_layer: 4, n_embd: 128, n_head: 4, ffn_hidden: 512,
         vocab_size: 257, max_seq_len: 64}
 """
-GPT2_MODEL = "model: {preset: gpt2}\n"  # GPT-2 124M shapes
+GPT2_MODEL = "model: {preset: gpt2-124m}\n"
 
 
 def log(*a):

@@ -1,10 +1,22 @@
 #include "tessel/comm/etcd_store.h"
 
+#include <fcntl.h>
 #include <httplib.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "tessel/comm/etcd_json.h"
@@ -110,35 +122,358 @@ struct EtcdStore::Reply {
 
 namespace {
 
-EtcdStoreOptions from_environment(milliseconds timeout) {
+// An endpoint taken apart: "http://host:port" or "https://host:port".
+struct Endpoint {
+  bool tls = false;
+  std::string host;
+  int port = 0;
+};
+
+std::optional<Endpoint> parse_endpoint(std::string_view url) {
+  Endpoint e;
+  if (url.starts_with("http://")) {
+    url.remove_prefix(7);
+    e.port = 80;
+  } else if (url.starts_with("https://")) {
+    url.remove_prefix(8);
+    e.tls = true;
+    e.port = 443;
+  } else {
+    return std::nullopt;
+  }
+  if (url.starts_with('[')) {
+    const size_t close = url.find(']');
+    if (close == std::string_view::npos) return std::nullopt;
+    e.host = url.substr(1, close - 1);
+    url.remove_prefix(close + 1);
+  } else {
+    e.host = url.substr(0, url.find(':'));
+    url.remove_prefix(e.host.size());
+  }
+  if (e.host.empty()) return std::nullopt;
+  for (char c : e.host) {
+    if (c <= ' ' || c >= 127 || std::strchr("/?#@[]", c) != nullptr) return std::nullopt;
+  }
+  if (url.empty()) return e;
+  if (url.front() != ':' || url.size() < 2 || url.size() > 6) return std::nullopt;
+  int port = 0;
+  for (char c : url.substr(1)) {
+    if (c < '0' || c > '9') return std::nullopt;
+    port = port * 10 + (c - '0');
+  }
+  if (port < 1 || port > 65535) return std::nullopt;
+  e.port = port;
+  return e;
+}
+
+// "host:port", an IPv6 address in brackets.
+std::string authority(const std::string& host, int port) {
+  if (host.find(':') == std::string::npos) return fmt::format("{}:{}", host, port);
+  return fmt::format("[{}]:{}", host, port);
+}
+
+EtcdStoreOptions from_environment(const std::string& endpoint, milliseconds timeout) {
   EtcdStoreOptions options;
   options.timeout = timeout;
   if (const char* file = std::getenv(kControlTokenFileEnv); file && *file) {
     options.token_file = file;
   }
+  // The same environment reaches the embedded control store, plain HTTP on loopback: the TLS
+  // files are for https:// endpoints only.
+  if (endpoint.starts_with("https://")) {
+    for (auto [name, field] :
+         {std::pair{kEtcdCaEnv, &options.ca_file}, std::pair{kEtcdCertEnv, &options.cert_file},
+          std::pair{kEtcdKeyEnv, &options.key_file}}) {
+      if (const char* file = std::getenv(name); file && *file) *field = file;
+    }
+  }
   return options;
 }
 
+// How the TLS settings are named in messages: the environment variables, or the options.
+struct TlsNames {
+  const char* ca;
+  const char* cert;
+  const char* key;
+};
+constexpr TlsNames kEnvironmentNames = {kEtcdCaEnv, kEtcdCertEnv, kEtcdKeyEnv};
+constexpr TlsNames kOptionNames = {"EtcdStoreOptions::ca_file", "EtcdStoreOptions::cert_file",
+                                   "EtcdStoreOptions::key_file"};
+
+struct BioFree {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct PkeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+using BioPtr = std::unique_ptr<BIO, BioFree>;
+using X509Ptr = std::unique_ptr<X509, X509Free>;
+using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
+
+// The contents of one TLS file (PEM text is small: more than 1 MiB is not one). Throws ConfigError
+// naming the file and its setting when it cannot be read or is not a regular file, and for a key
+// (`secret`) that group or others may read or write -- the rule of token files
+// (net/bearer_token.h, docs/security.md).
+std::string read_tls_file(const std::string& endpoint, const std::string& path, const char* kind,
+                          const char* setting, bool secret) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSEL_CHECK(fd >= 0, ConfigError, "etcd at {}: cannot read the {} {} ({}): {}", endpoint, kind,
+               path, setting, std::strerror(errno));
+  struct stat st {};
+  const bool stated = ::fstat(fd, &st) == 0;
+  const int stat_errno = errno;
+  auto close_fd = [fd] { ::close(fd); };
+  if (!stated) {
+    close_fd();
+    TESSEL_THROW(ConfigError, "etcd at {}: cannot read the {} {} ({}): {}", endpoint, kind, path,
+                 setting, std::strerror(stat_errno));
+  }
+  if (!S_ISREG(st.st_mode) || st.st_size > (1 << 20)) {
+    close_fd();
+    TESSEL_THROW(ConfigError, "etcd at {}: the {} {} ({}) is not a regular file of PEM text",
+                 endpoint, kind, path, setting);
+  }
+  if (secret && (st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    close_fd();
+    TESSEL_THROW(ConfigError,
+                 "etcd at {}: the {} {} ({}) can be read or written by group or others (mode "
+                 "{:04o}); make it private with `chmod 600 {}`",
+                 endpoint, kind, path, setting, st.st_mode & 07777, path);
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  const int read_errno = errno;
+  close_fd();
+  TESSEL_CHECK(got == text.size(), ConfigError, "etcd at {}: cannot read the {} {} ({}): {}",
+               endpoint, kind, path, setting,
+               got < text.size() && read_errno != 0 ? std::strerror(read_errno) : "it shrank");
+  return text;
+}
+
+BioPtr memory_bio(const std::string& text) {
+  return BioPtr(BIO_new_mem_buf(text.data(), static_cast<int>(text.size())));
+}
+
+// A PEM passphrase callback that notes it was asked and gives none: an encrypted key is refused
+// rather than prompted for on the terminal.
+int refuse_passphrase(char*, int, int, void* asked) {
+  *static_cast<bool*>(asked) = true;
+  return -1;
+}
+
+// Checks the TLS files of an https:// endpoint: each readable and of the right kind, the key
+// private and belonging to the certificate. Throws ConfigError naming the file and its setting.
+void check_tls_files(const std::string& endpoint, const EtcdStoreOptions& o, const TlsNames& n) {
+  TESSEL_CHECK(!o.ca_file.empty(), ConfigError,
+               "etcd at {}: an https:// endpoint needs the CA certificate that signed etcd's "
+               "certificate, to verify it: set {} to its PEM file",
+               endpoint, n.ca);
+  TESSEL_CHECK(o.key_file.empty() || !o.cert_file.empty(), ConfigError,
+               "etcd at {}: a client key without its certificate: {} is set ({}) but {} is not",
+               endpoint, n.key, o.key_file, n.cert);
+  TESSEL_CHECK(o.cert_file.empty() || !o.key_file.empty(), ConfigError,
+               "etcd at {}: a client certificate without its key: {} is set ({}) but {} is not",
+               endpoint, n.cert, o.cert_file, n.key);
+
+  const std::string ca = read_tls_file(endpoint, o.ca_file, "CA file", n.ca, false);
+  {
+    BioPtr bio = memory_bio(ca);
+    int certificates = 0;
+    while (X509Ptr(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr))) ++certificates;
+    ERR_clear_error();  // the end of the file is an error to PEM_read
+    TESSEL_CHECK(certificates > 0, ConfigError,
+                 "etcd at {}: the CA file {} ({}) holds no PEM certificate (-----BEGIN "
+                 "CERTIFICATE-----)",
+                 endpoint, o.ca_file, n.ca);
+  }
+  if (o.cert_file.empty()) return;
+
+  const std::string cert_text =
+      read_tls_file(endpoint, o.cert_file, "client certificate", n.cert, false);
+  const std::string key_text = read_tls_file(endpoint, o.key_file, "client key", n.key, true);
+  X509Ptr cert(PEM_read_bio_X509(memory_bio(cert_text).get(), nullptr, nullptr, nullptr));
+  bool asked = false;
+  PkeyPtr key(
+      PEM_read_bio_PrivateKey(memory_bio(key_text).get(), nullptr, &refuse_passphrase, &asked));
+  ERR_clear_error();
+  TESSEL_CHECK(cert != nullptr, ConfigError,
+               "etcd at {}: the client certificate {} ({}) is not a PEM certificate (-----BEGIN "
+               "CERTIFICATE-----)",
+               endpoint, o.cert_file, n.cert);
+  TESSEL_CHECK(!asked, ConfigError,
+               "etcd at {}: the client key {} ({}) is encrypted, and nobody is there to type its "
+               "passphrase: store it decrypted (`openssl pkey -in {} -out <new file>`, then chmod "
+               "600)",
+               endpoint, o.key_file, n.key, o.key_file);
+  TESSEL_CHECK(key != nullptr, ConfigError,
+               "etcd at {}: the client key {} ({}) is not a PEM private key (-----BEGIN PRIVATE "
+               "KEY-----)",
+               endpoint, o.key_file, n.key);
+  const bool matches = X509_check_private_key(cert.get(), key.get()) == 1;
+  ERR_clear_error();
+  TESSEL_CHECK(matches, ConfigError,
+               "etcd at {}: the client key {} ({}) does not belong to the certificate {} ({})",
+               endpoint, o.key_file, n.key, o.cert_file, n.cert);
+}
+
+// What the TLS layer saw during the calling thread's current request (httplib runs a request,
+// its handshake included, on the thread that sends it): the last alert the server sent (-1: none;
+// close_notify is not counted), and whether a handshake completed.
+struct TlsTrace {
+  int alert = -1;
+  bool handshake_done = false;
+};
+thread_local TlsTrace tls_trace;
+
+void note_tls_event(const SSL*, int where, int value) {
+  if ((where & SSL_CB_READ_ALERT) == SSL_CB_READ_ALERT && (value & 0xff) != SSL_AD_CLOSE_NOTIFY) {
+    tls_trace.alert = value & 0xff;
+  }
+  if ((where & SSL_CB_HANDSHAKE_DONE) != 0) tls_trace.handshake_done = true;
+}
+
+void start_tls_trace() {
+  tls_trace = TlsTrace{};
+  ERR_clear_error();
+}
+
+// OpenSSL's reasons for the calling thread's last failure, oldest first ("" when none); clears
+// them.
+std::string openssl_errors() {
+  std::string out;
+  while (const unsigned long code = ERR_get_error()) {
+    const char* reason = ERR_reason_error_string(code);
+    const std::string text = reason ? reason : fmt::format("error {:#x}", code);
+    if (out.find(text) != std::string::npos) continue;
+    out += (out.empty() ? "" : "; ") + text;
+  }
+  return out;
+}
+
+// Alerts by which a TLS server refuses the client's certificate (or the lack of one).
+bool refuses_certificate(int alert) {
+  switch (alert) {
+    case SSL_AD_BAD_CERTIFICATE:
+    case SSL_AD_UNSUPPORTED_CERTIFICATE:
+    case SSL_AD_CERTIFICATE_REVOKED:
+    case SSL_AD_CERTIFICATE_EXPIRED:
+    case SSL_AD_CERTIFICATE_UNKNOWN:
+    case SSL_AD_UNKNOWN_CA:
+    case SSL_AD_ACCESS_DENIED:
+    case SSL_AD_CERTIFICATE_REQUIRED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Holds SIGPIPE off the calling thread while it lives and discards one raised meanwhile. OpenSSL
+// writes to its sockets with write(2) (and httplib sends with no MSG_NOSIGNAL), so a request or
+// the close_notify of a TLS connection the peer has reset would otherwise end a process that does
+// not ignore SIGPIPE -- tessel's workers do not -- instead of failing the call.
+class SigpipeHold {
+ public:
+  SigpipeHold() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeHold() {
+    if (!was_pending_) {
+      sigset_t pending;
+      sigpending(&pending);
+      if (sigismember(&pending, SIGPIPE) == 1) {
+        const int saved = errno;
+        const timespec now{};
+        while (sigtimedwait(&pipe_, nullptr, &now) < 0 && errno == EINTR) {
+        }
+        errno = saved;
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeHold(const SigpipeHold&) = delete;
+  SigpipeHold& operator=(const SigpipeHold&) = delete;
+
+ private:
+  sigset_t pipe_{}, old_{};
+  bool was_pending_ = false;
+};
+
 }  // namespace
 
+bool is_etcd_endpoint(std::string_view url) {
+  return parse_endpoint(url).has_value();
+}
+
+void EtcdStore::ClientDeleter::operator()(httplib::Client* client) const {
+  SigpipeHold hold;
+  delete client;
+}
+
 EtcdStore::EtcdStore(std::string endpoint, milliseconds timeout)
-    : EtcdStore(std::move(endpoint), from_environment(timeout)) {}
+    : EtcdStore(endpoint, from_environment(endpoint, timeout), true) {}
 
 EtcdStore::EtcdStore(std::string endpoint, EtcdStoreOptions options)
+    : EtcdStore(std::move(endpoint), std::move(options), false) {}
+
+EtcdStore::EtcdStore(std::string endpoint, EtcdStoreOptions options, bool environment)
     : endpoint_(std::move(endpoint)), timeout_(options.timeout) {
-  // Plain HTTP only for now: TLS to etcd (certificates, client auth) is not configured anywhere.
-  TESSEL_CHECK(endpoint_.rfind("http://", 0) == 0, ConfigError,
-               "etcd endpoint '{}' must look like http://host:port", endpoint_);
+  const auto parsed = parse_endpoint(endpoint_);
+  TESSEL_CHECK(parsed.has_value(), ConfigError,
+               "etcd endpoint '{}' must look like http://host:port or https://host:port",
+               endpoint_);
+  tls_ = parsed->tls;
+  host_ = parsed->host;
+  port_ = parsed->port;
+  // cpp-httplib parses it again, more strictly (an IPv6 address of digits and colons only).
+  TESSEL_CHECK(httplib::Client(endpoint_).is_valid(), ConfigError,
+               "etcd endpoint '{}' is not one cpp-httplib can connect to", endpoint_);
   TESSEL_CHECK(timeout_.count() > 0, ConfigError, "etcd operation timeout must be positive");
   if (!options.token_file.empty()) {
     token_ = net::read_token_file(options.token_file, "the control store client of " + endpoint_);
   }
+  const TlsNames& names = environment ? kEnvironmentNames : kOptionNames;
+  if (!tls_) {
+    TESSEL_CHECK(options.ca_file.empty() && options.cert_file.empty() && options.key_file.empty(),
+                 ConfigError,
+                 "etcd at {}: TLS files are given ({}, {}, {}) but the endpoint is plain http://: "
+                 "use https://{} for TLS",
+                 endpoint_, names.ca, names.cert, names.key, authority(host_, port_));
+    return;
+  }
+  check_tls_files(endpoint_, options, names);
+  ca_file_ = options.ca_file;
+  cert_file_ = options.cert_file;
+  key_file_ = options.key_file;
 }
 
 EtcdStore::~EtcdStore() = default;
 
-std::unique_ptr<httplib::Client> EtcdStore::make_client(milliseconds read_timeout) const {
-  auto client = std::make_unique<httplib::Client>(endpoint_);
+EtcdStore::ClientPtr EtcdStore::make_client(milliseconds read_timeout) const {
+  // cpp-httplib reads the TLS files for each new client, so renewed files are picked up.
+  ClientPtr client(new httplib::Client(endpoint_, cert_file_, key_file_));
+  TESSEL_CHECK(client->is_valid(), ConfigError,
+               "etcd at {}: cannot load the client certificate {} ({}) with its key {} ({}); were "
+               "they replaced since this process started?",
+               endpoint_, cert_file_, kEtcdCertEnv, key_file_, kEtcdKeyEnv);
+  if (tls_) {
+    client->set_ca_cert_path(ca_file_);
+    client->enable_server_certificate_verification(true);
+    SSL_CTX_set_info_callback(client->ssl_context(), &note_tls_event);
+  }
   client->set_connection_timeout(timeout_);
   client->set_read_timeout(read_timeout);
   client->set_write_timeout(timeout_);
@@ -150,8 +485,123 @@ std::unique_ptr<httplib::Client> EtcdStore::make_client(milliseconds read_timeou
   return client;
 }
 
+int EtcdStore::probe_tls(bool configured, bool* speaks_tls) const {
+  const milliseconds limit = std::min<milliseconds>(timeout_, std::chrono::seconds(2));
+  start_tls_trace();
+  bool answered = false;
+  {
+    SigpipeHold hold;
+    std::unique_ptr<httplib::ClientImpl> probe;
+    if (configured) {
+      auto client = std::make_unique<httplib::SSLClient>(host_, port_, cert_file_, key_file_);
+      client->set_ca_cert_path(ca_file_);
+      client->enable_server_certificate_verification(true);
+      if (client->is_valid()) SSL_CTX_set_max_proto_version(client->ssl_context(), TLS1_2_VERSION);
+      probe = std::move(client);
+    } else {
+      auto client = std::make_unique<httplib::SSLClient>(host_, port_);
+      client->enable_server_certificate_verification(false);
+      probe = std::move(client);
+    }
+    auto& ssl = static_cast<httplib::SSLClient&>(*probe);
+    if (ssl.is_valid()) {
+      SSL_CTX_set_info_callback(ssl.ssl_context(), &note_tls_event);
+      probe->set_connection_timeout(limit);
+      probe->set_read_timeout(limit);
+      probe->set_write_timeout(limit);
+      answered = static_cast<bool>(probe->Get("/health"));
+    }
+  }
+  *speaks_tls = answered || tls_trace.handshake_done || tls_trace.alert >= 0;
+  ERR_clear_error();
+  return tls_trace.alert;
+}
+
+void EtcdStore::throw_if_tls_failure(const httplib::Client& client, int error, bool closed) const {
+  const auto err = static_cast<httplib::Error>(error);
+  bool speaks_tls = false;
+  if (!tls_) {
+    if (closed && (probe_tls(false, &speaks_tls), speaks_tls)) {
+      TESSEL_THROW(PeerLostError,
+                   "etcd at {} serves TLS on that port, and a plain http:// request gets no "
+                   "answer: use https://{}, with {} naming the CA that signed etcd's "
+                   "certificate (and {} / {} a client certificate and key, if etcd asks for one)",
+                   endpoint_, authority(host_, port_), kEtcdCaEnv, kEtcdCertEnv, kEtcdKeyEnv);
+    }
+    return;
+  }
+  TlsTrace trace = tls_trace;
+  const std::string openssl = openssl_errors();
+  if (closed && trace.handshake_done && trace.alert < 0) {
+    // etcd closed the connection right after the handshake: most likely it refused the client's
+    // certificate (TLS 1.3 says so after the client's side of the handshake), but the request's
+    // write met the closed connection before the alert was read. A TLS 1.2 handshake hears it.
+    const int alert = probe_tls(true, &speaks_tls);
+    if (refuses_certificate(alert)) trace.alert = alert;
+  }
+  const std::string ca = fmt::format("{} (now {})", kEtcdCaEnv, ca_file_);
+  const std::string cert =
+      cert_file_.empty()
+          ? fmt::format("{} / {} (not set)", kEtcdCertEnv, kEtcdKeyEnv)
+          : fmt::format("{} / {} (now {} / {})", kEtcdCertEnv, kEtcdKeyEnv, cert_file_, key_file_);
+  if (err == httplib::Error::SSLServerVerification) {
+    const long verify = client.get_openssl_verify_result();
+    if (verify != X509_V_OK) {
+      TESSEL_THROW(PeerLostError,
+                   "etcd at {}: the TLS handshake failed (etcd's certificate does not verify "
+                   "against the CA file: {}): check {}: it must hold the CA that signed etcd's "
+                   "--cert-file, and that certificate must be valid now",
+                   endpoint_, X509_verify_cert_error_string(verify), ca);
+    }
+    TESSEL_THROW(PeerLostError,
+                 "etcd at {}: the TLS handshake failed (etcd's certificate is signed by the CA, "
+                 "but does not name the host '{}' in its subjectAltName): connect by a name or "
+                 "address the certificate holds, or reissue it for '{}'",
+                 endpoint_, host_, host_);
+  }
+  if (refuses_certificate(trace.alert)) {
+    if (cert_file_.empty()) {
+      TESSEL_THROW(PeerLostError,
+                   "etcd at {}: the TLS handshake failed (etcd sent the alert '{}': it requires a "
+                   "client certificate, --client-cert-auth, and none was given): check {}: set "
+                   "them to a certificate signed by the CA of etcd's --trusted-ca-file and its "
+                   "key",
+                   endpoint_, SSL_alert_desc_string_long(trace.alert), cert);
+    }
+    TESSEL_THROW(PeerLostError,
+                 "etcd at {}: the TLS handshake failed (etcd refused the client certificate with "
+                 "the alert '{}'): check {}: the certificate must be signed by the CA of etcd's "
+                 "--trusted-ca-file, be valid now and allow client authentication",
+                 endpoint_, SSL_alert_desc_string_long(trace.alert), cert);
+  }
+  if (trace.alert >= 0) {
+    TESSEL_THROW(PeerLostError,
+                 "etcd at {}: the TLS handshake failed (etcd sent the alert '{}'{}{}): check {} "
+                 "and {}, and etcd's TLS flags",
+                 endpoint_, SSL_alert_desc_string_long(trace.alert), openssl.empty() ? "" : "; ",
+                 openssl, ca, cert);
+  }
+  if (err == httplib::Error::SSLConnection) {
+    TESSEL_THROW(PeerLostError,
+                 "etcd at {}: the TLS handshake failed ({}): check that etcd serves TLS on that "
+                 "port (--cert-file, an https:// --listen-client-urls), and {} / {}",
+                 endpoint_, openssl.empty() ? "no TLS answer" : openssl, ca, cert);
+  }
+  if (err == httplib::Error::SSLLoadingCerts) {
+    TESSEL_THROW(PeerLostError, "etcd at {}: cannot load the CA file ({}): check {}", endpoint_,
+                 openssl.empty() ? "no details" : openssl, ca);
+  }
+  if (closed && trace.handshake_done) {
+    TESSEL_THROW(PeerLostError,
+                 "etcd at {} closed the connection right after the TLS handshake, before "
+                 "answering ({}{}{}): if etcd requires client certificates (--client-cert-auth), "
+                 "check {}",
+                 endpoint_, httplib::to_string(err), openssl.empty() ? "" : "; ", openssl, cert);
+  }
+}
+
 EtcdStore::Reply EtcdStore::post(const std::string& path, const std::string& body, bool reuse) {
-  std::unique_ptr<httplib::Client> client;
+  ClientPtr client;
   if (reuse) {
     std::lock_guard lock(mu_);
     if (!idle_.empty()) {
@@ -178,10 +628,19 @@ EtcdStore::Reply EtcdStore::post(const std::string& path, const std::string& bod
     return true;
   };
   const auto start = Clock::now();
-  auto res = client->send(req);
+  start_tls_trace();
+  auto res = [&] {
+    SigpipeHold hold;
+    return client->send(req);
+  }();
   if (!res) {
     const auto err = res.error();
     if (err == httplib::Error::Read && reply.status > 0 && json::accept(reply.body)) return reply;
+    // Closed rather than timed out: no reply began, and the limit was not reached.
+    const bool closed = reply.status == 0 &&
+                        (err == httplib::Error::Read || err == httplib::Error::Write) &&
+                        Clock::now() - start + milliseconds(5) < timeout_;
+    throw_if_tls_failure(*client, static_cast<int>(err), closed);
     if (err == httplib::Error::Read || err == httplib::Error::Write) {
       TESSEL_THROW(PeerLostError,
                    "etcd at {} did not answer POST {} ({} error after {} ms; the limit is {} ms): "
@@ -212,6 +671,20 @@ std::string EtcdStore::call(const std::string& path, const std::string& body, bo
   if (is_lease_not_found(message)) {
     TESSEL_THROW(PeerLostError, "etcd at {}: {} (the lease has expired or was revoked)", endpoint_,
                  message);
+  }
+  if (tls_ && reply.status == 503 &&
+      (message == "connection closed" || message.starts_with("connection error"))) {
+    // gRPC's words for a connection it cannot make. etcd's JSON gateway reaches etcd's gRPC side
+    // through TLS, presenting etcd's own certificate as its client certificate: under
+    // --client-cert-auth that one must allow client authentication too, or every call through the
+    // gateway ends so.
+    TESSEL_THROW(IoError,
+                 "etcd at {} refused POST {} (HTTP 503): {}: its JSON gateway cannot reach etcd "
+                 "itself; if etcd requires client certificates (--client-cert-auth), its own "
+                 "certificate (--cert-file) must allow client authentication too "
+                 "(extendedKeyUsage serverAuth,clientAuth) and be signed by its --trusted-ca-file, "
+                 "as the gateway connects with it",
+                 endpoint_, path, message);
   }
   TESSEL_THROW(IoError, "etcd at {} refused POST {} (HTTP {}): {}", endpoint_, path, reply.status,
                message);
@@ -363,7 +836,9 @@ WatchResult EtcdStore::watch(const std::string& prefix, int64_t after, milliseco
   req.path = "/v3/watch";
   req.body = body;
   req.set_header("Content-Type", "application/json");
+  bool answered = false;
   req.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+    answered = true;
     buffer.append(data, size);
     for (size_t nl; (nl = buffer.find('\n')) != std::string::npos;) {
       const std::string line = buffer.substr(0, nl);
@@ -378,7 +853,11 @@ WatchResult EtcdStore::watch(const std::string& prefix, int64_t after, milliseco
   };
   // Waiting for events is a read on an idle stream: bounded by what is left of `timeout`.
   auto client = make_client(std::max(timeout, milliseconds(1)));
-  auto res = client->send(req);
+  start_tls_trace();
+  auto res = [&] {
+    SigpipeHold hold;
+    return client->send(req);
+  }();
   if (compacted > 0) {
     TESSEL_THROW(CorruptDataError,
                  "etcd at {} has compacted its history up to revision {}: the changes under '{}' "
@@ -392,6 +871,8 @@ WatchResult EtcdStore::watch(const std::string& prefix, int64_t after, milliseco
   }
   if (!res && !done) {
     const auto err = res.error();
+    throw_if_tls_failure(*client, static_cast<int>(err),
+                         !answered && Clock::now() + milliseconds(5) < deadline);
     if (err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
       TESSEL_THROW(PeerLostError, "cannot reach etcd at {} ({}): check that etcd runs there",
                    endpoint_, httplib::to_string(err));

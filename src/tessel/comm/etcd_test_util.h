@@ -1,6 +1,6 @@
 // A throwaway etcd server for tests: started on free loopback ports with its data in a temporary
 // directory (tmpfs when there is one: etcd syncs every write to disk), killed and removed when the
-// EtcdServer is destroyed, whatever the test's outcome.
+// EtcdServer is destroyed, whatever the test's outcome. Plain HTTP, or TLS (EtcdTls).
 #pragma once
 
 #include <fcntl.h>
@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace tessel::comm::testing {
@@ -62,11 +63,22 @@ inline int free_port() {
   return ntohs(addr.sin_port);
 }
 
+// TLS for an EtcdServer (PEM files): etcd serves https://127.0.0.1:<port> with this certificate
+// and key, and with a `client_ca_file` requires every client to present a certificate signed by
+// that CA (--client-cert-auth --trusted-ca-file).
+struct EtcdTls {
+  std::string cert_file;
+  std::string key_file;
+  std::string client_ca_file;  // empty: no client certificate asked for
+};
+
 class EtcdServer {
  public:
   // Starts etcd and waits (bounded) until it answers. Throws std::runtime_error with etcd's log
-  // when it does not come up.
-  explicit EtcdServer(const std::string& binary) {
+  // when it does not come up. With `tls` its health is asked on a plain-HTTP metrics port
+  // (--listen-metrics-urls), which needs no client certificate.
+  explicit EtcdServer(const std::string& binary, std::optional<EtcdTls> tls = std::nullopt)
+      : tls_(std::move(tls)) {
     std::string last_log;
     for (int attempt = 0; attempt < 3; ++attempt) {
       if (start(binary)) return;
@@ -88,7 +100,7 @@ class EtcdServer {
     if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed in " + base);
     dir_ = templ;
     const int client_port = free_port(), peer_port = free_port();
-    endpoint_ = "http://127.0.0.1:" + std::to_string(client_port);
+    endpoint_ = (tls_ ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(client_port);
     const std::string peer = "http://127.0.0.1:" + std::to_string(peer_port);
     // Short heartbeats: a single member elects itself in milliseconds, and etcd's minimum lease
     // TTL (1.5 election timeouts) stays under the 1 s the tests ask for.
@@ -103,6 +115,17 @@ class EtcdServer {
                                      "--heartbeat-interval=10",
                                      "--election-timeout=100",
                                      "--log-level=warn"};
+    std::string health = endpoint_;
+    if (tls_) {
+      health = "http://127.0.0.1:" + std::to_string(free_port());
+      args.push_back("--listen-metrics-urls=" + health);
+      args.push_back("--cert-file=" + tls_->cert_file);
+      args.push_back("--key-file=" + tls_->key_file);
+      if (!tls_->client_ca_file.empty()) {
+        args.push_back("--client-cert-auth");
+        args.push_back("--trusted-ca-file=" + tls_->client_ca_file);
+      }
+    }
     const std::string log = dir_ + "/etcd.log";
     const pid_t parent = ::getpid();
     pid_ = ::fork();
@@ -123,7 +146,7 @@ class EtcdServer {
       ::execv(binary.c_str(), argv.data());
       ::_exit(127);
     }
-    httplib::Client client(endpoint_);
+    httplib::Client client(health);
     client.set_connection_timeout(std::chrono::milliseconds(200));
     client.set_read_timeout(std::chrono::milliseconds(500));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -162,6 +185,7 @@ class EtcdServer {
     }
   }
 
+  std::optional<EtcdTls> tls_;
   pid_t pid_ = -1;
   std::string dir_, endpoint_;
 };

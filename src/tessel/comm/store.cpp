@@ -63,8 +63,10 @@ void validate(const StoreOptions& options) {
   TESSEL_CHECK(!options.path.empty() || !options.control_endpoint.empty(), ConfigError,
                "rendezvous store path is empty; set it to a directory every worker can reach, or "
                "set the control endpoint to rendezvous through the control store");
-  TESSEL_CHECK(options.control_endpoint.empty() || options.control_endpoint.starts_with("http://"),
-               ConfigError, "rendezvous control endpoint '{}' must look like http://host:port",
+  TESSEL_CHECK(options.control_endpoint.empty() || is_etcd_endpoint(options.control_endpoint),
+               ConfigError,
+               "rendezvous control endpoint '{}' must look like http://host:port or "
+               "https://host:port",
                options.control_endpoint);
   TESSEL_CHECK(!options.job_id.empty(), ConfigError,
                "rendezvous job id is empty; give every job a unique id");

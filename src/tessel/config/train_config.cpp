@@ -247,7 +247,8 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
                el.where("prepare_steps"), c.prepare_steps);
   el.read("control_store", c.control_store);
-  TESSEL_CHECK(c.control_store == "embedded" || c.control_store.rfind("http://", 0) == 0,
+  TESSEL_CHECK(c.control_store == "embedded" || c.control_store.rfind("http://", 0) == 0 ||
+                   c.control_store.rfind("https://", 0) == 0,
                ConfigError,
                "{}: '{}' is neither 'embedded' nor an etcd endpoint 'http://host:port' (etcd's "
                "--advertise-client-urls)",

@@ -441,8 +441,9 @@ int run_agent(const AgentOptions& options) {
   TESSEL_CHECK(options.slots >= 1, ConfigError,
                "tessel agent: --slots {} must be at least 1 (the worker processes this host runs)",
                options.slots);
-  TESSEL_CHECK(options.store.rfind("http://", 0) == 0, ConfigError,
-               "tessel agent: --store '{}' is not etcd's client URL (http://host:port)",
+  TESSEL_CHECK(comm::is_etcd_endpoint(options.store), ConfigError,
+               "tessel agent: --store '{}' is not etcd's client URL (http://host:port, or "
+               "https://host:port with TESSEL_ETCD_CA/CERT/KEY)",
                options.store);
   check_key_segment(options.cluster, "tessel agent: --cluster");
   Agent agent(options);

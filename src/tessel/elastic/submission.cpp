@@ -5,6 +5,7 @@
 #include <map>
 #include <thread>
 
+#include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/reconfiguration.h"
@@ -14,18 +15,19 @@ namespace tessel::elastic {
 using Clock = std::chrono::steady_clock;
 
 ClusterAddress parse_cluster_address(const std::string& text) {
-  TESSEL_CHECK(text.rfind("http://", 0) == 0, ConfigError,
-               "--cluster '{}' is not etcd's client URL: use http://host:port or "
-               "http://host:port/<cluster>",
-               text);
+  // "<scheme>://host:port" then an optional "/<cluster>".
+  const size_t scheme = text.find("://");
+  const size_t slash = scheme == std::string::npos ? std::string::npos : text.find('/', scheme + 3);
   ClusterAddress a;
-  const size_t slash = text.find('/', 7);
   a.store = text.substr(0, slash);
+  TESSEL_CHECK(comm::is_etcd_endpoint(a.store), ConfigError,
+               "--cluster '{}' is not etcd's client URL: use http://host:port or "
+               "http://host:port/<cluster> (https:// with TESSEL_ETCD_CA/CERT/KEY)",
+               text);
   if (slash != std::string::npos && slash + 1 < text.size()) {
     a.cluster = text.substr(slash + 1);
     check_key_segment(a.cluster, "--cluster: the cluster's name");
   }
-  TESSEL_CHECK(a.store.size() > 7, ConfigError, "--cluster '{}' names no host", text);
   return a;
 }
 

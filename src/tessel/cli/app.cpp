@@ -1,5 +1,8 @@
 #include "tessel/cli/app.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -9,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
@@ -27,6 +31,7 @@
 #include "tessel/elastic/coordinator.h"
 #include "tessel/model/model_config.h"
 #include "tessel/process/launcher.h"
+#include "tessel/process/parent_watch.h"
 #include "tessel/runtime/parallel_trainer.h"
 
 namespace tessel::cli {
@@ -62,6 +67,51 @@ std::string random_job_id() {
   return fmt::format("{:08x}{:04x}", rd(), rd() & 0xffff);
 }
 
+// What the workers of `tessel train` with the embedded control store get when it dies, instead
+// of SIGKILL: they block it once they watch the launcher themselves (process/parent_watch.h);
+// until then it ends them, and they hold nothing yet.
+constexpr int kLauncherDeathSignal = SIGHUP;
+
+// An inheritable duplicate of this process's standard output (TESSEL_CONSOLE_FD): the workers'
+// last lines go there once this process, which read their pipes, is gone. Closed when the launch
+// ends (the workers have their own copies).
+struct ConsoleForWorkers {
+  int fd = -1;
+  ConsoleForWorkers() {
+    // No close-on-exec, so every worker inherits it; above stdio so nothing is overwritten.
+    fd = ::fcntl(STDOUT_FILENO, F_DUPFD, 3);
+  }
+  ~ConsoleForWorkers() {
+    if (fd >= 0) ::close(fd);
+  }
+  ConsoleForWorkers(const ConsoleForWorkers&) = delete;
+  ConsoleForWorkers& operator=(const ConsoleForWorkers&) = delete;
+};
+
+// A worker's watch on `tessel train` (env.launcher): the training thread hears of its death
+// through env.launcher, and `elastic.stop_grace_s` later the process ends here, at its boundary,
+// whatever it is still blocked on (a collective whose peer is gone, a save that cannot finish):
+// no worker outlives its launcher by more than the grace.
+process::ParentWatchOptions watch_launcher(const runtime::WorkerEnv& env, double grace_s) {
+  process::ParentWatchOptions o;
+  o.parent = pid_t(env.launcher->pid());
+  o.death_signal = kLauncherDeathSignal;
+  o.console_fd = env.console_fd;
+  o.grace = std::chrono::milliseconds(int64_t(grace_s * 1000));
+  o.on_gone = [loss = env.launcher] { loss->notice(); };
+  o.on_overdue = [rank = env.rank, pid = env.launcher->pid(), grace_s] {
+    spdlog::error(
+        "process {}: the coordinator (tessel train, pid {}) is gone, and this process did not "
+        "save and leave within elastic.stop_grace_s ({} s): ending it now, without what it had "
+        "not saved",
+        rank, pid, grace_s);
+    spdlog::default_logger()->flush();
+    // The documented watchdog: the training thread may be blocked where nothing else reaches it.
+    ::_exit(1);
+  };
+  return o;
+}
+
 // Validates the config and plan here, before any worker starts, then runs `nproc` copies of this
 // executable as `tessel worker CONFIG` under the launcher.
 int launch_training(const Args& args) {
@@ -91,6 +141,18 @@ int launch_training(const Args& args) {
     checkpoint::remove_interrupted_saves(cfg.checkpoint.dir);
   }
   const auto resume = checkpoint::find_resume_point(cfg);
+  // With the embedded store this process is the job's whole control plane. When it dies (the OOM
+  // killer, a crash, kill -9), the workers save at their next step boundary and leave within
+  // elastic.stop_grace_s instead of dying with it (docs/architecture.md, "Failures"): they are
+  // told this process's pid and given its console, and get a signal they can watch for instead
+  // of SIGKILL. etcd outlives this process: its workers still die with it.
+  std::optional<ConsoleForWorkers> console;
+  if (cfg.control_store == "embedded") {
+    opt.parent_death_signal = kLauncherDeathSignal;
+    opt.extra_env["TESSEL_LAUNCHER_PID"] = std::to_string(::getpid());
+    console.emplace();
+    if (console->fd >= 0) opt.extra_env["TESSEL_CONSOLE_FD"] = std::to_string(console->fd);
+  }
   opt.nproc = cfg.plan_at(resume ? resume->step : 0).world();
   opt.extra_env["TESSEL_RESUME_FROM"] = resume ? resume->path : "";
   opt.world_size = cfg.max_workers();
@@ -173,14 +235,36 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   worker->add_option("--steps", args.steps, "override training.steps")->check(kCount);
   worker->callback([&] {
     action = [&] {
-      auto cfg = args.config.empty() ? runtime::WorkerEnv::from_environment().cluster_config()
-                                     : load_train_config(args);
+      const auto env = runtime::WorkerEnv::from_environment();
+      auto cfg = args.config.empty() ? env.cluster_config() : load_train_config(args);
+      // Started by `tessel train` serving the job's control store: watch it. First, before any
+      // thread starts -- the watch blocks the launcher's death signal for every later thread.
+      std::optional<process::ParentWatch> watch;
+      if (env.launcher) watch.emplace(watch_launcher(env, cfg.stop_grace_s));
       // SIGTERM or SIGINT to a worker: it finishes its step and leaves (runtime/parallel_trainer.h)
       // instead of dying with the steps since the last checkpoint.
       StopSignals stop_signals;
-      runtime::ParallelTrainer trainer(cfg, runtime::WorkerEnv::from_environment());
-      trainer.run();
-      return 0;
+      int rc = 0;
+      try {
+        runtime::ParallelTrainer trainer(cfg, env);
+        trainer.run();
+      } catch (const runtime::CoordinatorLostError& e) {
+        // The process's last line, on the launcher's console: what it did not save, and why.
+        spdlog::warn("{}", e.what());
+        rc = 1;
+      } catch (const Error& e) {
+        if (!env.launcher || !env.launcher->noticed()) throw;
+        // E.g. a rendezvous through the store that died with the launcher.
+        spdlog::warn(
+            "process {}: the coordinator (tessel train, pid {}) is gone and {}: {}; "
+            "leaving without saving",
+            env.rank, env.launcher->pid(), e.kind(), e.what());
+        rc = 1;
+      }
+      // Lines written between the launcher's death and the watch pointing the output at its
+      // console failed (nobody read the pipe any more): expected, not this process's failure.
+      if (env.launcher && env.launcher->noticed()) std::clearerr(stdout);
+      return rc;
     };
   });
 }

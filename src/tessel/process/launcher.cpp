@@ -122,6 +122,7 @@ LaunchResult launch(const LaunchOptions& o) {
   so.stop_timeout = o.stop_timeout;
   so.name = "launcher";
   so.forward_interrupts = !o.on_interrupt;
+  so.parent_death_signal = o.parent_death_signal;
   if (!std::getenv("OMP_NUM_THREADS") && !o.extra_env.count("OMP_NUM_THREADS")) {
     so.env["OMP_NUM_THREADS"] = std::to_string(default_omp_threads(o.nproc));
   }

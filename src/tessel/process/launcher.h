@@ -12,7 +12,8 @@
 //      TESSEL_JOB_ID, TESSEL_STORE_DIR (absolute), TESSEL_GENERATION=0.
 //    Workers run in their own process group (signals reach the worker's children too), with
 //    stdin from /dev/null (several processes cannot share a terminal's input, and a background
-//    group reading the terminal would be stopped), and die with SIGKILL if the launcher dies.
+//    group reading the terminal would be stopped), and die with SIGKILL if the launcher dies
+//    (parent_death_signal: another signal, for workers that save and leave on their own).
 //  * Each worker's stdout and stderr are pipes. Every complete line goes to the rank's log file
 //    <log_dir>/rank<R>.log (truncated at start; stdout and stderr together) and to console_fd
 //    as one write of "[rank R] <line>\n" (no prefix when prefix_console is false), so lines from
@@ -42,6 +43,7 @@
 // when it was killed by a signal, or 128 + signal when the launcher itself was interrupted.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -77,6 +79,10 @@ struct LaunchOptions {
   bool prefix_console = true;  // "[rank R] " before every console line
   int console_fd = 1;          // where console lines go (not closed); -1: nowhere
   std::map<std::string, std::string> extra_env;
+  // The signal every worker gets when the launcher dies (SupervisorOptions::parent_death_signal):
+  // SIGKILL unless the workers handle the launcher's death themselves (`tessel train` with the
+  // embedded control store: they save and leave, process/parent_watch.h).
+  int parent_death_signal = SIGKILL;
   // Workers started later: called after every poll of the workers (at least every `tick`) with
   // a function that starts one more copy of `command` as rank `rank` (RANK, LOCAL_RANK and
   // TESSEL_RANK set to it) with extra environment variables. A rank may be started again after

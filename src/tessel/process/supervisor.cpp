@@ -243,6 +243,9 @@ struct Supervisor::Impl {
   explicit Impl(SupervisorOptions options) : o(std::move(options)), console(o.console_fd) {
     TESSEL_CHECK(o.stop_timeout.count() >= 0, ConfigError,
                  "supervisor: stop_timeout ({} ms) must not be negative", o.stop_timeout.count());
+    TESSEL_CHECK(o.parent_death_signal >= 0 && o.parent_death_signal < NSIG, ConfigError,
+                 "supervisor: parent_death_signal {} is not a signal number",
+                 o.parent_death_signal);
     check_env_names(o.env, "SupervisorOptions::env");
     if (!o.log_dir.empty()) {
       std::error_code ec;
@@ -330,6 +333,7 @@ struct Supervisor::Impl {
     auto [err_r, err_w] = make_pipe();
     auto [status_r, status_w] = make_pipe();
     const pid_t parent = getpid();
+    const int death_signal = o.parent_death_signal;
 
     // Block every signal across fork so no supervisor handler runs in the child before it resets
     // them to the defaults.
@@ -343,7 +347,7 @@ struct Supervisor::Impl {
       sigemptyset(&dfl.sa_mask);
       for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) sigaction(sig, &dfl, nullptr);
       setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (death_signal != 0) prctl(PR_SET_PDEATHSIG, death_signal);
       if (getppid() != parent) _exit(127);  // the supervisor died before PDEATHSIG was armed
       dup2(devnull.get(), 0);
       dup2(out_w.get(), 1);

@@ -11,8 +11,10 @@
 //    WorkerSpec::env;
 //  * runs in its own process group (signals reach its children too), with stdin from /dev/null
 //    (several processes cannot share a terminal's input, and a background group reading the
-//    terminal would be stopped), and dies with SIGKILL if this process dies (PDEATHSIG; Linux
-//    fires it when the *thread* that called spawn() ends, so spawn from a long-lived thread);
+//    terminal would be stopped), and gets SIGKILL if this process dies (PDEATHSIG; Linux
+//    fires it when the *thread* that called spawn() ends, so spawn from a long-lived thread) --
+//    or SupervisorOptions::parent_death_signal instead, for workers that handle their
+//    supervisor's death themselves (process/parent_watch.h);
 //  * has its stdout and stderr read through pipes. Every complete line goes to its log file
 //    <log_dir>/<log_name> (default rank<ID>.log; truncated at spawn unless append_log; stdout and
 //    stderr together) and to console_fd as one write of "<prefix><line>\n" (default prefix
@@ -51,6 +53,7 @@
 // Not thread-safe: use one supervisor from one thread at a time.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -73,6 +76,12 @@ struct SupervisorOptions {
   // stops the workers its own way. A second one still sends SIGKILL to every worker.
   bool forward_interrupts = true;
   bool inherit_env = true;  // workers start from this process's environment (read at construction)
+  // The signal every worker gets when this process dies (PR_SET_PDEATHSIG). SIGKILL by default:
+  // nothing outlives its supervisor. Workers that must save what they hold first get another one:
+  // `tessel train` gives its workers SIGHUP, which ends them until they watch it themselves
+  // (process/parent_watch.h blocks it). 0: none (a worker then outlives this process unless it
+  // watches it). Must be 0 or a valid signal number.
+  int parent_death_signal = SIGKILL;
   std::map<std::string, std::string> env;  // added to (and overriding) the inherited environment
 };
 

@@ -71,13 +71,75 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
     env.signals = std::make_shared<GenerationSignals>();
     feed->on_failure([signals = env.signals](int64_t e) { signals->announce(e); });
     progress = std::make_unique<elastic::Reporter>(control, elastic::progress_key(env.job_id));
-    // A client of its own, whose calls end within a renewal's period: one hanging on a cut link
-    // for the whole communication timeout would outlive the lease it renews.
+    // A client of its own, whose calls end within half the lease: one hanging on a cut link for
+    // the whole communication timeout would outlive the lease it renews.
     const auto ttl = std::chrono::milliseconds(int64_t(cfg.heartbeat_timeout_s * 1000));
     heartbeat = std::make_unique<elastic::Heartbeat>(
-        std::make_shared<comm::EtcdStore>(env.control_store, ttl / 4),
+        std::make_shared<comm::EtcdStore>(env.control_store, ttl / 2),
         elastic::alive_key(env.job_id, env.rank), ttl);
   }
+  if (env.launcher) env.launcher->on_notice([this] { on_launcher_loss(); });
+  try {
+    join_job();
+  } catch (...) {
+    // No destructor runs for a constructor that throws: the callback must not outlive `this`.
+    if (env.launcher) env.launcher->on_notice(nullptr);
+    throw;
+  }
+}
+
+ElasticWorker::~ElasticWorker() {
+  if (env.launcher) env.launcher->on_notice(nullptr);
+}
+
+void ElasticWorker::on_launcher_loss() noexcept {
+  // What this process knew when the launcher died: a heartbeat lost by then expired at a live
+  // store (this process was fenced); one lost later only failed against the dead store.
+  fenced_before_launcher_loss = heartbeat != nullptr && heartbeat->lost();
+  if (!env.signals || !feed) return;
+  // A switch or recovery in progress cannot be finished without the store (its rendezvous, or a
+  // handshake with a peer that left instead, would wait up to parallel.timeout_s and more): the
+  // signals of every generation past the world in force, up to the newest record, fire, so it
+  // fails at once and this process leaves. The world in force is left alone: it saves.
+  try {
+    const int in_force = generation_in_force;
+    int newest = in_force;
+    for (const auto& [g, r] : feed->view().records) newest = std::max(newest, g);
+    for (int g = in_force + 1; g <= newest; ++g)
+      env.signals->of(env.generation + g)->abort(launcher_gone_message());
+  } catch (const std::exception& e) {
+    // Only an allocation can fail here; the watchdog still bounds the process.
+    spdlog::warn("process {}: could not abort the switches in progress: {}", env.rank, e.what());
+  }
+}
+
+std::string ElasticWorker::launcher_gone_message() const {
+  return fmt::format("the coordinator (tessel train, pid {}) is gone",
+                     env.launcher ? env.launcher->pid() : 0);
+}
+
+void ElasticWorker::leave_without_saving(const std::string& why) const {
+  const std::string held = world != nullptr
+                               ? fmt::format("its state after step {} is not saved", world->step)
+                               : std::string("it holds no state");
+  std::string resume;
+  if (cfg.checkpoint.dir.empty()) {
+    resume = "without checkpoint.dir nothing was saved";
+  } else {
+    std::optional<std::string> latest;
+    try {
+      latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir);
+    } catch (const std::exception&) {
+      // Named as none: `tessel train` decides what it resumes from when it starts again.
+    }
+    resume = latest ? fmt::format("run the same command to resume from {}", *latest)
+                    : std::string("no checkpoint was saved yet");
+  }
+  throw CoordinatorLostError(fmt::format("process {}: {} and {}: {}; {}", env.rank,
+                                         launcher_gone_message(), why, held, resume));
+}
+
+void ElasticWorker::join_job() {
   const int64_t join = env.join_generation;
   if (join > 0) {
     TESSEL_CHECK(feed != nullptr, ConfigError,
@@ -85,11 +147,23 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
                  join);
     // Started for the switch to generation `join`: take part in it as a receiver only. Its
     // record was published before this process was started.
-    auto m = wait_for_record(int(join), "the switch this process was started for");
+    std::optional<Reconfiguration> record;
+    try {
+      record = wait_for_record(int(join), "the switch this process was started for");
+    } catch (const CoordinatorLostError&) {
+      // Nothing to save: this process has no rank yet. run() ends at once (no world, no switch).
+      spdlog::warn(
+          "process {}: {} before the switch to generation {} it was started for: it "
+          "holds no state; leaving",
+          env.rank, launcher_gone_message(), join);
+      return;
+    }
+    auto m = std::move(*record);
     TESSEL_CHECK(index_of(m.to_members, env.rank) >= 0, ConfigError,
                  "TESSEL_JOIN_GENERATION={}: process {} has no place in {}", join, env.rank,
                  m.to.describe());
     generation = int(join) - 1;
+    generation_in_force = generation;
     plan = m.from;
     members = m.from_members;
     failures = m.failures;
@@ -155,14 +229,18 @@ void ElasticWorker::report_progress(int entering) {
 Reconfiguration ElasticWorker::wait_for_record(int g, const std::string& why) {
   const auto limit = recovery_deadline(cfg.comm_timeout_s);
   const int64_t known_failures = failures;
-  bool failed = false;
+  bool failed = false, lost = false;
+  // The launcher's death is looked at whenever the feed wakes: with the store gone, it wakes at
+  // every failed retry (within a second).
   const bool got = feed->wait_until(
       [&](const RecordFeed::View& v) {
         failed = v.failure > known_failures;
-        return v.record(g) != nullptr || failed;
+        lost = launcher_gone();
+        return v.record(g) != nullptr || failed || lost;
       },
       RecordFeed::Clock::now() + limit);
   if (auto r = feed->record(g)) return std::move(*r);
+  if (lost) leave_without_saving(fmt::format("no record of generation {} ({}) came", g, why));
   TESSEL_CHECK(!failed, PeerLostError,
                "process {}: the coordinator is recovering from failure {} (waiting for {})",
                env.rank, known_failures + 1, why);
@@ -177,7 +255,12 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
   boundary_at = unix_seconds();
   report_progress();
   const int64_t b = world->step;
-  if (heartbeat && heartbeat->lost()) {
+  // Whether the launcher that served the control store is gone, read once: everything below
+  // decides on the same answer, and the ranks agree on it in the all-gather.
+  const bool gone = launcher_gone();
+  // A heartbeat lost at a live store is a fencing. Once the store died with the launcher,
+  // renewals fail for that reason alone -- unless the heartbeat had been lost before.
+  if (heartbeat && heartbeat->lost() && (!gone || fenced_before_launcher_loss)) {
     // Taken for stalled (SIGSTOP, a frozen VM) and fenced: the job went on without this process,
     // whose state is stale. It must not send it or write a checkpoint.
     fatal = true;
@@ -186,7 +269,13 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
                  "elastic.heartbeat_timeout_s); leaving without sending state",
                  env.rank);
   }
-  if (feed && stop_requested() != 0 && !leave_requested) {
+  if (gone && heartbeat) {
+    // Nobody is left to renew it for: renewals against the dead store would only log failures
+    // and, a ttl later, a misleading "fenced".
+    heartbeat.reset();
+  }
+  // A planned leave needs the coordinator; with it gone, the stop below covers the request.
+  if (feed && !gone && stop_requested() != 0 && !leave_requested) {
     leave_requested = true;
     control->set(elastic::leaving_key(env.job_id, env.rank), nlohmann::json{{"step", b}}.dump());
     spdlog::warn(
@@ -205,14 +294,18 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
   const int g = generation + 1;
   const auto next = feed ? feed->record(g) : std::nullopt;
   const bool stop = feed ? !feed->stop().empty() : stop_requested() != 0;
-  int64_t mine[2] = {next && !next->recovery ? g : 0, stop ? 1 : 0};
-  std::vector<int64_t> all(2 * size_t(world->groups.world->size()));
-  world->groups.world->all_gather(mine, 2, all.data());
+  // The third value: this rank noticed the launcher's death. The ranks notice it at different
+  // moments; the one that noticed first takes everyone along at this boundary.
+  int64_t mine[3] = {next && !next->recovery ? g : 0, stop ? 1 : 0, gone ? 1 : 0};
+  std::vector<int64_t> all(3 * size_t(world->groups.world->size()));
+  world->groups.world->all_gather(mine, 3, all.data());
   int64_t seen = 0;
-  for (size_t i = 0; i < all.size(); i += 2) {
+  for (size_t i = 0; i < all.size(); i += 3) {
     seen = std::max(seen, all[i]);
     stopping = stopping || all[i + 1] != 0;
+    orphaned = orphaned || all[i + 2] != 0;
   }
+  stopping = stopping || orphaned;
   if (stopping || !feed) return std::nullopt;
   // A timeline entry's record is due elastic.prepare_steps before its step (at it when nothing
   // is prepared), so that every rank starts preparing at the same boundary; the coordinator
@@ -225,7 +318,18 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
     timeline_due = at >= b && at - b <= cfg.prepare_steps && !prepared;
   }
   if (seen == 0 && !timeline_due) return std::nullopt;
-  Reconfiguration r = wait_for_record(g, "the next switch");
+  std::optional<Reconfiguration> record;
+  try {
+    record = wait_for_record(g, "the next switch");
+  } catch (const CoordinatorLostError&) {
+    // Every rank of the world waits here for the same record (`seen` and the timeline are
+    // agreed), so each notices the loss as well: they save at this boundary together. A rank
+    // that got the record just before tries the switch, fails at the dead store, and breaks the
+    // world: then nobody saves, which is consistent too.
+    orphaned = stopping = true;
+    return std::nullopt;
+  }
+  Reconfiguration r = std::move(*record);
   Reconfiguration sw;
   if (preparing && preparing->sw.generation == g) {
     if (preparing->at_step > b) return std::nullopt;
@@ -341,12 +445,21 @@ std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration
   };
   auto overtaken = [&](const RecordFeed::View& v) {
     if (!v.stop.empty()) return true;  // the job stops: the switch will not happen
+    if (launcher_gone()) return true;  // nobody is left to make it
     for (const auto& [gen, r] : v.records)
       if (r.recovery && r.failures > announced.failures) return true;
     return false;
   };
   feed->wait_until([&](const RecordFeed::View& v) { return go(v) || overtaken(v); }, deadline);
   const auto view = feed->view();
+  if (launcher_gone()) {
+    drop_preparation();
+    spdlog::warn(
+        "process {}: {} before the switch to generation {} this process was started for began: "
+        "it holds no state; leaving",
+        env.rank, launcher_gone_message(), g);
+    return std::nullopt;
+  }
   if (overtaken(view)) {
     drop_preparation();
     spdlog::info("process {}: {} overtook the switch to generation {} it was started for; leaving",
@@ -386,6 +499,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
   if (!sw.recovery) report_progress(sw.generation);
   auto enter = [&] {
     generation = sw.generation;
+    generation_in_force = generation;
     plan = sw.to;
     members = sw.to_members;
     if (sw.timeline) skip_timeline_through(sw.at_step);
@@ -507,6 +621,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
                              {"transfer_s", transfer_s},
                              {"bytes_moved", st.bytes_moved},
                              {"bytes_cross_host", st.bytes_cross_host},
+                             {"bytes_cross_host_min", st.min_cross_host_bytes},
                              {"bytes_copied_locally", st.local_copy_bytes},
                              {"max_send_bytes", st.max_send_bytes},
                              {"max_recv_bytes", st.max_recv_bytes},
@@ -563,6 +678,8 @@ void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_r
 
 void ElasticWorker::recover(const std::string& what) {
   drop_preparation();
+  // Nobody is left to decide a recovery, and the world that met `what` cannot save together.
+  if (launcher_gone()) leave_without_saving(what);
   ++failures;
   if (env.signals) env.signals->acknowledge(failures);
   FailureReport r;
@@ -598,10 +715,13 @@ void ElasticWorker::recover(const std::string& what) {
       if (rec.recovery && rec.failures == e) return &rec;
     return nullptr;
   };
-  feed->wait_until([&](const RecordFeed::View& v) { return decision(v) != nullptr; },
-                   RecordFeed::Clock::now() + limit);
+  feed->wait_until(
+      [&](const RecordFeed::View& v) { return decision(v) != nullptr || launcher_gone(); },
+      RecordFeed::Clock::now() + limit);
   const auto view = feed->view();
   const auto* found = decision(view);
+  if (found == nullptr && launcher_gone())
+    leave_without_saving(fmt::format("{}, and no recovery was decided", what));
   fatal = found == nullptr;
   TESSEL_CHECK(!fatal, TimeoutError,
                "process {}: the coordinator decided nothing about failure {} within {} s", env.rank,

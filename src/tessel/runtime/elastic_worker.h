@@ -8,6 +8,7 @@
 // training state between the two plans' layouts directly between processes (reshard/).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <future>
@@ -91,11 +92,42 @@ struct ElasticWorker {
   bool entered = false;
   std::optional<MetricsWriter> events;  // output.events, opened by the first rank 0 writing
   bool fatal = false;  // a failure recovery cannot help (the coordinator gave no answer)
+  // The world agreed at this step boundary to stop because the launcher that served the job's
+  // control store is gone (env.launcher): it saves what it holds and leaves, nobody being left to
+  // decide anything else (ParallelTrainer::run).
+  bool orphaned = false;
+  // The heartbeat had already been lost when the launcher's death was noticed: the lease expired
+  // at a live store, so this process was fenced and must not save. One lost after that only
+  // says that the store died with the launcher.
+  std::atomic<bool> fenced_before_launcher_loss{false};
+  // `generation`, for the watch's thread (on_launcher_loss): the world in force.
+  std::atomic<int> generation_in_force{0};
 
   // Joins the job: as a receiver of the switch it was started for (env.join_generation, read from
   // its record), or from the newest checkpoint (checkpoint.resume), or as rank env.rank of the
   // config's plan.
   ElasticWorker(config::TrainConfig c, const WorkerEnv& e);
+  // Stops taking the launcher's death into account (the callback reads the heartbeat).
+  ~ElasticWorker();
+  ElasticWorker(const ElasticWorker&) = delete;
+  ElasticWorker& operator=(const ElasticWorker&) = delete;
+  // The constructor's second half, once the control plane is reached: the switch this process
+  // was started for, a resume, or the plan's first world. A process started for a switch whose
+  // launcher dies before the switch began leaves it with no world (run() then ends at once).
+  void join_job();
+
+  // The launcher serving the job's control store died (on the watch's thread, once): takes note
+  // of whether this process had been fenced, and aborts the rendezvous of the generations past
+  // the world in force (a switch or recovery in progress cannot finish without the store).
+  void on_launcher_loss() noexcept;
+  // The launcher serving the job's control store is known to be gone (never for etcd).
+  bool launcher_gone() const { return env.launcher != nullptr && env.launcher->noticed(); }
+  // "the coordinator (tessel train, pid N) is gone".
+  std::string launcher_gone_message() const;
+  // Leaves without saving because the launcher is gone and `why` (what stopped this process
+  // from saving): throws CoordinatorLostError naming what the process held and the newest
+  // checkpoint a restart resumes from.
+  [[noreturn]] void leave_without_saving(const std::string& why) const;
 
   // Whether the launcher takes scale requests for this job (`tessel ctl scale`) and recovers
   // from failed workers; read once, not at every step boundary.
@@ -117,11 +149,14 @@ struct ElasticWorker {
   // at the same boundary. A process that received a stop signal asks the coordinator to switch
   // it out (a planned leave); in a fixed launch, the world stops instead. A record due at a
   // timeline entry's step is waited for there. Throws PeerLostError when the coordinator is
-  // recovering from a failure this process has not met (it reports then, like its peers).
+  // recovering from a failure this process has not met (it reports then, like its peers). The
+  // all-gather also carries whether the process noticed that the launcher serving the control
+  // store is gone: then every rank sets `orphaned` and `stopping`, and the world saves and leaves.
   std::optional<elastic::Reconfiguration> next_switch();
 
   // Record g from the feed, waited for up to the recovery bound; throws PeerLostError when a
-  // failure is announced meanwhile and TimeoutError when it does not come.
+  // failure is announced meanwhile, CoordinatorLostError when the launcher serving the store dies
+  // and TimeoutError when it does not come.
   elastic::Reconfiguration wait_for_record(int g, const std::string& why);
 
   // Rank 0's report of where the world is (the go of a switch when `entering` > 0).
@@ -147,8 +182,8 @@ struct ElasticWorker {
   // A process started for a switch: builds its chunks while the job still trains, then waits for
   // the go (rank 0's progress report entering the switch's generation) and returns the switch.
   // Returns nothing when a failure recovery overtook the switch (a recovery record for a later
-  // failure appeared first): this process is not needed. Throws TimeoutError when neither comes
-  // within the bound.
+  // failure appeared first), the job stops, or the launcher serving the store died: this process,
+  // which holds no state, is not needed. Throws TimeoutError when neither comes within the bound.
   std::optional<elastic::Reconfiguration> await_switch(const elastic::Reconfiguration& announced);
 
   void write_event(const nlohmann::json& record);
@@ -182,7 +217,8 @@ struct ElasticWorker {
 
   // After a peer failed (`what`): breaks this process's communicators (so every peer notices),
   // reports what state it holds to the coordinator, waits for the coordinator's decision and
-  // carries it out (transition). Throws TimeoutError when no decision comes.
+  // carries it out (transition). Throws TimeoutError when no decision comes, and
+  // CoordinatorLostError when the launcher serving the store is gone (nobody is left to decide).
   void recover(const std::string& what);
 };
 

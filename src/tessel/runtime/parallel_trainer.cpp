@@ -92,6 +92,62 @@ TrainSummary ParallelTrainer::run() {
               (std::filesystem::path(cfg.checkpoint.dir) / checkpoint::checkpoint_step_name(w.step))
                   .string());
       };
+      // The launcher that served the control store is gone (s.orphaned): nobody is left to decide
+      // anything, so the world saves the state at this boundary as for a stop, and leaves.
+      // checkpoint.dir's lock died with the launcher; rank 0 takes it over first. When it cannot,
+      // a `tessel train` was started again meanwhile and resumes from what was published
+      // before: nobody writes beside it.
+      auto save_and_leave = [&](RankTrainer& w) {
+        s.heartbeat.reset();  // no store to renew it in: only failures would be logged
+        const std::string gone = s.launcher_gone_message();
+        const auto& dir = cfg.checkpoint.dir;
+        std::unique_ptr<checkpoint::CheckpointDirLock> lock;
+        std::string refused =
+            dir.empty() ? "there is no checkpoint.dir, so running the same command starts over"
+                        : "";
+        if (w.rank == 0 && !dir.empty()) try {
+            lock = checkpoint::lock_checkpoint_dir(dir);
+          } catch (const Error& e) {
+            refused = fmt::format(
+                "checkpoint.dir is not this job's any more ({}); the steps since its newest "
+                "checkpoint are lost",
+                e.what());
+          }
+        int64_t locked = refused.empty() ? 1 : 0;
+        std::vector<int64_t> all(size_t(w.groups.world->size()));
+        w.groups.world->all_gather(&locked, 1, all.data());
+        w.finish_checkpoint();  // a background save of an earlier step publishes first
+        if (all[0] == 0) {
+          if (w.rank == 0)
+            spdlog::warn("{}: nothing saved after step {}: {}", gone, w.step, refused);
+          else
+            spdlog::info("process {}: {}: leaving, nothing saved", s.env.rank, gone);
+          return;
+        }
+        w.save_checkpoint_unless_published();
+        w.finish_checkpoint();
+        if (w.rank != 0) {
+          spdlog::info("process {}: {}: saved its share of step {}; leaving", s.env.rank, gone,
+                       w.step);
+          return;
+        }
+        // A save that failed was reported by save_checkpoint: say what a restart resumes from.
+        const std::string path =
+            (std::filesystem::path(dir) / checkpoint::checkpoint_step_name(w.step)).string();
+        std::optional<std::string> latest;
+        try {
+          latest = checkpoint::latest_sharded_checkpoint(dir);
+        } catch (const std::exception&) {
+          // Reported below as none.
+        }
+        if (latest == path)
+          spdlog::warn("{}: saved step {} to {}; run the same command to resume", gone, w.step,
+                       path);
+        else
+          spdlog::error("{}: step {} could not be saved (see above); {}", gone, w.step,
+                        latest ? fmt::format("run the same command to resume from {}", *latest)
+                               : std::string("there is no checkpoint to resume from"));
+      };
       while (s.world && s.world->step < cfg.training.end_step()) {
         resave_cancelled(*s.world);
         // A world entered at a step boundary (a switch, a recovery, joining one) may have more
@@ -131,7 +187,9 @@ TrainSummary ParallelTrainer::run() {
         }
         if (s.stopping) break;
       }
-      if (s.world && s.stopping) {
+      if (s.world && s.orphaned) {
+        save_and_leave(*s.world);
+      } else if (s.world && s.stopping) {
         save_and_stop(*s.world);
       } else if (s.world) {
         RankTrainer& w = *s.world;
@@ -143,6 +201,8 @@ TrainSummary ParallelTrainer::run() {
         w.groups.world->barrier();
       }
       break;
+    } catch (const CoordinatorLostError&) {
+      throw;  // nobody is left to recover with: the process leaves, saying why
     } catch (const PeerLostError& e) {
       if (!s.elastic()) throw;
       failed = e.what();

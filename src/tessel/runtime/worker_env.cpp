@@ -43,6 +43,10 @@ WorkerEnv WorkerEnv::from_environment() {
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
   e.cluster = env_string("TESSEL_CLUSTER", false);
   e.host_address = env_string("TESSEL_HOST_ADDRESS", false);
+  if (const int64_t launcher = env_int("TESSEL_LAUNCHER_PID", false); launcher > 0)
+    e.launcher = std::make_shared<LauncherLoss>(launcher);
+  if (std::getenv("TESSEL_CONSOLE_FD") != nullptr)
+    e.console_fd = int(env_int("TESSEL_CONSOLE_FD", false));
   // A worker started for a switch may take a rank beyond the world the job started with: its
   // place comes from the switch.
   TESSEL_CHECK(!e.elastic || !e.control_store.empty(), ConfigError,
@@ -51,6 +55,19 @@ WorkerEnv WorkerEnv::from_environment() {
   TESSEL_CHECK(e.world_size >= 1 && (e.rank < e.world_size || e.join_generation > 0), ConfigError,
                "TESSEL_RANK {} is not below TESSEL_WORLD_SIZE {}", e.rank, e.world_size);
   return e;
+}
+
+void LauncherLoss::notice() noexcept {
+  std::lock_guard lock(mu_);
+  if (gone_) return;
+  if (callback_) callback_();
+  gone_ = true;
+}
+
+void LauncherLoss::on_notice(std::function<void()> f) {
+  std::lock_guard lock(mu_);
+  callback_ = std::move(f);
+  if (gone_ && callback_) callback_();
 }
 
 comm::StoreOptions WorkerEnv::store(int64_t store_generation, double timeout_s) const {

@@ -4,10 +4,13 @@
 // over https://, and every way a TLS setup goes wrong, with the message it gets. Skipped, saying
 // why, without etcd or openssl.
 #include <gtest/gtest.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -30,6 +33,21 @@ using tessel::testing::TempDir;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
+}
+
+// Whether every address "localhost" resolves to is 127.0.0.1 (at least one).
+bool localhost_is_127_0_0_1() {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo("localhost", nullptr, &hints, &found) != 0) return false;
+  bool ok = found != nullptr;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+    ok = ok && a->ai_family == AF_INET && in->sin_addr.s_addr == htonl(INADDR_LOOPBACK);
+  }
+  ::freeaddrinfo(found);
+  return ok;
 }
 
 bool openssl_on_path() {
@@ -276,7 +294,13 @@ TEST_F(EtcdOverTls, EtcdsCertificateMustVerifyAgainstTheCaAndNameTheHost) {
         << what;
     EXPECT_TRUE(contains(what, "check TESSEL_ETCD_CA (now " + o.ca_file + ")")) << what;
   }
-  // The right CA, but a host the certificate does not name (it names IP 127.0.0.1 only).
+  // The right CA, but a host the certificate does not name (it names IP 127.0.0.1 only) -- where
+  // the name "localhost" leads to it: a bare system may have no /etc/hosts.
+  if (!localhost_is_127_0_0_1()) {
+    std::printf(
+        "[ note ] 'localhost' does not resolve to 127.0.0.1 here: host-name check skipped\n");
+    return;
+  }
   std::string by_name = server->endpoint();
   by_name.replace(by_name.find("127.0.0.1"), 9, "localhost");
   EtcdStore wrong_host(by_name, certs->client());

@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -145,6 +146,11 @@ class Scenario:
         self.events = JsonLines(self.work / "events.jsonl")
         self.agents = {}
         self.timeline = []  # (what, unix time) of the scenario's actions
+        # The cluster's secret: every agent and the submitter hold it (only its owner may read it).
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.token = self.work / "cluster.token"
+        self.token.write_text(secrets.token_hex(32) + "\n")
+        self.token.chmod(0o600)
 
     def agent_log(self, host):
         return self.work / f"agent-h{host}.log"
@@ -153,7 +159,8 @@ class Scenario:
         self.agents[host] = self.net.spawn(host, [
             self.args.tessel, "agent", "--store", self.etcd, "--iface", "eth0", "--slots", "1",
             "--name", f"h{host}", "--work-dir", str(self.work / f"work-h{host}"), "--lease-ttl",
-            str(self.args.lease_ttl)], self.agent_log(host), {"OMP_NUM_THREADS": "1"})
+            str(self.args.lease_ttl), "--token-file", str(self.token)], self.agent_log(host),
+            {"OMP_NUM_THREADS": "1"})
 
     def lines(self, host, pattern):
         path = self.agent_log(host)
@@ -246,7 +253,8 @@ output: {{metrics: {self.work}/{name}metrics.jsonl, events: {self.work}/{name}ev
         for h in (1, 2):
             self.start_agent(h)
         time.sleep(1.0)
-        self.train = net.spawn(0, [a.tessel, "train", str(cfg), "--cluster", self.etcd],
+        self.train = net.spawn(0, [a.tessel, "train", str(cfg), "--cluster", self.etcd,
+                                   "--token-file", str(self.token)],
                                self.work / "train.out")
         results = []
 

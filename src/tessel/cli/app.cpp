@@ -53,7 +53,8 @@ struct Args {
   std::vector<std::string> worker_command;
   std::string train_log_dir;
   std::string job_id;
-  std::string cluster;  // train --cluster
+  std::string cluster;     // train --cluster
+  std::string token_file;  // train --cluster --token-file
 };
 
 config::TrainConfig load_train_config(const Args& args) {
@@ -217,9 +218,13 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
                   "run on a cluster of `tessel agent`s instead of this host: etcd's URL, "
                   "http://host:port[/cluster]")
       ->excludes(nproc);
+  cmd->add_option("--token-file", args.token_file,
+                  "with --cluster: the cluster's token file, the secret its agents hold "
+                  "(default: $TESSEL_CLUSTER_TOKEN_FILE)");
   cmd->callback([&, nproc] {
     action = [&, nproc] {
-      if (!args.cluster.empty()) return train_on_cluster(args.config, args.steps, args.cluster);
+      if (!args.cluster.empty())
+        return train_on_cluster(args.config, args.steps, args.cluster, args.token_file);
       auto cfg = load_train_config(args);
       if (nproc->count() == 0) args.nproc = cfg.max_workers();
       // One worker too: a world of one, run by the same loop as every layout (and scalable

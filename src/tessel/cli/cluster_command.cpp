@@ -5,6 +5,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -17,6 +18,7 @@
 #include "tessel/core/clock.h"
 #include "tessel/core/stop_signal.h"
 #include "tessel/elastic/agent.h"
+#include "tessel/elastic/cluster.h"
 #include "tessel/elastic/submission.h"
 
 namespace tessel::cli {
@@ -44,6 +46,10 @@ void add_agent_command(CLI::App& app, const std::string& log_level, std::functio
                   "else 127.0.0.1)");
   cmd->add_option("--name", v->o.name, "this host's name in messages (default: its hostname)");
   cmd->add_option("--work-dir", v->o.work_dir, "where the workers' logs go")->capture_default_str();
+  cmd->add_option("--token-file", v->o.token_file,
+                  "the cluster's secret, the same file on every host and for `tessel train "
+                  "--cluster` (only its owner may read it)")
+      ->envname(elastic::kClusterTokenEnv);
   cmd->add_option("--lease-ttl", v->lease_ttl_s,
                   "seconds without a renewal after which this host counts as lost")
       ->check(CLI::Range(0.5, 600.0))
@@ -65,10 +71,20 @@ std::string random_job_id() {
   return fmt::format("{:08x}{:04x}", rd(), rd() & 0xffff);
 }
 
+// The token file given, else the environment's.
+std::string token_file_or_env(std::string given) {
+  if (given.empty())
+    if (const char* env = std::getenv(elastic::kClusterTokenEnv)) given = env;
+  return given;
+}
+
 }  // namespace
 
-int train_on_cluster(const std::string& config_path, int64_t steps, const std::string& cluster) {
+int train_on_cluster(const std::string& config_path, int64_t steps, const std::string& cluster,
+                     std::string token_file) {
   const auto address = elastic::parse_cluster_address(cluster);
+  const std::string secret = elastic::read_cluster_secret(token_file_or_env(std::move(token_file)),
+                                                          "tessel train --cluster");
   std::ifstream in(config_path, std::ios::binary);
   TESSEL_CHECK(in.good(), IoError, "cannot read {}", config_path);
   elastic::JobSubmission job;
@@ -80,12 +96,15 @@ int train_on_cluster(const std::string& config_path, int64_t steps, const std::s
   // What every host will read: checked here, before anything is written.
   auto cfg = config::TrainConfig::parse(job.config_yaml, job.config_path);
   cfg.validate();
-  comm::EtcdStore store(address.store, std::chrono::seconds(5));
+  const auto shared =
+      elastic::open_cluster_store(address.store, std::chrono::seconds(5), secret, address.cluster);
+  auto& store = *shared;
   try {
     store.revision();
   } catch (const Error& e) {
     TESSEL_THROW(PeerLostError, "--cluster: no etcd answers at {}: {}", address.store, e.what());
   }
+  elastic::check_cluster_secret(store, address.cluster, /*create=*/false);
   elastic::submit_job(store, address.cluster, job);
   fmt::print("job {} submitted to cluster '{}' at {}\n", job.job, address.cluster, address.store);
   std::fflush(stdout);

@@ -60,6 +60,7 @@ inline constexpr uint8_t kPointToPointSlotPrefix = 0x22;
 inline constexpr uint8_t kSentinelSlotPrefix = 0x23;
 inline constexpr uint8_t kAllGatherSlotPrefix = 0x24;
 inline constexpr uint8_t kBroadcastSlotPrefix = 0x25;
+inline constexpr uint8_t kHandshakeSlotPrefix = 0x26;  // pair_handshake.h
 inline uint64_t make_slot(uint8_t prefix, uint32_t tag) {
   return (uint64_t(prefix) << 56) | (uint64_t(tag) << 24);
 }

@@ -3,6 +3,7 @@
 #include <gloo/common/error.h>
 #include <gloo/common/logging.h>
 #include <gloo/context.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -14,6 +15,7 @@
 
 #include "tessel/comm/comm_state.h"
 #include "tessel/comm/full_mesh.h"
+#include "tessel/comm/pair_handshake.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm {
@@ -181,6 +183,15 @@ void tree_broadcast(CommState& s, void* data, size_t bytes, int root, uint32_t t
   }
 }
 
+// "host:port" of each address a peer published (by rank; empty where none), for messages.
+std::vector<std::string> address_names(const std::vector<std::vector<char>>& published) {
+  std::vector<std::string> names(published.size());
+  for (size_t p = 0; p < published.size(); ++p) {
+    if (!published[p].empty()) names[p] = gloo::transport::tcp::Address(published[p]).str();
+  }
+  return names;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -310,6 +321,7 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
 
   ignore_sigpipe();
   GroupStore group_store(store, group_name);
+  std::vector<std::vector<char>> peer_addresses;  // as published, for the handshake's messages
   try {
     gloo::transport::tcp::attr attr;
     if (!transport.iface.empty()) {
@@ -323,11 +335,14 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
     // the TCP handshake, hence the fifth. Operations pass their timeouts explicitly.
     auto context = detail::connect_full_mesh(
         group_store.store(), rank, size, state->device,
-        std::max(store.timeout / 5, std::chrono::milliseconds(1)), signal);
+        std::max(store.timeout / 5, std::chrono::milliseconds(1)), signal, &peer_addresses);
     context->setTimeout(timeout);
     state->mesh_settling = true;
     state->context = std::move(context);
     state->start_watchdog();
+  } catch (const MembershipError& e) {
+    throw_if_aborted();
+    throw MembershipError(fmt::format("{} failed: {}", where, e.what()));
   } catch (const gloo::EnforceNotMet& e) {
     throw_if_aborted();
     const std::string message = e.what();
@@ -349,6 +364,17 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
   // From here the signal aborts the communicator (at once if it fired since the rendezvous
   // stopped watching it), which also ends the barrier below.
   comm->follow(signal);
+  // With a secret, every peer proves it holds it before anyone uses the group; the barrier below
+  // then also says that every rank accepted every peer.
+  if (!store.secret.empty()) {
+    try {
+      detail::prove_membership(*comm->state_, store.secret, group_store.prefix(),
+                               address_names(peer_addresses), store.timeout);
+    } catch (const Error&) {
+      throw_if_aborted();
+      throw;
+    }
+  }
   // A rank's pairs can be connected while some peers are still connecting to others; leave only
   // when the whole mesh is up, so a short operation timeout right after connect cannot fire on a
   // peer that is merely still joining.

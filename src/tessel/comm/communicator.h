@@ -126,6 +126,14 @@ class Communicator {
   // registered in the store, TimeoutError when peers do not show up in time, PeerLostError when
   // a peer disappears during the handshake.
   //
+  // With store.secret set (store.h), only the job's processes take part: the control store's
+  // rendezvous entries are signed, and right after the mesh connects every pair runs the pair
+  // handshake (pair_handshake.h), within store.timeout, before the final barrier. Throws
+  // MembershipError naming the group and the peer (its rank, and its address once known) when a
+  // peer's entry or its proof was made without the secret; with another secret every rank fails
+  // so, after the exchange, none waits for the others. A peer without any secret never answers
+  // the handshake: TimeoutError at store.timeout, saying so.
+  //
   // With store.abort_signal set: when the signal has fired before the call, or fires during it
   // (another thread calls abort), connect throws PeerLostError "connect on group '<g>' (rank r of
   // n) failed: rendezvous aborted by this process: <reason>" within a fraction of a second,

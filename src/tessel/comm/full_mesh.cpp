@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessel/comm/abort_signal.h"
+#include "tessel/comm/signed_store.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm::detail {
@@ -87,12 +88,32 @@ void Handshakes::abort() noexcept {
   }
 }
 
+// The addresses rank `peer` published. get() waits for the key within the store's timeout (and
+// ends on an abort). A refusal of its entry (the control store verifies it when the job has a
+// secret) says which rank it was.
+std::vector<char> read_addresses(gloo::rendezvous::Store& store, int peer) {
+  std::vector<char> published;
+  try {
+    published = store.get(std::to_string(peer));
+  } catch (const MembershipError& e) {
+    // Not TESSEL_THROW: the message already says where it was thrown.
+    throw MembershipError(fmt::format("rank {}'s rendezvous entry is refused: {}", peer, e.what()));
+  }
+  // Signed but not unwrapped: the job has a secret and this process was given none.
+  TESSEL_CHECK(!looks_signed(std::string_view(published.data(), published.size())), MembershipError,
+               "rank {}'s rendezvous entry is signed with the job's secret and this process has "
+               "none: start it with the job's token file (--token-file), as every other process",
+               peer);
+  return published;
+}
+
 }  // namespace
 
 std::shared_ptr<gloo::Context> connect_full_mesh(
     gloo::rendezvous::Store& store, int rank, int size,
     const std::shared_ptr<gloo::transport::Device>& device, std::chrono::milliseconds pair_timeout,
-    const std::shared_ptr<AbortSignal>& abort_signal) {
+    const std::shared_ptr<AbortSignal>& abort_signal,
+    std::vector<std::vector<char>>* peer_addresses) {
   auto transport = device->createContext(rank, size);
   transport->setTimeout(pair_timeout);  // each pair takes it when created
 
@@ -119,8 +140,7 @@ std::shared_ptr<gloo::Context> connect_full_mesh(
   const size_t address_bytes = addresses.size() / size_t(size - 1);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    // get() waits for the key within the store's timeout (and ends on an abort).
-    const auto published = store.get(std::to_string(p));
+    const auto published = read_addresses(store, p);
     TESSEL_CHECK(published.size() == address_bytes * size_t(size - 1), ConfigError,
                  "rendezvous: rank {} published {} bytes of addresses, {} expected for a group of "
                  "{}: do all members agree on the group's size?",
@@ -129,6 +149,10 @@ std::shared_ptr<gloo::Context> connect_full_mesh(
     const size_t slot = size_t(rank > p ? rank - 1 : rank);
     const std::vector<char> address(published.begin() + ptrdiff_t(slot * address_bytes),
                                     published.begin() + ptrdiff_t((slot + 1) * address_bytes));
+    if (peer_addresses != nullptr) {
+      peer_addresses->resize(size_t(size));
+      (*peer_addresses)[size_t(p)] = address;
+    }
     handshakes.enter(p, abort_signal);
     try {
       transport->getPair(p)->connect(address);

@@ -42,6 +42,7 @@
 
 #include <chrono>
 #include <memory>
+#include <vector>
 
 namespace gloo {
 class Context;
@@ -71,10 +72,15 @@ inline constexpr std::chrono::milliseconds kHandshakeGrace{100};
 // published a number of addresses that does not fit `size` (the members disagree on the group's
 // size). When `abort_signal` (may be null) fires, throws gloo::IoException "rendezvous aborted
 // ..." within about one store poll, or kHandshakeGrace plus a pair close (or whatever the abort
-// made a Gloo call throw): callers look at the signal to tell an abort from a failure.
+// made a Gloo call throw): callers look at the signal to tell an abort from a failure. Throws
+// MembershipError naming the peer when the store refuses a peer's entry (a SignedStore under it:
+// written without the job's secret), or when an entry is signed and this process has no secret.
+// When `peer_addresses` is given, it receives by rank the address each peer published for this
+// rank's pair (empty for this rank), for messages.
 std::shared_ptr<gloo::Context> connect_full_mesh(
     gloo::rendezvous::Store& store, int rank, int size,
     const std::shared_ptr<gloo::transport::Device>& device, std::chrono::milliseconds pair_timeout,
-    const std::shared_ptr<AbortSignal>& abort_signal);
+    const std::shared_ptr<AbortSignal>& abort_signal,
+    std::vector<std::vector<char>>* peer_addresses = nullptr);
 
 }  // namespace tessel::comm::detail

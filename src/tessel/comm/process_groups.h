@@ -112,6 +112,9 @@ struct ProcessGroups {
 // another thread ends the connect in progress with PeerLostError (the groups connected before it
 // are aborted and released as the error leaves), and once this returned it breaks every group as
 // ProcessGroups::abort does. One call thus stops a world, connecting or connected.
+//
+// store.secret (store.h), when set, is passed to every group's connect too: each group's pairs
+// prove membership (pair_handshake.h), and a foreign process fails the first group it joins.
 ProcessGroups connect_process_groups(const StoreOptions& store, const GridLayout& layout,
                                      int world_rank, int world_size,
                                      std::chrono::milliseconds timeout = kDefaultTimeout,

@@ -10,6 +10,7 @@
 #include "tessel/comm/abort_signal.h"
 #include "tessel/comm/control_rendezvous.h"
 #include "tessel/comm/etcd_store.h"
+#include "tessel/comm/signed_store.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm {
@@ -109,7 +110,14 @@ GroupStore::GroupStore(const StoreOptions& options, const std::string& group_nam
         std::make_unique<TimedFileStore>(options.path, options.timeout, options.abort_signal);
   } else {
     location_ = options.control_endpoint;
-    control_ = std::make_unique<EtcdStore>(options.control_endpoint);
+    auto etcd = std::make_unique<EtcdStore>(options.control_endpoint);
+    if (options.secret.empty()) {
+      control_ = std::move(etcd);
+    } else {
+      // Every rendezvous entry proves its writer holds the job's secret.
+      control_ =
+          std::make_unique<SignedStore>(std::move(etcd), options.secret, "job " + options.job_id);
+    }
     base_store_ =
         std::make_unique<ControlRendezvousStore>(*control_, options.timeout, options.abort_signal);
   }

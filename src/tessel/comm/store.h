@@ -49,6 +49,13 @@ struct StoreOptions {
   // communicator they made (see communicator.h). A signal belongs to one generation: once fired,
   // every later connect with it fails at once, so a new generation needs a new signal.
   std::shared_ptr<AbortSignal> abort_signal = {};
+  // The job's shared secret (bytes: the token file's content, net::read_token_file); empty: no
+  // membership proof (the behaviour before it existed). When set, only processes holding it take
+  // part: the control store's values are signed and verified (SignedStore, signed_store.h, scope
+  // "job <job_id>"), and every Gloo pair runs the pair handshake (pair_handshake.h) right after
+  // the mesh connects, with either store. A process without it fails with MembershipError. This
+  // is membership, not confidentiality: etcd's TLS client certificates protect the channel.
+  std::string secret = {};
 };
 
 // Throws ConfigError when the options cannot form a valid prefix (no store: empty path and
@@ -64,10 +71,11 @@ void validate_group_name(const std::string& group_name);
 std::string store_prefix(const StoreOptions& options, const std::string& group_name);
 
 // The rendezvous store of one group: a FileStore on options.path, or a ControlRendezvousStore
-// (control_rendezvous.h) over an EtcdStore client of options.control_endpoint, wrapped so every
-// wait honours options.timeout and options.abort_signal, under a gloo::rendezvous::PrefixStore
-// with store_prefix(options, group). Owns every layer; store() stays valid while this object
-// lives.
+// (control_rendezvous.h) over an EtcdStore client of options.control_endpoint (inside a
+// SignedStore when options.secret is set: a peer's entry made without it throws MembershipError
+// naming its key), wrapped so every wait honours options.timeout and options.abort_signal, under
+// a gloo::rendezvous::PrefixStore with store_prefix(options, group). Owns every layer; store()
+// stays valid while this object lives.
 class GroupStore {
  public:
   // Creates options.path if needed (FileStore only; the control store is reached lazily, at the

@@ -58,6 +58,15 @@ class TimeoutError : public Error {
   const char* kind() const noexcept override { return "timeout"; }
 };
 
+// A process could not prove it belongs to the job: a control-store value, or a peer's answer in
+// the pair handshake, was made without the job's shared secret (another job's process, or one
+// started without the token file).
+class MembershipError : public Error {
+ public:
+  using Error::Error;
+  const char* kind() const noexcept override { return "membership"; }
+};
+
 // The requested operation is not supported (by a backend, a dtype, a build).
 class UnsupportedError : public Error {
  public:

@@ -120,8 +120,9 @@ class Agent {
       : o_(std::move(o)),
         // Calls that end well within a lease: a loop blocked on a cut link must still notice
         // that its lease is gone and fence its workers.
-        store_(std::make_shared<comm::EtcdStore>(o_.store, o_.lease_ttl)),
-        beat_store_(std::make_shared<comm::EtcdStore>(o_.store, o_.lease_ttl / 2)),
+        secret_(read_cluster_secret(o_.token_file, "tessel agent")),
+        store_(open_cluster_store(o_.store, o_.lease_ttl, secret_, o_.cluster)),
+        beat_store_(open_cluster_store(o_.store, o_.lease_ttl / 2, secret_, o_.cluster)),
         watch_(o_.store),
         supervisor_(supervisor_options(o_)) {
     if (o_.name.empty()) o_.name = machine_name();
@@ -136,6 +137,8 @@ class Agent {
                    "with its client URL)",
                    o_.store, e.what());
     }
+    // Refused before it registers: a host record nobody believes would only be skipped.
+    check_cluster_secret(*store_, o_.cluster, /*create=*/true);
     join();
   }
 
@@ -368,7 +371,8 @@ class Agent {
              {"TESSEL_ELASTIC", "1"},
              {"TESSEL_GENERATION", "0"},
              {"TESSEL_RESUME_FROM", start.resume_from},
-             {"TESSEL_HOST_ADDRESS", o_.address}};
+             {"TESSEL_HOST_ADDRESS", o_.address},
+             {kClusterTokenEnv, fs::absolute(o_.token_file).string()}};
     // The host's cores shared by its slots, unless the agent's environment says otherwise.
     if (std::getenv("OMP_NUM_THREADS") == nullptr)
       w.env["OMP_NUM_THREADS"] = std::to_string(process::default_omp_threads(o_.slots));
@@ -423,6 +427,7 @@ class Agent {
   }
 
   AgentOptions o_;
+  std::string secret_;  // the cluster's (cluster.h): every value this agent writes is signed
   std::shared_ptr<comm::ControlStore> store_;
   std::shared_ptr<comm::ControlStore> beat_store_;
   StoreWatch watch_;

@@ -35,6 +35,8 @@ struct AgentOptions {
   // The worker command, without its arguments; empty: this executable.
   std::string tessel_binary;
   std::string log_level = "info";
+  // The cluster's token file (cluster.h: "Only members take part"); required.
+  std::string token_file;
 };
 
 // The IPv4 address of a network interface; ConfigError naming it when it has none.

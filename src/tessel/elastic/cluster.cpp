@@ -2,9 +2,12 @@
 
 #include <fmt/format.h>
 
+#include "tessel/comm/etcd_store.h"
+#include "tessel/comm/signed_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/reconfiguration.h"
+#include "tessel/net/bearer_token.h"
 
 namespace tessel::elastic {
 
@@ -195,6 +198,48 @@ int take_host_id(comm::ControlStore& store, const std::string& cluster) {
                "{} holds {}, not a host counter; remove it (etcdctl del {})",
                next_host_key(cluster), id + 1, next_host_key(cluster));
   return int(id);
+}
+
+std::string read_cluster_secret(const std::string& token_file, const std::string& who) {
+  TESSEL_CHECK(!token_file.empty(), ConfigError,
+               "{} needs the cluster's token file: pass --token-file FILE or set {} (the same "
+               "secret on every host and for the submitter; make one with `openssl rand -hex 32 "
+               "> FILE && chmod 600 FILE` and copy it to each host)",
+               who, kClusterTokenEnv);
+  return net::read_token_file(token_file, "the cluster's token file");
+}
+
+std::shared_ptr<comm::ControlStore> open_cluster_store(const std::string& endpoint,
+                                                       std::chrono::milliseconds timeout,
+                                                       const std::string& secret,
+                                                       const std::string& cluster) {
+  return std::make_shared<comm::SignedStore>(std::make_shared<comm::EtcdStore>(endpoint, timeout),
+                                             secret, fmt::format("cluster '{}'", cluster));
+}
+
+std::shared_ptr<comm::ControlStore> open_cluster_store(const std::string& endpoint,
+                                                       const std::string& secret,
+                                                       const std::string& cluster) {
+  return std::make_shared<comm::SignedStore>(std::make_shared<comm::EtcdStore>(endpoint), secret,
+                                             fmt::format("cluster '{}'", cluster));
+}
+
+std::string members_key(const std::string& cluster) {
+  return cluster_prefix(cluster) + "members";
+}
+
+void check_cluster_secret(comm::ControlStore& store, const std::string& cluster, bool create) {
+  const std::string key = members_key(cluster);
+  if (create) store.compare_and_set(key, 0, fmt::format("tessel cluster '{}'", cluster));
+  try {
+    store.get(key);
+  } catch (const MembershipError&) {
+    TESSEL_THROW(MembershipError,
+                 "cluster '{}' is signed with another secret: this process's token file is not "
+                 "the one its agents hold (give every agent and `tessel train --cluster` the same "
+                 "--token-file)",
+                 cluster);
+  }
 }
 
 }  // namespace tessel::elastic

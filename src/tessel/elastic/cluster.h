@@ -10,6 +10,15 @@
 //                  machine died, or the network cut it off)
 //   job            JobSubmission: the job the cluster runs (one at a time); created only when
 //                  absent, so a second job is refused while one runs
+//   members        written (signed) by the first agent: whoever reads it with another secret is
+//                  told at once that its token file is not the cluster's
+//
+// Only members take part. Every agent, submitter and worker of a cluster holds the cluster's
+// secret (a token file, `--token-file` or $TESSEL_CLUSTER_TOKEN_FILE; net/bearer_token.h), and
+// every value they write to etcd is signed with it (comm/signed_store.h) and every Gloo pair
+// between their processes proves it (comm/pair_handshake.h). A host record, a placement or a
+// rendezvous entry that does not verify is ignored with a warning naming its key; a process with
+// another secret is refused with one message saying so.
 // Keys of the job, beside its control-plane keys (reconfiguration.h), under /tessel/<job>/:
 //   coordinator            the agent elected coordinator (its host id), on that agent's lease:
 //                          when its host dies the key expires and another agent takes over
@@ -25,7 +34,9 @@
 //                          at its next step boundary and stops
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -113,6 +124,7 @@ std::string next_host_key(const std::string& cluster);
 std::string hosts_prefix(const std::string& cluster);
 std::string host_key(const std::string& cluster, int host);
 std::string submission_key(const std::string& cluster);
+std::string members_key(const std::string& cluster);
 std::string coordinator_key(const std::string& job);
 std::string placement_prefix(const std::string& job);
 std::string placement_key(const std::string& job, int process);
@@ -129,5 +141,29 @@ std::vector<HostRecord> list_hosts(comm::ControlStore& store, const std::string&
 
 // Takes the next host id of the cluster (compare-and-set on next-host; retried on contention).
 int take_host_id(comm::ControlStore& store, const std::string& cluster);
+
+// The environment variable naming the cluster's token file, for every process of a cluster: the
+// agent passes it on to its workers.
+inline constexpr const char* kClusterTokenEnv = "TESSEL_CLUSTER_TOKEN_FILE";
+
+// The cluster's secret: the token in `token_file` (net::read_token_file's rules: only its owner
+// may read it, 16 characters at least). `who` names the command for the message when there is
+// none: every process of a cluster must hold it.
+std::string read_cluster_secret(const std::string& token_file, const std::string& who);
+
+// A client of the cluster's etcd at `endpoint` whose calls end within `timeout`, signing and
+// verifying with `secret` (comm::SignedStore).
+std::shared_ptr<comm::ControlStore> open_cluster_store(const std::string& endpoint,
+                                                       std::chrono::milliseconds timeout,
+                                                       const std::string& secret,
+                                                       const std::string& cluster);
+std::shared_ptr<comm::ControlStore> open_cluster_store(const std::string& endpoint,
+                                                       const std::string& secret,
+                                                       const std::string& cluster);
+
+// Proves that this process's secret is the cluster's before it does anything else: reads
+// `members` (written by the first agent, which passes `create`). Throws MembershipError, naming
+// the cluster and the fix, when the key was signed with another secret.
+void check_cluster_secret(comm::ControlStore& store, const std::string& cluster, bool create);
 
 }  // namespace tessel::elastic

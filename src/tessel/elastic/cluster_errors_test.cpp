@@ -3,6 +3,10 @@
 //   - an agent or a submitter pointed at an address where no etcd answers;
 //   - a submission to a cluster no agent has joined (a wrong cluster name);
 //   - a second job on a cluster that runs one;
+//   - agents and submitters without the cluster's token file, or with another cluster's, and a
+//     host record written into etcd without the secret;
+//   - hosts whose wall clocks jump (an NTP step, a VM restored from a snapshot): one an hour
+//     ahead, the other an hour behind, while the job runs and while it recovers;
 //   - an agent whose host record is removed from etcd by hand: the job goes on from the other
 //     host's replica, the agent fences its worker and joins again, and the job grows back;
 //   - the submitter interrupted: the job saves and stops, and the agents run nothing more.
@@ -14,6 +18,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <thread>
@@ -21,8 +27,10 @@
 
 #include "tessel/comm/etcd_store.h"
 #include "tessel/comm/etcd_test_util.h"
+#include "tessel/core/clock.h"
 #include "tessel/elastic/cluster.h"
 #include "tessel/elastic/failure_test_util.h"
+#include "tessel/net/bearer_token.h"
 
 namespace tessel::elastic {
 namespace {
@@ -84,18 +92,22 @@ bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit) {
 TEST(ClusterErrors, NoEtcdAtTheAddressIsOneClearMessage) {
   const int port = comm::testing::free_port();
   std::string out;
+  TempDir dir;
+  const auto token = write_cluster_token(dir, "cluster.token", "the-clusters-secret-0123456789");
   EXPECT_EQ(tessel::testing::run_command(
-                fmt::format("{} agent --store http://127.0.0.1:{} 2>&1", tessel(), port), &out),
+                fmt::format("{} agent --store http://127.0.0.1:{} --token-file {} 2>&1", tessel(),
+                            port, token),
+                &out),
             1)
       << out;
   EXPECT_NE(out.find("no etcd answers at http://127.0.0.1:"), std::string::npos) << out;
-  TempDir dir;
   const auto cfg =
       config::testing::write_config(dir, config::testing::make_corpus(dir), Job{5}.training());
-  EXPECT_EQ(
-      tessel::testing::run_command(
-          fmt::format("{} train {} --cluster http://127.0.0.1:{} 2>&1", tessel(), cfg, port), &out),
-      1)
+  EXPECT_EQ(tessel::testing::run_command(
+                fmt::format("{} train {} --cluster http://127.0.0.1:{} --token-file {} 2>&1",
+                            tessel(), cfg, port, token),
+                &out),
+            1)
       << out;
   EXPECT_NE(out.find("--cluster: no etcd answers at"), std::string::npos) << out;
   EXPECT_EQ(tessel::testing::run_command(
@@ -124,23 +136,36 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
       "output: {metrics: metrics.jsonl, events: events.jsonl}\n"
       "checkpoint: {dir: ck, every: 1000}\n");
   std::string out;
+  const auto token = write_cluster_token(dir, "cluster.token", "the-clusters-secret-0123456789");
+  const auto foreign = write_cluster_token(dir, "other.token", "another-clusters-secret-98765");
 
   // A cluster nobody joined.
   EXPECT_EQ(tessel::testing::run_command(
-                fmt::format("{} train {} --cluster {}/nosuch 2>&1", tessel(), cfg, etcd.endpoint()),
+                fmt::format("{} train {} --cluster {}/nosuch --token-file {} 2>&1", tessel(), cfg,
+                            etcd.endpoint(), token),
                 &out),
             2)
       << out;
   EXPECT_NE(out.find("no agent has joined cluster 'nosuch'"), std::string::npos) << out;
 
-  // Two agents of one slot each.
+  // Two agents of one slot each, each with its own wall clock (testing/fake_clock.c), which the
+  // test makes jump. (ASan must be told that a library preloaded before its runtime is fine.)
   auto agent_log = [&](int i) { return read_text(dir / fmt::format("agent{}.log", i)); };
+  auto clock_file = [&](int i) { return dir / fmt::format("clock{}", i); };
+  auto set_clock = [&](int i, int offset_s) { std::ofstream(clock_file(i)) << offset_s << "\n"; };
+  const auto fake_clock = std::filesystem::path(TESSEL_BINARY_DIR) / "libtessel_fake_clock.so";
+  ASSERT_TRUE(std::filesystem::exists(fake_clock)) << fake_clock;
+  const char* asan = std::getenv("ASAN_OPTIONS");
   std::vector<std::unique_ptr<Background>> agents;
   for (int i : {0, 1}) {
+    set_clock(i, 0);
     agents.push_back(std::make_unique<Background>(
-        fmt::format("OMP_NUM_THREADS=1 {} agent --store {} --slots 1 --lease-ttl 1 --name a{} "
-                    "--work-dir {}",
-                    tessel(), etcd.endpoint(), i, (dir / fmt::format("agent{}", i)).string()),
+        fmt::format("LD_PRELOAD={} TESSEL_FAKE_CLOCK_FILE={} "
+                    "ASAN_OPTIONS={}verify_asan_link_order=0 OMP_NUM_THREADS=1 {} agent --store {} "
+                    "--slots 1 --lease-ttl 1 --name a{} --work-dir {} --token-file {}",
+                    fake_clock.string(), clock_file(i).string(),
+                    asan ? std::string(asan) + ":" : std::string(), tessel(), etcd.endpoint(), i,
+                    (dir / fmt::format("agent{}", i)).string(), token),
         dir / fmt::format("agent{}.log", i)));
     ASSERT_TRUE(
         wait_until([&] { return agent_log(i).find("joined cluster") != std::string::npos; }, 30s))
@@ -150,8 +175,29 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
     return read_text(dir / "train.out") + "--- agent 0:\n" + agent_log(0) + "--- agent 1:\n" +
            agent_log(1);
   };
-  Background job(fmt::format("cd {} && exec {} train {} --cluster {}", dir.path().string(),
-                             tessel(), cfg, etcd.endpoint()),
+  // Without a token file, or with another cluster's: refused, each in one message.
+  EXPECT_EQ(tessel::testing::run_command(
+                fmt::format("{} agent --store {} --slots 1 2>&1", tessel(), etcd.endpoint()), &out),
+            2)
+      << out;
+  EXPECT_NE(out.find("tessel agent needs the cluster's token file"), std::string::npos) << out;
+  EXPECT_NE(tessel::testing::run_command(
+                fmt::format("{} agent --store {} --slots 1 --token-file {} --work-dir {} 2>&1",
+                            tessel(), etcd.endpoint(), foreign, (dir / "foreign").string()),
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("cluster 'default' is signed with another secret"), std::string::npos) << out;
+  EXPECT_NE(
+      tessel::testing::run_command(fmt::format("{} train {} --cluster {} --token-file {} 2>&1",
+                                               tessel(), cfg, etcd.endpoint(), foreign),
+                                   &out),
+      0)
+      << out;
+  EXPECT_NE(out.find("cluster 'default' is signed with another secret"), std::string::npos) << out;
+
+  Background job(fmt::format("cd {} && {}={} exec {} train {} --cluster {}", dir.path().string(),
+                             kClusterTokenEnv, token, tessel(), cfg, etcd.endpoint()),
                  dir / "train.out");
   auto steps = [&] {
     return std::filesystem::exists(dir / "metrics.jsonl") ? read_lines(dir / "metrics.jsonl").size()
@@ -160,22 +206,62 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
   ASSERT_TRUE(wait_until([&] { return steps() >= 3; }, 60s)) << logs();
 
   // A second job while it runs.
-  EXPECT_EQ(tessel::testing::run_command(
-                fmt::format("{} train {} --cluster {} 2>&1", tessel(), cfg, etcd.endpoint()), &out),
-            2)
+  EXPECT_EQ(
+      tessel::testing::run_command(fmt::format("{} train {} --cluster {} --token-file {} 2>&1",
+                                               tessel(), cfg, etcd.endpoint(), token),
+                                   &out),
+      2)
       << out;
   EXPECT_NE(out.find("cluster 'default' runs job"), std::string::npos) << out;
+
+  // The hosts' wall clocks jump apart: one an hour ahead, the other an hour behind. Nothing
+  // waits on the wall clock (leases expire on etcd's clock, timeouts run on each process's steady
+  // clock), so no host counts as lost and the job goes on without a recovery. The clocks stay
+  // apart through the recovery below, whose control-plane share is measured across them.
+  for (int i : {0, 1}) set_clock(i, i == 0 ? 3600 : -3600);
+  const size_t jumped = steps();
+  ASSERT_TRUE(wait_until([&] { return steps() >= jumped + 4; }, 60s)) << logs();
+  // The jump took effect: the step records (stamped on the wall clock of rank 0's host) are an
+  // hour away from this process's clock.
+  const double now = tessel::unix_seconds();
+  EXPECT_GT(std::abs(read_lines(dir / "metrics.jsonl").back().at("time").get<double>() - now),
+            3000.0)
+      << logs();
+  EXPECT_FALSE(std::filesystem::exists(dir / "events.jsonl") &&
+               !read_lines(dir / "events.jsonl").empty())
+      << "a clock jump caused a reconfiguration:\n"
+      << logs();
+
+  // A host record written without the secret (4 slots: the job would grow onto it): nobody
+  // believes it. The coordinator says so, and places nothing there.
+  comm::EtcdStore raw(etcd.endpoint());
+  HostRecord fake;
+  fake.id = 999;
+  fake.name = "intruder";
+  fake.address = "127.0.0.1";
+  fake.slots = 4;
+  raw.set(host_key("default", 999), fake.to_json().dump());
+  const size_t faked = steps();
+  ASSERT_TRUE(wait_until([&] { return steps() >= faked + 3; }, 60s)) << logs();
+  EXPECT_NE((agent_log(0) + agent_log(1)).find(host_key("default", 999)), std::string::npos)
+      << "no warning about the unsigned host record\n"
+      << logs();
+  EXPECT_FALSE(std::filesystem::exists(dir / "events.jsonl") &&
+               !read_lines(dir / "events.jsonl").empty())
+      << logs();
+  raw.erase(host_key("default", 999));
 
   // The record of the host that does not coordinate, removed by hand: the coordinator counts
   // that host lost and goes on from the other's replica; the agent fences its worker, joins
   // again, and the job grows back onto it.
   const int other = agent_log(0).find("coordinates job") != std::string::npos ? 1 : 0;
-  comm::EtcdStore store(etcd.endpoint());
+  const auto store =
+      open_cluster_store(etcd.endpoint(), net::read_token_file(token, "test"), "default");
   int id = -1;
-  for (const auto& h : list_hosts(store, "default"))
+  for (const auto& h : list_hosts(*store, "default"))
     if (h.name == fmt::format("a{}", other)) id = h.id;
   ASSERT_GE(id, 0) << logs();
-  ASSERT_TRUE(store.erase(host_key("default", id)));
+  ASSERT_TRUE(store->erase(host_key("default", id)));
   ASSERT_TRUE(wait_until(
       [&] {
         return agent_log(other).find("was removed from etcd while its lease lived") !=
@@ -195,6 +281,12 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
   const auto events = read_lines(dir / "events.jsonl");
   EXPECT_EQ(events[0].at("event"), "recover") << events[0].dump();
   EXPECT_EQ(events[0].at("restored_from"), "survivors") << events[0].dump();
+  // Two hours between the clocks that stamped the decision and the switch; the share reported
+  // is bounded by what the worker's own steady clock saw.
+  for (const auto& e : events) {
+    EXPECT_GE(e.at("control_s").get<double>(), 0.0) << e.dump();
+    EXPECT_LT(e.at("control_s").get<double>(), 60.0) << e.dump();
+  }
 
   // The submitter interrupted: the job saves at its next step boundary and stops; the agents
   // keep running, every worker they started ended.

@@ -57,9 +57,14 @@ struct Cluster {
   VirtualCluster net;
   NamespacedEtcd etcd;
   std::map<int, pid_t> agents;
+  std::string token;  // the cluster's token file
 
   Cluster(TempDir& d, int hosts)
-      : dir(d), etcd_dir(memory_dir()), net(hosts, "cl"), etcd(net, 0, etcd_dir) {}
+      : dir(d),
+        etcd_dir(memory_dir()),
+        net(hosts, "cl"),
+        etcd(net, 0, etcd_dir),
+        token(write_cluster_token(d, "cluster.token", "cluster-test-secret-0123456789")) {}
   ~Cluster() {
     std::error_code ec;
     std::filesystem::remove_all(etcd_dir, ec);
@@ -82,7 +87,7 @@ struct Cluster {
         host,
         {tessel::testing::tessel_binary().string(), "agent", "--store", etcd.endpoint(), "--iface",
          net.iface(host), "--slots", "1", "--name", fmt::format("h{}", host), "--work-dir",
-         (dir.path() / fmt::format("work-h{}", host)).string(),
+         (dir.path() / fmt::format("work-h{}", host)).string(), "--token-file", token,
          // Generous for a machine running the whole suite: a starved renewal must not make a
          // healthy host count as lost (detection speed is the benchmark's, not this test's).
          "--lease-ttl", "3"},
@@ -142,9 +147,10 @@ TEST(Cluster, HostsJoinDieAreCutOffAndTheCoordinatorMoves) {
   for (int h : {1, 2}) c.start_agent(h);
   ASSERT_TRUE(wait_for([&] { return c.host_id(1) >= 0 && c.host_id(2) >= 0; }, 30s,
                        "two agents to join", context));
-  const pid_t train = c.net.spawn(
-      0, {tessel::testing::tessel_binary().string(), "train", cfg, "--cluster", c.etcd.endpoint()},
-      {}, dir / "train.out");
+  const pid_t train = c.net.spawn(0,
+                                  {tessel::testing::tessel_binary().string(), "train", cfg,
+                                   "--cluster", c.etcd.endpoint(), "--token-file", c.token},
+                                  {}, dir / "train.out");
   const auto metrics = dir / "metrics.jsonl";
   const auto events = dir / "events.jsonl";
   auto steps_past = [&](size_t n) { return [&, n] { return count_lines(metrics) >= n; }; };

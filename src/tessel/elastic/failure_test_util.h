@@ -40,6 +40,16 @@ inline std::string read_text(const std::filesystem::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
+// A cluster's token file (elastic/cluster.h) holding `token`, readable by its owner only.
+inline std::string write_cluster_token(const TempDir& dir, const std::string& name,
+                                       const std::string& token) {
+  const auto path = dir.path() / name;
+  std::ofstream(path) << token << "\n";
+  std::filesystem::permissions(
+      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  return path.string();
+}
+
 // The data-order log: for every step, the entries of the last generation that ran it split the
 // step's window [(s-1) * batch, s * batch) of the global sample order exactly (no sample
 // repeated or skipped in the history the final state comes from).

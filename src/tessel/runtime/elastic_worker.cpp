@@ -5,7 +5,6 @@
 #include <thread>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
-#include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
 #include "tessel/core/json_file.h"
@@ -65,8 +64,7 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
                "of `tessel train CONFIG` (this worker was started by a fixed launch)");
   plan = cfg.plan;
   if (elastic()) {
-    control = std::make_shared<comm::EtcdStore>(
-        env.control_store, std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
+    control = env.open_control_store(std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
     feed = std::make_unique<RecordFeed>(control, env.job_id);
     env.signals = std::make_shared<GenerationSignals>();
     feed->on_failure([signals = env.signals](int64_t e) { signals->announce(e); });
@@ -74,9 +72,8 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
     // A client of its own, whose calls end within half the lease: one hanging on a cut link for
     // the whole communication timeout would outlive the lease it renews.
     const auto ttl = std::chrono::milliseconds(int64_t(cfg.heartbeat_timeout_s * 1000));
-    heartbeat = std::make_unique<elastic::Heartbeat>(
-        std::make_shared<comm::EtcdStore>(env.control_store, ttl / 2),
-        elastic::alive_key(env.job_id, env.rank), ttl);
+    heartbeat = std::make_unique<elastic::Heartbeat>(env.open_control_store(ttl / 2),
+                                                     elastic::alive_key(env.job_id, env.rank), ttl);
   }
   if (env.launcher) env.launcher->on_notice([this] { on_launcher_loss(); });
   try {
@@ -253,6 +250,7 @@ Reconfiguration ElasticWorker::wait_for_record(int g, const std::string& why) {
 
 std::optional<Reconfiguration> ElasticWorker::next_switch() {
   boundary_at = unix_seconds();
+  boundary_steady = std::chrono::steady_clock::now();
   report_progress();
   const int64_t b = world->step;
   // Whether the launcher that served the control store is gone, read once: everything below
@@ -518,7 +516,9 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
   const double control_s =
       world == nullptr
           ? 0.0
-          : unix_seconds() - (sw.recovery ? sw.decided_at : std::max(sw.decided_at, boundary_at));
+          : std::clamp(unix_seconds() -
+                           (sw.recovery ? sw.decided_at : std::max(sw.decided_at, boundary_at)),
+                       0.0, seconds_since(boundary_steady));
   const int64_t store_generation = env.generation + sw.generation;
   if (!sw.checkpoint.empty()) {
     restore_from_checkpoint(sw, new_rank, store_generation, t0);
@@ -570,7 +570,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
     union_world->all_reduce_sum(by, 2);  // the whole transition's, for the event line
     moved = {by[0], by[1]};
     // The last process's go sets the control plane's share (microseconds: whole numbers gather).
-    int64_t mine_us = int64_t(std::max(control_s, 0.0) * 1e6);
+    int64_t mine_us = int64_t(control_s * 1e6);
     std::vector<int64_t> all_us(size_t(union_world->size()));
     union_world->all_gather(&mine_us, 1, all_us.data());
     control_max_s = double(*std::max_element(all_us.begin(), all_us.end())) / 1e6;

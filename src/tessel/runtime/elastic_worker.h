@@ -87,6 +87,10 @@ struct ElasticWorker {
   // When the newest step ended (Unix time): a switch's control-plane share of its pause runs
   // from the later of this and the record's decision to the switch's start.
   double boundary_at = 0;
+  // The same moment on this process's steady clock: the control plane's share of a pause is
+  // measured on two hosts' wall clocks, which may be skewed or jump (NTP, a restored VM), so it is
+  // bounded by what this process's own clock saw.
+  std::chrono::steady_clock::time_point boundary_steady{};
   // The current world was just entered (started, resumed or made by a switch): the loop asks for
   // switches due at this boundary before the next step.
   bool entered = false;

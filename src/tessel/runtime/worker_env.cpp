@@ -7,6 +7,7 @@
 #include "tessel/comm/etcd_store.h"
 #include "tessel/core/check.h"
 #include "tessel/core/parse_number.h"
+#include "tessel/elastic/cluster.h"
 #include "tessel/elastic/submission.h"
 
 namespace tessel::runtime {
@@ -43,6 +44,9 @@ WorkerEnv WorkerEnv::from_environment() {
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
   e.cluster = env_string("TESSEL_CLUSTER", false);
   e.host_address = env_string("TESSEL_HOST_ADDRESS", false);
+  if (!e.cluster.empty())
+    e.secret = elastic::read_cluster_secret(env_string(elastic::kClusterTokenEnv, false),
+                                            "a worker of a cluster job");
   if (const int64_t launcher = env_int("TESSEL_LAUNCHER_PID", false); launcher > 0)
     e.launcher = std::make_shared<LauncherLoss>(launcher);
   if (std::getenv("TESSEL_CONSOLE_FD") != nullptr)
@@ -78,7 +82,14 @@ comm::StoreOptions WorkerEnv::store(int64_t store_generation, double timeout_s) 
   options.generation = store_generation;
   options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
   if (signals) options.abort_signal = signals->of(store_generation);
+  options.secret = secret;
   return options;
+}
+
+std::shared_ptr<comm::ControlStore> WorkerEnv::open_control_store(
+    std::chrono::milliseconds timeout) const {
+  if (secret.empty()) return std::make_shared<comm::EtcdStore>(control_store, timeout);
+  return elastic::open_cluster_store(control_store, timeout, secret, cluster);
 }
 
 comm::TransportOptions WorkerEnv::transport() const {
@@ -91,8 +102,7 @@ config::TrainConfig WorkerEnv::cluster_config() const {
   TESSEL_CHECK(!cluster.empty() && !control_store.empty(), ConfigError,
                "`tessel worker` needs a config file, or TESSEL_CLUSTER and TESSEL_CONTROL_STORE "
                "(set by `tessel agent`)");
-  comm::EtcdStore store(control_store);
-  return elastic::submitted_config(store, cluster);
+  return elastic::submitted_config(*open_control_store(std::chrono::seconds(10)), cluster);
 }
 
 }  // namespace tessel::runtime

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "tessel/comm/communicator.h"
+#include "tessel/comm/control_store.h"
 #include "tessel/comm/store.h"
 #include "tessel/config/train_config.h"
 #include "tessel/core/error.h"
@@ -70,6 +72,12 @@ struct WorkerEnv {
   // other hosts reach this host's processes at (Gloo binds to it). Empty: one host, loopback.
   std::string cluster;
   std::string host_address;
+  // The cluster's secret ($TESSEL_CLUSTER_TOKEN_FILE's token; elastic/cluster.h), with which
+  // this process signs what it writes to etcd and proves itself to its Gloo peers. Empty
+  // outside a cluster.
+  std::string secret;
+  // A client of the job's control store: signed in a cluster.
+  std::shared_ptr<comm::ControlStore> open_control_store(std::chrono::milliseconds timeout) const;
   // `tessel train` serves this job's control store (the embedded one): its pid
   // (TESSEL_LAUNCHER_PID), whose death the process boundary reports here; null otherwise (etcd
   // outlives the launcher; a fixed launch has no store).

@@ -85,6 +85,19 @@ std::string rank_file_name(int rank) {
   return fmt::format("rank-{:05d}.safetensors", rank);
 }
 
+std::optional<int> rank_of_file_name(std::string_view name) {
+  constexpr std::string_view prefix = "rank-", suffix = ".safetensors";
+  if (name.size() != prefix.size() + 5 + suffix.size() || !name.starts_with(prefix) ||
+      !name.ends_with(suffix))
+    return std::nullopt;
+  int rank = 0;
+  for (char c : name.substr(prefix.size(), 5)) {
+    if (c < '0' || c > '9') return std::nullopt;
+    rank = rank * 10 + (c - '0');
+  }
+  return rank;
+}
+
 std::string rank_failed_name(int rank) {
   return fmt::format("rank-{:05d}.failed", rank);
 }

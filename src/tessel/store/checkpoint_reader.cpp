@@ -12,6 +12,7 @@
 #include "tessel/core/check.h"
 #include "tessel/store/checkpoint_format.h"
 #include "tessel/store/checksum.h"
+#include "tessel/tensor/box_copy.h"
 #include "tessel/tensor/region_runs.h"
 
 namespace tessel::store {
@@ -65,7 +66,8 @@ uint64_t chunk_count(uint64_t nbytes, uint64_t chunk) {
 
 }  // namespace
 
-CheckpointReader::CheckpointReader(const std::string& dir) : dir_(normalize_dir(dir)) {
+CheckpointReader::CheckpointReader(const std::string& dir, CheckpointReaderOptions options)
+    : dir_(normalize_dir(dir)), options_(options) {
   std::error_code ec;
   TESSEL_CHECK(fs::is_directory(dir_, ec), IoError, "checkpoint directory '{}' does not exist",
                dir_);
@@ -153,6 +155,11 @@ void CheckpointReader::load_index() {
                  "{} lists file '{}', which is not a plain file name in the checkpoint", what,
                  fname);
     const auto fpath = fs::path(dir_) / fname;
+    all_files_.push_back(fname);
+    if (!fs::exists(fpath) && options_.allow_missing_files) {
+      missing_.push_back(fname);
+      continue;
+    }
     if (!fs::exists(fpath)) {
       auto u = first_user.find(fname);
       TESSEL_THROW(CorruptDataError,
@@ -174,6 +181,8 @@ void CheckpointReader::load_index() {
     files_.emplace(fname, std::move(reader));
   }
 
+  std::sort(all_files_.begin(), all_files_.end());
+  std::sort(missing_.begin(), missing_.end());
   for (const auto& [tname, t] : tensors.items())
     tensors_.push_back(
         load_tensor(tname, t, fmt::format("{}: tensor '{}'", what, tname), index_name));
@@ -216,17 +225,26 @@ CheckpointTensor CheckpointReader::load_tensor(const std::string& tname, const j
     cp.chunk_bytes = json_u64(json_field(p, "chunk_bytes", twhat), twhat);
     const std::string pwhat = fmt::format("checkpoint '{}': tensor '{}' piece {} in {}", dir_,
                                           tname, cp.box.str(), cp.file);
-    TESSEL_CHECK(files_.count(cp.file), CorruptDataError, "{}: {} lists no such file", pwhat,
-                 index_name);
+    TESSEL_CHECK(std::binary_search(all_files_.begin(), all_files_.end(), cp.file),
+                 CorruptDataError, "{}: {} lists no such file", pwhat, index_name);
     TESSEL_CHECK(cp.box.rank() == ct.shape.rank(), CorruptDataError,
                  "{}: box rank differs from the tensor's {}", pwhat, ct.shape.str());
-    const auto* st = files_.at(cp.file).find(cp.tensor);
-    TESSEL_CHECK(st != nullptr, CorruptDataError, "{}: the file has no tensor '{}'", pwhat,
-                 cp.tensor);
-    TESSEL_CHECK(st->dtype == ct.dtype && st->shape == cp.box.shape() && st->nbytes == cp.nbytes,
-                 CorruptDataError, "{}: the file holds it as {} {}, the index says {} {}", pwhat,
-                 dtype_name(st->dtype), st->shape.str(), dtype_name(ct.dtype),
-                 cp.box.shape().str());
+    if (holds(cp.file)) {
+      const auto* st = files_.at(cp.file).find(cp.tensor);
+      TESSEL_CHECK(st != nullptr, CorruptDataError, "{}: the file has no tensor '{}'", pwhat,
+                   cp.tensor);
+      TESSEL_CHECK(st->dtype == ct.dtype && st->shape == cp.box.shape() && st->nbytes == cp.nbytes,
+                   CorruptDataError, "{}: the file holds it as {} {}, the index says {} {}", pwhat,
+                   dtype_name(st->dtype), st->shape.str(), dtype_name(ct.dtype),
+                   cp.box.shape().str());
+    } else {
+      // Nothing on this host to compare with: at least the recorded size must fit the box (inside
+      // the shape first, so that the volume cannot overflow).
+      TESSEL_CHECK(Box::of(ct.shape).contains(cp.box) &&
+                       cp.nbytes == uint64_t(cp.box.volume()) * dtype_size(ct.dtype),
+                   CorruptDataError, "{}: {} bytes cannot hold {} {} inside {}", pwhat, cp.nbytes,
+                   dtype_name(ct.dtype), cp.box.shape().str(), ct.shape.str());
+    }
     TESSEL_CHECK(cp.chunk_bytes > 0, CorruptDataError, "{}: chunk_bytes is 0", pwhat);
     const uint64_t nchunks = chunk_count(cp.nbytes, cp.chunk_bytes);
     if (p.contains("chunks")) {
@@ -266,9 +284,11 @@ const CheckpointTensor& CheckpointReader::at(std::string_view name) const {
 }
 
 std::vector<std::string> CheckpointReader::files() const {
-  std::vector<std::string> v;
-  for (const auto& [name, r] : files_) v.push_back(name);
-  return v;
+  return all_files_;
+}
+
+bool CheckpointReader::holds(std::string_view file) const {
+  return files_.find(file) != files_.end();
 }
 
 const SafetensorsReader& CheckpointReader::file(const std::string& name) const {
@@ -337,31 +357,63 @@ void CheckpointReader::read_piece(const CheckpointTensor& t, const CheckpointPie
 }
 
 void CheckpointReader::read_box(std::string_view name, const Box& box, void* out) const {
+  read_box(name, box, out, PieceFetcher{});
+}
+
+void CheckpointReader::read_box(std::string_view name, const Box& box, void* out,
+                                const PieceFetcher& fetch) const {
   const auto& t = at(name);
   TESSEL_CHECK(box.rank() == t.shape.rank() && Box::of(t.shape).contains(box), InvalidArgumentError,
                "box {} is outside tensor '{}' {} of checkpoint '{}'", box.str(), name,
                t.shape.str(), dir_);
   if (box.empty()) return;
+  // Refused before anything is read, so a failed read leaves no half-filled output behind.
+  if (!fetch) {
+    for (const auto& p : t.pieces) {
+      TESSEL_CHECK(holds(p.file) || box.intersect(p.box).empty(), CorruptDataError,
+                   "checkpoint '{}': tensor '{}' box {} needs piece {} in {}, which is not on this "
+                   "host; read it from a host that holds it (read_box with a PieceFetcher)",
+                   dir_, t.name, box.str(), p.box.str(), p.file);
+    }
+  }
+  auto* dst = static_cast<char*>(out);
+  const size_t esize = dtype_size(t.dtype);
+  std::vector<char> scratch;
   for (const auto& p : t.pieces) {
     const Box region = box.intersect(p.box);
-    if (!region.empty()) read_piece(t, p, region, box, static_cast<char*>(out));
+    if (region.empty()) continue;
+    if (holds(p.file)) {
+      read_piece(t, p, region, box, dst);
+    } else if (region == box) {
+      fetch(t, p, region, dst);
+    } else {
+      scratch.resize(size_t(region.volume()) * esize);
+      fetch(t, p, region, scratch.data());
+      unpack_box(scratch.data(), region.relative_to(box), dst, box.shape(), esize);
+    }
   }
 }
 
-Tensor CheckpointReader::read(std::string_view name, const std::optional<Box>& box) const {
+Tensor CheckpointReader::read(std::string_view name, const std::optional<Box>& box,
+                              const PieceFetcher& fetch) const {
   const auto& t = at(name);
   const Box b = box ? *box : Box::of(t.shape);
   Tensor out = Tensor::empty(b.shape(), t.dtype);
-  read_box(name, b, out.raw());
+  read_box(name, b, out.raw(), fetch);
   return out;
 }
 
 VerifyReport CheckpointReader::verify() const {
   VerifyReport report;
   report.files = files_.size();
+  report.missing_files = missing_;
   for (const auto& t : tensors_) {
     ++report.tensors;
     for (const auto& p : t.pieces) {
+      if (!holds(p.file)) {
+        ++report.pieces_not_held;
+        continue;
+      }
       ++report.pieces;
       const auto& f = file(p.file);
       const auto& entry = f.at(p.tensor);

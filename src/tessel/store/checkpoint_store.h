@@ -37,8 +37,16 @@
 // row-major piece whose rows are shorter than a chunk (a tensor-parallel split of a matrix saved
 // whole) therefore read the whole piece; row slices and whole pieces read what they need.
 //
-// Ranks on several hosts must write to one shared filesystem: the commit reads every rank file's
-// header, and the publish renames one directory.
+// Many hosts, each with its own disk. No host need hold every rank file: each rank writes its
+// file into the staging directory on its own host, other hosts keep copies
+// (download_rank_file, remote_pieces.h), and what the commit needs of each file travels as a
+// small JSON *entry* (CheckpointWriter::rank_file_entry: name, size, header checksum, piece list)
+// through the control store. Every host then commits from the same entries
+// (commit_checkpoint): the index and manifest come out byte for byte the same everywhere, and each
+// host publishes its own staging directory, holding only some rank files, as DIR. A reader
+// opened with allow_missing_files reads the pieces this host holds and asks a PieceFetcher
+// (e.g. another host's tensor store over HTTP) for the rest. On one shared filesystem the same
+// code runs with one staging directory that holds every file.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -62,6 +70,8 @@ inline constexpr int kCheckpointVersion = 1;
 
 // "rank-00003.safetensors"
 std::string rank_file_name(int rank);
+// 3 for "rank-00003.safetensors"; nothing for any name rank_file_name does not give.
+std::optional<int> rank_of_file_name(std::string_view name);
 // "rank-00003.failed": left in the staging directory by a rank whose write failed, so that the
 // committing rank stops waiting for its file (CheckpointWriter::mark_failed).
 std::string rank_failed_name(int rank);
@@ -113,15 +123,17 @@ class CheckpointWriter {
 
   // Writes DIR.tmp-<id>/rank-<rank>.safetensors atomically; returns its path. Throws IoError.
   std::string write_rank_file();
+  // After write_rank_file(): what the commit needs to know of this rank's file, as
+  // read_rank_file_entry() gives it. Throws InvalidArgumentError before write_rank_file().
+  const nlohmann::json& rank_file_entry() const;
   // After write_rank_file() failed: leaves DIR.tmp-<id>/rank-<rank>.failed (an empty file) for
   // the committing rank to find. Best effort (a full disk may refuse even that: the committer
   // then waits for its timeout); returns whether the marker is there.
   bool mark_failed() noexcept;
-  // Builds index.json from rank files 0..num_ranks-1 (reading their headers only), writes
-  // manifest.json last (with `meta`, a JSON object, under "meta") and publishes the checkpoint as
-  // DIR. Call on one rank after every rank's write_rank_file() returned. Throws IoError when a
-  // rank file is missing or a write fails, InvalidArgumentError when the pieces of a tensor do
-  // not tile it exactly or disagree on its dtype or shape. On any failure DIR is unchanged.
+  // Reads the entries of rank files 0..num_ranks-1 from the staging directory (headers only)
+  // and commits them: commit_checkpoint(dir(), save_id(), entries, meta, num_ranks). Call on one
+  // rank after every rank's write_rank_file() returned, when the staging directory holds every
+  // rank file. Throws IoError when a rank file is missing, and as commit_checkpoint does.
   void commit(int num_ranks, const nlohmann::json& meta);
 
   const std::string& dir() const { return dir_; }
@@ -146,7 +158,34 @@ class CheckpointWriter {
   std::string staging_;
   std::vector<Piece> pieces_;
   std::shared_ptr<std::byte> snapshot_;  // from HostAllocator
+  nlohmann::json entry_;                 // null until write_rank_file()
 };
+
+// The entry of rank file `path` of save `save_id`, from its header alone:
+//   {"file": "rank-00003.safetensors", "rank": 3, "save_id": ..., "bytes": <file size>,
+//    "header_xxh3": "<16 hex digits>", "pieces": [<the piece list of its metadata>]}
+// where each piece is {"tensor", "name" (in the file), "dtype", "shape", "box", "bytes", "xxh3",
+// "chunk_bytes"[, "chunks"]}. Its size is about 200 bytes per piece plus 19 per checksum chunk.
+// Throws IoError when the file cannot be read or belongs to another save, CorruptDataError when
+// it is not a tessel rank file or its piece list disagrees with its tensors.
+nlohmann::json read_rank_file_entry(const std::string& path, const std::string& save_id);
+
+// Commits save `save_id` of DIR from the entries of its rank files 0..num_ranks-1 (in any order):
+// builds index.json (each tensor's pieces must tile it exactly once and agree on its dtype and
+// shape), writes it and then manifest.json (`meta`, a JSON object, under "meta") into the staging
+// directory staging_dir_for(DIR, save_id) (created if absent), and publishes that directory as
+// DIR atomically (see the file comment). The staging directory may hold any subset of the rank
+// files; each one it holds must match its entry (size, header checksum, piece list) and is
+// published with the rest. Given the same entries and meta, every host writes the same index and
+// manifest bytes. `on_stage` as CheckpointWriterOptions::on_stage ("index", "manifest",
+// "publish"). Throws InvalidArgumentError for a missing, repeated or out-of-range rank, an entry
+// of another file, or pieces that do not tile their tensor; CorruptDataError for a malformed
+// entry or a held rank file that differs from its entry; IoError when the entries belong to
+// another save or a write fails. On any failure DIR is unchanged.
+void commit_checkpoint(const std::string& dir, const std::string& save_id,
+                       const std::vector<nlohmann::json>& entries, const nlohmann::json& meta,
+                       int num_ranks,
+                       const std::function<void(std::string_view stage)>& on_stage = {});
 
 // Removes what interrupted saves of DIR left beside it (DIR.tmp-*, DIR.old-*); if a crash
 // between the two renames of the fallback swap left no DIR, first moves the previous checkpoint
@@ -172,20 +211,37 @@ struct CheckpointTensor {
 };
 
 struct VerifyReport {
-  size_t files = 0, tensors = 0, pieces = 0;
-  uint64_t bytes = 0;  // piece bytes hashed
+  size_t files = 0, tensors = 0, pieces = 0;  // files and pieces verified; tensors of the index
+  uint64_t bytes = 0;                         // piece bytes hashed
+  // A partial reader verifies only the files it holds: these it did not, nor their pieces.
+  std::vector<std::string> missing_files;
+  size_t pieces_not_held = 0;
+  bool complete() const { return missing_files.empty(); }
 };
+
+struct CheckpointReaderOptions {
+  // Open a checkpoint of which this host holds only some rank files (see the file comment). The
+  // files present are validated as always (a truncated or damaged one is still an error); the
+  // absent ones' pieces come from a PieceFetcher.
+  bool allow_missing_files = false;
+};
+
+// Reads `region` (inside piece.box, in the tensor's global coordinates) of a piece whose rank
+// file this host does not hold into `out` (region.volume() elements of tensor.dtype, dense
+// row-major). Throws to fail the read. Called from the thread calling read_box.
+using PieceFetcher = std::function<void(
+    const CheckpointTensor& tensor, const CheckpointPiece& piece, const Box& region, void* out)>;
 
 // Reads a checkpoint. Opening validates the manifest (format, version, its own checksum), the
 // index (its checksum, structure, that pieces tile their tensors) and every rank file (present,
 // of the recorded size, header checksum, each piece present with the recorded dtype and shape),
 // reading headers only. Errors name the directory and the file or tensor at fault:
-// CorruptDataError for a missing manifest (interrupted save), missing or truncated shard, damaged
-// bytes or an unknown format version; IoError when the directory cannot be read.
-// A reader is safe to use from several threads at once.
+// CorruptDataError for a missing manifest (interrupted save), missing (unless allowed) or
+// truncated shard, damaged bytes or an unknown format version; IoError when the directory cannot
+// be read. A reader is safe to use from several threads at once.
 class CheckpointReader {
  public:
-  explicit CheckpointReader(const std::string& dir);
+  explicit CheckpointReader(const std::string& dir, CheckpointReaderOptions options = {});
 
   const std::string& dir() const { return dir_; }
   const nlohmann::json& manifest() const { return manifest_; }
@@ -196,16 +252,27 @@ class CheckpointReader {
   const CheckpointTensor* find(std::string_view name) const;
   // Throws InvalidArgumentError naming the checkpoint when absent.
   const CheckpointTensor& at(std::string_view name) const;
+  // Every rank file of the checkpoint (held or not), sorted.
   std::vector<std::string> files() const;
+  // Whether this host holds rank file `file` (always, for a complete reader).
+  bool holds(std::string_view file) const;
+  // The rank files this host does not hold, sorted; empty for a complete reader.
+  const std::vector<std::string>& missing_files() const { return missing_; }
 
   // Reads `box` of tensor `name` into `out` (box.volume() elements, dense row-major), reading
   // only the checksum chunks that hold needed bytes and verifying every chunk read. Throws
   // InvalidArgumentError for an unknown name or a box outside the tensor, CorruptDataError
-  // naming tensor, piece and file when bytes fail their checksum.
+  // naming tensor, piece and file when bytes fail their checksum, or when a piece lies in a file
+  // this host does not hold (then nothing is read).
   void read_box(std::string_view name, const Box& box, void* out) const;
+  // The same, asking `fetch` for the parts of the box that lie in files this host does not hold
+  // (an empty `fetch` behaves as the overload above); local pieces are read as above.
+  void read_box(std::string_view name, const Box& box, void* out, const PieceFetcher& fetch) const;
   // The box (default: the whole tensor) as a new tensor.
-  Tensor read(std::string_view name, const std::optional<Box>& box = std::nullopt) const;
-  // Reads and checks every piece (whole and chunk checksums). Throws the first error.
+  Tensor read(std::string_view name, const std::optional<Box>& box = std::nullopt,
+              const PieceFetcher& fetch = {}) const;
+  // Reads and checks every piece this host holds (whole and chunk checksums). Throws the first
+  // error. The report lists the files it could not verify because this host lacks them.
   VerifyReport verify() const;
 
   // Bytes read from rank files so far (headers included), by all threads.
@@ -221,9 +288,11 @@ class CheckpointReader {
   const SafetensorsReader& file(const std::string& name) const;
 
   std::string dir_;
+  CheckpointReaderOptions options_;
   nlohmann::json manifest_;
   std::vector<CheckpointTensor> tensors_;
-  std::map<std::string, SafetensorsReader, std::less<>> files_;
+  std::map<std::string, SafetensorsReader, std::less<>> files_;  // held
+  std::vector<std::string> all_files_, missing_;                 // sorted
 };
 
 }  // namespace tessel::store

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "tessel/core/atomic_file.h"
@@ -109,83 +110,164 @@ void remove_old_checkpoint(const fs::path& old) {
         old.string());
 }
 
-// The index of a save: reads the headers of rank files 0..num_ranks-1 in `staging` and checks
-// that the pieces they list tile their tensors.
-json build_index(const std::string& dir, const fs::path& staging, const std::string& save_id,
-                 int num_ranks) {
-  struct Entry {
+// The entry of a rank file, checked: the fields index.json copies, with their types.
+struct ParsedEntry {
+  std::string file;
+  int rank = -1;
+  std::string save_id;
+  uint64_t bytes = 0;
+  std::string header_xxh3;
+  const json* pieces = nullptr;
+};
+
+ParsedEntry parse_entry(const json& e, size_t position) {
+  const std::string what = fmt::format("checkpoint entry #{}", position);
+  TESSEL_CHECK(e.is_object(), CorruptDataError, "{} is not a JSON object", what);
+  ParsedEntry p;
+  p.file = detail::json_str(e, "file", what);
+  const auto& rank = detail::json_field(e, "rank", what);
+  TESSEL_CHECK(rank.is_number_integer() && rank.get<int64_t>() >= 0 && rank.get<int64_t>() <= 99999,
+               CorruptDataError, "{}: rank {} is not in 0..99999", what, rank.dump());
+  p.rank = int(rank.get<int64_t>());
+  TESSEL_CHECK(p.file == rank_file_name(p.rank), InvalidArgumentError,
+               "{} is for file '{}' but rank {}, whose file is {}", what, p.file, p.rank,
+               rank_file_name(p.rank));
+  p.save_id = detail::json_str(e, "save_id", what);
+  p.bytes = detail::json_u64(detail::json_field(e, "bytes", what), what + " bytes");
+  p.header_xxh3 = checksum_hex(detail::json_hash(e, "header_xxh3", what));
+  p.pieces = &detail::json_field(e, "pieces", what);
+  TESSEL_CHECK(p.pieces->is_array(), CorruptDataError, "{}: \"pieces\" is not a list", what);
+  return p;
+}
+
+// A tensor's shape in an entry: sizes whose product stays far from overflowing.
+Shape entry_shape(const json& v, const std::string& what) {
+  TESSEL_CHECK(v.is_array(), CorruptDataError, "{}: shape is not a list", what);
+  std::vector<int64_t> dims;
+  uint64_t numel = 1;
+  for (const auto& d : v) {
+    const uint64_t n = detail::json_u64(d, what + " shape");
+    TESSEL_CHECK(!__builtin_mul_overflow(numel, n, &numel) && numel < (uint64_t(1) << 60),
+                 CorruptDataError, "{}: shape {} is implausibly large", what, v.dump());
+    dims.push_back(int64_t(n));
+  }
+  return Shape(std::move(dims));
+}
+
+// The index of a save from the entries of its rank files, taken in rank order so that every host
+// builds the same bytes: checks that every rank 0..num_ranks-1 has exactly one entry and that the
+// pieces they list tile their tensors.
+json build_index(const std::string& dir, const std::string& save_id,
+                 const std::vector<json>& entries, int num_ranks) {
+  std::vector<std::optional<ParsedEntry>> by_rank(static_cast<size_t>(num_ranks));
+  for (size_t i = 0; i < entries.size(); ++i) {
+    ParsedEntry p = parse_entry(entries[i], i);
+    TESSEL_CHECK(p.rank < num_ranks, InvalidArgumentError,
+                 "cannot commit checkpoint '{}': an entry is for rank {} but the save has {} ranks",
+                 dir, p.rank, num_ranks);
+    TESSEL_CHECK(p.save_id == save_id, IoError,
+                 "cannot commit checkpoint '{}': the entry of {} belongs to save '{}', not to this "
+                 "save '{}'",
+                 dir, p.file, p.save_id, save_id);
+    TESSEL_CHECK(!by_rank[size_t(p.rank)], InvalidArgumentError,
+                 "cannot commit checkpoint '{}': two entries for {}", dir, p.file);
+    by_rank[size_t(p.rank)] = std::move(p);
+  }
+  for (int r = 0; r < num_ranks; ++r)
+    TESSEL_CHECK(by_rank[size_t(r)].has_value(), InvalidArgumentError,
+                 "cannot commit checkpoint '{}': no entry for rank {} ({}); every rank must have "
+                 "written its file",
+                 dir, r, rank_file_name(r));
+
+  struct TensorSeen {
     DType dtype;
     Shape shape;
     json pieces = json::array();
     std::vector<Box> boxes;
     std::string first_file;
   };
-  std::map<std::string, Entry> entries;
+  std::map<std::string, TensorSeen> tensors_seen;
   json files = json::object();
-  for (int r = 0; r < num_ranks; ++r) {
-    const auto name = rank_file_name(r);
-    const auto path = staging / name;
-    TESSEL_CHECK(fs::exists(path), IoError,
-                 "cannot commit checkpoint '{}': {} is missing from '{}'; every rank must finish "
-                 "write_rank_file() before one rank commits",
-                 dir, name, staging.string());
-    auto file = SafetensorsReader::open(path.string());
-    const auto& md = file.metadata();
-    auto fmt_it = md.find(kFormatKey), id_it = md.find(kSaveIdKey), pc_it = md.find(kPiecesKey);
-    TESSEL_CHECK(fmt_it != md.end() && fmt_it->second == kRankFileFormat && pc_it != md.end(),
-                 CorruptDataError, "'{}' is not a tessel rank file", path.string());
-    TESSEL_CHECK(id_it != md.end() && id_it->second == save_id, IoError,
-                 "'{}' belongs to save '{}', not to this save '{}'", path.string(),
-                 id_it == md.end() ? "?" : id_it->second, save_id);
-    json pieces;
+  for (const auto& entry : by_rank) {
+    const auto& name = entry->file;
+    const std::string what = fmt::format("checkpoint '{}': the entry of {}", dir, name);
     try {
-      pieces = json::parse(pc_it->second);
-    } catch (const json::exception& e) {
-      TESSEL_THROW(CorruptDataError, "'{}': piece list is not JSON: {}", path.string(), e.what());
-    }
-    try {
-      for (const auto& pc : pieces) {
-        const std::string what = fmt::format("'{}'", path.string());
+      for (const auto& pc : *entry->pieces) {
         const auto tname = detail::json_str(pc, "tensor", what);
         const auto in_file = detail::json_str(pc, "name", what);
-        const DType dtype = parse_dtype(detail::json_str(pc, "dtype", what));
-        Shape shape(detail::json_field(pc, "shape", what).get<std::vector<int64_t>>());
+        DType dtype = DType::f32;
+        try {
+          dtype = parse_dtype(detail::json_str(pc, "dtype", what));
+        } catch (const ConfigError& e) {
+          TESSEL_THROW(CorruptDataError, "{}: {}", what, e.what());
+        }
+        const Shape shape = entry_shape(detail::json_field(pc, "shape", what), what);
         Box box = detail::json_box(detail::json_field(pc, "box", what), what);
-        const auto* st = file.find(in_file);
-        TESSEL_CHECK(st && st->dtype == dtype && st->shape == box.shape(), CorruptDataError,
-                     "'{}' does not hold tensor '{}' as {} {}", path.string(), in_file,
-                     dtype_name(dtype), box.shape().str());
-        auto it = entries.try_emplace(tname, Entry{dtype, shape, json::array(), {}, name}).first;
-        auto& e = it->second;
-        TESSEL_CHECK(e.dtype == dtype && e.shape == shape, InvalidArgumentError,
-                     "tensor '{}' is {} {} in {} but {} {} in {}", tname, dtype_name(e.dtype),
-                     e.shape.str(), e.first_file, dtype_name(dtype), shape.str(), name);
+        // Inside the shape first: the volume of a box from the wire could overflow otherwise.
+        TESSEL_CHECK(box.rank() == shape.rank() && Box::of(shape).contains(box), CorruptDataError,
+                     "{}: piece '{}' {} lies outside the shape {}", what, in_file, box.str(),
+                     shape.str());
+        const uint64_t nbytes = detail::json_u64(detail::json_field(pc, "bytes", what), what);
+        TESSEL_CHECK(nbytes == uint64_t(box.volume()) * dtype_size(dtype), CorruptDataError,
+                     "{}: piece '{}' of {} {} holds {} bytes", what, in_file, dtype_name(dtype),
+                     box.str(), nbytes);
+        detail::json_hash(pc, "xxh3", what);
+        TESSEL_CHECK(detail::json_u64(detail::json_field(pc, "chunk_bytes", what), what) > 0,
+                     CorruptDataError, "{}: piece '{}' has chunk_bytes 0", what, in_file);
+        auto it = tensors_seen.try_emplace(tname, TensorSeen{dtype, shape, json::array(), {}, name})
+                      .first;
+        auto& t = it->second;
+        TESSEL_CHECK(t.dtype == dtype && t.shape == shape, InvalidArgumentError,
+                     "tensor '{}' is {} {} in {} but {} {} in {}", tname, dtype_name(t.dtype),
+                     t.shape.str(), t.first_file, dtype_name(dtype), shape.str(), name);
         json piece = {{"file", name},          {"tensor", in_file},
                       {"box", pc.at("box")},   {"bytes", pc.at("bytes")},
                       {"xxh3", pc.at("xxh3")}, {"chunk_bytes", pc.at("chunk_bytes")}};
         if (pc.contains("chunks")) piece["chunks"] = pc.at("chunks");
-        e.pieces.push_back(std::move(piece));
-        e.boxes.push_back(std::move(box));
+        t.pieces.push_back(std::move(piece));
+        t.boxes.push_back(std::move(box));
       }
     } catch (const json::exception& e) {
-      TESSEL_THROW(CorruptDataError, "'{}': bad piece list: {}", path.string(), e.what());
+      TESSEL_THROW(CorruptDataError, "{}: bad piece list: {}", what, e.what());
     }
-    files[name] = {{"bytes", file.file_size()}, {"header_xxh3", checksum_hex(file.header_xxh3())}};
+    files[name] = {{"bytes", entry->bytes}, {"header_xxh3", entry->header_xxh3}};
   }
   json tensors = json::object();
-  for (auto& [name, e] : entries) {
-    const auto problem = detail::tiling_problem(e.shape, e.boxes);
+  for (auto& [name, t] : tensors_seen) {
+    const auto problem = detail::tiling_problem(t.shape, t.boxes);
     TESSEL_CHECK(problem.empty(), InvalidArgumentError,
                  "cannot commit checkpoint '{}': tensor '{}' {} is not covered exactly once: {}",
-                 dir, name, e.shape.str(), problem);
-    tensors[name] = {{"dtype", std::string(dtype_name(e.dtype))},
-                     {"shape", e.shape.dims()},
-                     {"pieces", std::move(e.pieces)}};
+                 dir, name, t.shape.str(), problem);
+    tensors[name] = {{"dtype", std::string(dtype_name(t.dtype))},
+                     {"shape", t.shape.dims()},
+                     {"pieces", std::move(t.pieces)}};
   }
   return {{"format", std::string(detail::kIndexFormat)},
           {"version", kCheckpointVersion},
           {"files", std::move(files)},
           {"tensors", std::move(tensors)}};
+}
+
+// Each rank file the staging directory holds must be the file its entry describes: it is about
+// to be published under the index built from the entries.
+void check_held_files(const fs::path& staging, const std::string& save_id,
+                      const std::vector<json>& entries) {
+  for (const auto& e : entries) {
+    const auto name = e.at("file").get<std::string>();
+    const auto path = staging / name;
+    std::error_code ec;
+    if (!fs::exists(path, ec)) continue;
+    const json held = read_rank_file_entry(path.string(), save_id);
+    TESSEL_CHECK(held.at("bytes") == e.at("bytes"), CorruptDataError,
+                 "'{}' has {} bytes but its entry records {}; the file is not the one committed",
+                 path.string(), held.at("bytes").dump(), e.at("bytes").dump());
+    TESSEL_CHECK(held.at("header_xxh3") == e.at("header_xxh3"), CorruptDataError,
+                 "the header of '{}' has checksum {} but its entry records {}; the file is not "
+                 "the one committed",
+                 path.string(), held.at("header_xxh3").dump(), e.at("header_xxh3").dump());
+    TESSEL_CHECK(held.at("pieces") == e.at("pieces"), CorruptDataError,
+                 "the piece list of '{}' differs from its entry", path.string());
+  }
 }
 
 // Makes `staging` the directory `dir` in one atomic step (see the header) and returns where the
@@ -312,7 +394,10 @@ std::string CheckpointWriter::write_rank_file() {
                                                  {kSaveIdKey, options_.save_id},
                                                  {kPiecesKey, pieces.dump()}};
   const std::string path = (fs::path(staging_) / rank_file_name(rank_)).string();
+  entry_ = nullptr;
   write_safetensors(path, tensors, metadata);
+  // From the file as written, so that the entry and the file cannot disagree.
+  entry_ = read_rank_file_entry(path, options_.save_id);
   stage("rank_file");
   return path;
 }
@@ -327,20 +412,105 @@ bool CheckpointWriter::mark_failed() noexcept {
   return true;
 }
 
+const nlohmann::json& CheckpointWriter::rank_file_entry() const {
+  TESSEL_CHECK(!entry_.is_null(), InvalidArgumentError,
+               "rank {} of checkpoint '{}' has no rank file entry before write_rank_file()", rank_,
+               dir_);
+  return entry_;
+}
+
 void CheckpointWriter::commit(int num_ranks, const nlohmann::json& meta) {
   TESSEL_CHECK(num_ranks >= 1, InvalidArgumentError, "commit needs num_ranks >= 1, got {}",
                num_ranks);
+  std::vector<json> entries;
+  for (int r = 0; r < num_ranks; ++r) {
+    const auto name = rank_file_name(r);
+    const auto path = fs::path(staging_) / name;
+    TESSEL_CHECK(fs::exists(path), IoError,
+                 "cannot commit checkpoint '{}': {} is missing from '{}'; every rank must finish "
+                 "write_rank_file() before one rank commits",
+                 dir_, name, staging_);
+    entries.push_back(read_rank_file_entry(path.string(), options_.save_id));
+  }
+  commit_checkpoint(dir_, options_.save_id, entries, meta, num_ranks, options_.on_stage);
+}
+
+json read_rank_file_entry(const std::string& path, const std::string& save_id) {
+  const auto name = fs::path(path).filename().string();
+  auto file = SafetensorsReader::open(path);
+  const auto& md = file.metadata();
+  auto fmt_it = md.find(kFormatKey), id_it = md.find(kSaveIdKey), pc_it = md.find(kPiecesKey);
+  TESSEL_CHECK(fmt_it != md.end() && fmt_it->second == kRankFileFormat && pc_it != md.end(),
+               CorruptDataError, "'{}' is not a tessel rank file", path);
+  TESSEL_CHECK(id_it != md.end() && id_it->second == save_id, IoError,
+               "'{}' belongs to save '{}', not to this save '{}'", path,
+               id_it == md.end() ? "?" : id_it->second, save_id);
+  const auto rank = rank_of_file_name(name);
+  TESSEL_CHECK(rank.has_value(), InvalidArgumentError, "'{}' is not named as a rank file ({})",
+               path, rank_file_name(0));
+  json pieces;
+  try {
+    pieces = json::parse(pc_it->second);
+  } catch (const json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "'{}': piece list is not JSON: {}", path, e.what());
+  }
+  TESSEL_CHECK(pieces.is_array(), CorruptDataError, "'{}': piece list is not a list", path);
+  const std::string what = fmt::format("'{}'", path);
+  try {
+    for (const auto& pc : pieces) {
+      const auto in_file = detail::json_str(pc, "name", what);
+      DType dtype = DType::f32;
+      try {
+        dtype = parse_dtype(detail::json_str(pc, "dtype", what));
+      } catch (const ConfigError& e) {
+        TESSEL_THROW(CorruptDataError, "{}: {}", what, e.what());
+      }
+      Box box = detail::json_box(detail::json_field(pc, "box", what), what);
+      const auto* st = file.find(in_file);
+      TESSEL_CHECK(st && st->dtype == dtype && st->shape == box.shape(), CorruptDataError,
+                   "'{}' does not hold tensor '{}' as {} {}", path, in_file, dtype_name(dtype),
+                   box.shape().str());
+    }
+  } catch (const json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "'{}': bad piece list: {}", path, e.what());
+  }
+  return {{"file", name},
+          {"rank", *rank},
+          {"save_id", save_id},
+          {"bytes", file.file_size()},
+          {"header_xxh3", checksum_hex(file.header_xxh3())},
+          {"pieces", std::move(pieces)}};
+}
+
+void commit_checkpoint(const std::string& dir_in, const std::string& save_id,
+                       const std::vector<nlohmann::json>& entries, const nlohmann::json& meta,
+                       int num_ranks, const std::function<void(std::string_view)>& on_stage) {
+  const std::string dir = detail::normalize_dir(dir_in);
+  TESSEL_CHECK(num_ranks >= 1 && num_ranks <= 100000, InvalidArgumentError,
+               "commit needs num_ranks in 1..100000, got {}", num_ranks);
+  TESSEL_CHECK(valid_save_id(save_id), InvalidArgumentError,
+               "save id '{}' may hold only letters, digits, '-' and '_'", save_id);
   TESSEL_CHECK(meta.is_object() || meta.is_null(), InvalidArgumentError,
                "checkpoint meta must be a JSON object");
-  check_replaceable(dir_);
-  const json index = build_index(dir_, staging_, options_.save_id, num_ranks);
+  auto stage = [&](std::string_view s) {
+    if (on_stage) on_stage(s);
+  };
+  check_replaceable(dir);
+  const json index = build_index(dir, save_id, entries, num_ranks);
+  const std::string staging = staging_dir_for(dir, save_id);
+  std::error_code ec;
+  fs::create_directories(staging, ec);
+  TESSEL_CHECK(fs::is_directory(staging), IoError,
+               "cannot create checkpoint staging directory '{}': {}", staging, ec.message());
+  check_held_files(staging, save_id, entries);
+
   const std::string index_text = index.dump();
-  write_json_file(fs::path(staging_) / "index.json", index_text);
+  write_json_file(fs::path(staging) / "index.json", index_text);
   stage("index");
 
   json manifest = {{"format", std::string(kCheckpointFormat)},
                    {"version", kCheckpointVersion},
-                   {"save_id", options_.save_id},
+                   {"save_id", save_id},
                    {"rank_files", num_ranks},
                    {"index",
                     {{"file", "index.json"},
@@ -348,10 +518,10 @@ void CheckpointWriter::commit(int num_ranks, const nlohmann::json& meta) {
                      {"xxh3", checksum_hex(xxh3(index_text.data(), index_text.size()))}}},
                    {"meta", meta.is_null() ? json::object() : meta}};
   manifest["checksum"] = checksum_hex(detail::manifest_checksum(manifest));
-  write_json_file(fs::path(staging_) / "manifest.json", manifest.dump(2) + "\n");
+  write_json_file(fs::path(staging) / "manifest.json", manifest.dump(2) + "\n");
   stage("manifest");
 
-  const fs::path old = publish(staging_, dir_, options_.save_id);
+  const fs::path old = publish(staging, dir, save_id);
   stage("publish");
   if (!old.empty()) remove_old_checkpoint(old);
 }

@@ -26,6 +26,9 @@
 //
 // Binds 127.0.0.1 unless told otherwise; any other address needs a token file, and every request
 // must then carry "Authorization: Bearer <token>" (docs/security.md).
+//
+// CheckpointRootServer (checkpoint_root_server.h) serves every checkpoint under a directory the
+// same way (http_endpoint.h holds what the two share), for hosts reading each other's pieces.
 #pragma once
 
 #include <cstdint>

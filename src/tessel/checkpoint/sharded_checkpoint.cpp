@@ -172,7 +172,10 @@ void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& 
 void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nlohmann::json& meta,
                         const std::string& dir, int keep) {
   writer.commit(num_ranks, meta);
-  const std::string name = fs::path(writer.dir()).filename().string();
+  point_latest_and_prune(dir, fs::path(writer.dir()).filename().string(), keep);
+}
+
+void point_latest_and_prune(const std::string& dir, const std::string& name, int keep) {
   { write_file_atomically((fs::path(dir) / "latest").string(), name + "\n"); }
   // Keep the newest `keep` step directories.
   const auto steps = step_dir_names(dir);
@@ -346,7 +349,8 @@ void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const s
 }
 
 void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,
-                     int rank, const std::vector<std::span<float>>& buffers) {
+                     int rank, const std::vector<std::span<float>>& buffers,
+                     const store::PieceFetcher& fetch) {
   layout.fill(
       rank,
       [&](const model::ParamSpec& p, layout::StateKind kind, const Box& box, float* out) {
@@ -359,7 +363,7 @@ void load_rank_state(const store::CheckpointReader& reader, const layout::StateL
         TESSEL_CHECK(t->shape == p.shape && t->dtype == DType::f32, CorruptDataError,
                      "checkpoint {}: tensor '{}' is {} {} but this model needs f32 {}",
                      reader.dir(), name, dtype_name(t->dtype), t->shape.str(), p.shape.str());
-        reader.read_box(name, box, out);
+        reader.read_box(name, box, out, fetch);
       },
       buffers);
 }

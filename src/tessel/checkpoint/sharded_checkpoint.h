@@ -93,6 +93,11 @@ void add_rank_state(store::CheckpointWriter& writer, const layout::StateLayout& 
 void publish_checkpoint(store::CheckpointWriter& writer, int num_ranks, const nlohmann::json& meta,
                         const std::string& dir, int keep);
 
+// What publish_checkpoint does after the commit: points dir/latest at step directory `name` and
+// keeps the newest `keep` (and the set-aside damaged ones younger than every kept one). Also for
+// a checkpoint committed by other means (a cluster's hosts, elastic/cluster_checkpoints.h).
+void point_latest_and_prune(const std::string& dir, const std::string& name, int keep);
+
 // The manifest's "meta" of a checkpoint of `cfg`'s model trained under `plan` at `step` (data
 // cursor `cursor`).
 nlohmann::json checkpoint_meta(const config::TrainConfig& cfg, const layout::Plan& plan,
@@ -107,7 +112,10 @@ void check_resumable(const config::TrainConfig& cfg, const nlohmann::json& meta,
 // Fills rank `rank`'s buffers (layout order) from a checkpoint saved under any plan of the same
 // model. Throws CorruptDataError naming the tensor (and file) when a piece is missing, damaged or
 // of another shape.
+// With `fetch`, pieces of rank files this host does not hold (a reader opened with
+// allow_missing_files) are read through it: from other hosts (store/remote_pieces.h).
 void load_rank_state(const store::CheckpointReader& reader, const layout::StateLayout& layout,
-                     int rank, const std::vector<std::span<float>>& buffers);
+                     int rank, const std::vector<std::span<float>>& buffers,
+                     const store::PieceFetcher& fetch = {});
 
 }  // namespace tessel::checkpoint

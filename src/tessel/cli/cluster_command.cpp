@@ -50,6 +50,9 @@ void add_agent_command(CLI::App& app, const std::string& log_level, std::functio
                   "the cluster's secret, the same file on every host and for `tessel train "
                   "--cluster` (only its owner may read it)")
       ->envname(elastic::kClusterTokenEnv);
+  cmd->add_option("--checkpoint-dir", v->o.checkpoint_dir,
+                  "where this host keeps its share of a job's checkpoints (default: the job's "
+                  "checkpoint.dir, on this host's disk)");
   cmd->add_option("--lease-ttl", v->lease_ttl_s,
                   "seconds without a renewal after which this host counts as lost")
       ->check(CLI::Range(0.5, 600.0))

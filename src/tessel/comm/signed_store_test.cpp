@@ -128,7 +128,7 @@ TEST(SignedStore, AValueOfAnotherSecretIsRefusedByGetAndSkippedByListAndWatch) {
 
 TEST(SignedStore, AnUnsignedValueIsRefusedInItsOwnWords) {
   Stores s;
-  s.raw->set("/tessel/j1/decisions/generation", "7");
+  s.raw->set("/tessel/j1/decisions/generation", "{\"generation\": 7}");
   const std::string what = refusal_of(s.member, "/tessel/j1/decisions/generation");
   EXPECT_TRUE(contains(what, "'/tessel/j1/decisions/generation'")) << what;
   EXPECT_TRUE(contains(what, "without a signature")) << what;
@@ -182,6 +182,12 @@ TEST(SignedStore, CountersPassThroughUnsigned) {
   EXPECT_EQ(s.raw->get("/tessel/clusters/c/next-host")->value, "3");
   // Unsigned, so get() refuses it like any unsigned value.
   EXPECT_THROW(s.member.get("/tessel/clusters/c/next-host"), MembershipError);
+  // Listed with its neighbours, a counter is left out without a report: it is not foreign.
+  s.member.set("/tessel/clusters/c/members", "m");
+  const auto listed = s.member.list("/tessel/clusters/c/");
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].key, "/tessel/clusters/c/members");
+  EXPECT_EQ(s.skipped.count("/tessel/clusters/c/next-host"), 0u);
   // A signed value is no counter.
   s.member.set("/tessel/j1/text", "hello");
   EXPECT_THROW(s.member.add("/tessel/j1/text", 1), CorruptDataError);

@@ -221,6 +221,7 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   ck.read("every", c.checkpoint.every);
   ck.read("resume", c.checkpoint.resume);
   ck.read("keep", c.checkpoint.keep);
+  ck.read("copies", c.checkpoint.copies);
   ck.read("async", c.checkpoint.async);
   ck.read_choice("on_error", c.checkpoint.on_error, {"continue", "stop"});
   ck.reject_unknown_keys();
@@ -342,6 +343,10 @@ void TrainConfig::validate() const {
                "{}: 'optimizer.eps' must be > 0 and 'optimizer.weight_decay' >= 0", f);
   TESSEL_CHECK(checkpoint.every >= 0 && checkpoint.keep >= 1, ConfigError,
                "{}: 'checkpoint.every' must be >= 0 and 'checkpoint.keep' >= 1", f);
+  TESSEL_CHECK(checkpoint.copies == 1 || checkpoint.copies == 2, ConfigError,
+               "{}: 'checkpoint.copies' is {}: 1 (each host's own disk) or 2 (and a copy on "
+               "another host)",
+               f, checkpoint.copies);
   validate_plan(checked_world(plan, f, "parallel"));
 }
 

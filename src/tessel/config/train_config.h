@@ -5,7 +5,7 @@
 //   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
 //                log_every, backend, gemm, huge_pages, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
-//   checkpoint: {dir, every, resume, keep, async, on_error}
+//   checkpoint: {dir, every, resume, keep, copies, async, on_error}
 //   output:     {metrics, events, data_order, rank_params}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
@@ -98,6 +98,9 @@ struct CheckpointConfig {
   int64_t every = 0;   // steps; 0 = only at the end
   bool resume = true;  // continue from the latest checkpoint in dir when there is one
   int keep = 2;        // newest checkpoints kept
+  // A cluster job (elastic/cluster_checkpoints.h): each host keeps its ranks' files on its own
+  // disk, and with 2 a second copy of each on another host, so losing one host loses nothing.
+  int copies = 2;
   // Multi-worker runs: snapshot the state into host memory at the step boundary and write it in
   // a background thread while training continues (rank 0 publishes the checkpoint once every
   // rank's file is in place). The run's end waits for the last one.

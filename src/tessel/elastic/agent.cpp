@@ -24,6 +24,7 @@
 #include "tessel/core/clock.h"
 #include "tessel/core/log.h"
 #include "tessel/elastic/cluster.h"
+#include "tessel/elastic/cluster_checkpoints.h"
 #include "tessel/elastic/cluster_coordinator.h"
 #include "tessel/elastic/heartbeat.h"
 #include "tessel/elastic/reconfiguration.h"
@@ -172,6 +173,10 @@ class Agent {
     JobSubmission sub;
     std::optional<config::TrainConfig> cfg;
     std::set<int> started;  // processes this agent started (or found ended) for it
+    // This host's share of the job's checkpoints (none without checkpoint.dir); declared before
+    // the coordinator, which asks it, so it outlives it.
+    std::unique_ptr<CheckpointKeeper> keeper;
+    std::string checkpoint_root;  // the job's checkpoint directory on this host
     std::unique_ptr<ClusterCoordinator> coordinator;
     bool done = false;
   };
@@ -289,6 +294,7 @@ class Agent {
       } catch (const Error& e) {
         spdlog::error("agent: job {}: its config does not load here: {}", sub->job, e.what());
       }
+      if (job_->cfg && !job_->cfg->checkpoint.dir.empty()) keep_checkpoints(*job_);
       spdlog::info("agent: job {} ({})", sub->job, sub->config_path);
     }
     auto& job = *job_;
@@ -310,6 +316,31 @@ class Agent {
     kill_fenced(job);
   }
 
+  // Serves the job's checkpoint directory on this host, keeps the copies asked of it and
+  // publishes what is committed (cluster_checkpoints.h). A failure here is the job's: its saves
+  // cannot complete without this host, so it is said at once.
+  void keep_checkpoints(Job& job) {
+    ClusterCheckpointsConfig c;
+    c.cluster = o_.cluster;
+    c.job = job.sub.job;
+    c.checkpoint_dir = job.cfg->checkpoint.dir;
+    c.root = o_.checkpoint_dir.empty() ? job.cfg->checkpoint.dir
+                                       : fs::absolute(o_.checkpoint_dir).string();
+    c.keep = job.cfg->checkpoint.keep;
+    c.copies = job.cfg->checkpoint.copies;
+    c.secret = secret_;
+    c.timeout = std::chrono::milliseconds(int64_t(job.cfg->comm_timeout_s * 1000));
+    job.checkpoint_root = c.root;
+    try {
+      job.keeper = std::make_unique<CheckpointKeeper>(
+          open_cluster_store(o_.store, std::chrono::seconds(10), secret_, o_.cluster), c, host_,
+          o_.address, fs::absolute(o_.token_file).string(), beat_->lease());
+    } catch (const Error& e) {
+      spdlog::error("agent: job {}: cannot keep its checkpoints in {}: {}", job.sub.job, c.root,
+                    e.what());
+    }
+  }
+
   void end_job() {
     for (auto& [id, w] : workers_)
       if (w.job == job_->sub.job) supervisor_.kill(id);
@@ -328,8 +359,10 @@ class Agent {
     if (job.coordinator || kv || !job.cfg) return;
     if (!store_->compare_and_set(key, 0, std::to_string(host_), beat_->lease())) return;
     spdlog::info("agent: host {} coordinates job {}", host_, job.sub.job);
-    job.coordinator =
-        std::make_unique<ClusterCoordinator>(*job.cfg, store_, o_.cluster, job.sub.job);
+    ClusterCoordinator::CheckpointFinder newest;
+    if (job.keeper) newest = [keeper = job.keeper.get()] { return keeper->newest(); };
+    job.coordinator = std::make_unique<ClusterCoordinator>(*job.cfg, store_, o_.cluster,
+                                                           job.sub.job, std::move(newest));
   }
 
   void start_placed(Job& job) {
@@ -372,7 +405,9 @@ class Agent {
              {"TESSEL_GENERATION", "0"},
              {"TESSEL_RESUME_FROM", start.resume_from},
              {"TESSEL_HOST_ADDRESS", o_.address},
-             {kClusterTokenEnv, fs::absolute(o_.token_file).string()}};
+             {kClusterTokenEnv, fs::absolute(o_.token_file).string()},
+             {"TESSEL_HOST_ID", std::to_string(host_)},
+             {"TESSEL_CHECKPOINT_DIR", job.checkpoint_root}};
     // The host's cores shared by its slots, unless the agent's environment says otherwise.
     if (std::getenv("OMP_NUM_THREADS") == nullptr)
       w.env["OMP_NUM_THREADS"] = std::to_string(process::default_omp_threads(o_.slots));

@@ -37,6 +37,9 @@ struct AgentOptions {
   std::string log_level = "info";
   // The cluster's token file (cluster.h: "Only members take part"); required.
   std::string token_file;
+  // Where this host keeps its share of a job's checkpoints (cluster_checkpoints.h); empty: the
+  // job's checkpoint.dir, on this host.
+  std::string checkpoint_dir;
 };
 
 // The IPv4 address of a network interface; ConfigError naming it when it has none.

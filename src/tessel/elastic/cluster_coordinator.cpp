@@ -13,14 +13,33 @@ namespace tessel::elastic {
 
 ClusterCoordinator::ClusterCoordinator(config::TrainConfig cfg,
                                        std::shared_ptr<comm::ControlStore> store,
-                                       std::string cluster, std::string job)
+                                       std::string cluster, std::string job,
+                                       CheckpointFinder newest_checkpoint)
     : cfg_(std::move(cfg)),
       store_(std::move(store)),
       cluster_(std::move(cluster)),
-      job_(std::move(job)) {}
+      job_(std::move(job)),
+      newest_checkpoint_(std::move(newest_checkpoint)) {}
+
+// A cluster's checkpoints are on its hosts' disks, committed in etcd: the newest committed is
+// the one to resume from (this host's copy of its step directory; every host has one).
+std::optional<checkpoint::ResumePoint> ClusterCoordinator::resume_point() {
+  if (!newest_checkpoint_ || !cfg_.checkpoint.resume) return std::nullopt;
+  const auto newest = newest_checkpoint_();
+  if (!newest) return std::nullopt;
+  return checkpoint::ResumePoint{newest->first, newest->second};
+}
+
+void ClusterCoordinator::use_cluster_checkpoints() {
+  if (!newest_checkpoint_) return;
+  decider_->set_checkpoint_finder([find = newest_checkpoint_]() -> std::optional<std::string> {
+    if (const auto n = find()) return n->first;
+    return std::nullopt;
+  });
+}
 
 bool ClusterCoordinator::start_first_world(const std::vector<Host>& hosts) {
-  const auto resume = checkpoint::find_resume_point(cfg_);
+  const auto resume = resume_point();
   const int64_t step = resume ? resume->step : 0;
   const int wanted = cfg_.plan_at(step).world();
   int slots = 0;
@@ -33,6 +52,7 @@ bool ClusterCoordinator::start_first_world(const std::vector<Host>& hosts) {
     return false;
   }
   decider_ = std::make_unique<Decider>(cfg_, store_, job_, wanted, step, hosts);
+  use_cluster_checkpoints();
   StartRecord start;
   start.plan = cfg_.plan_at(step);
   start.step = step;
@@ -78,6 +98,7 @@ void ClusterCoordinator::take_over(const StartRecord& start, const std::vector<H
   for (const auto& kv : store_->list(fence_prefix(job_)))
     if (const int p = key_number(fence_prefix(job_), kv.key); p >= 0) fenced_.insert(p);
   decider_ = std::make_unique<Decider>(cfg_, store_, job_, h, hosts);
+  use_cluster_checkpoints();
 }
 
 std::optional<JobEnd> ClusterCoordinator::tick() {

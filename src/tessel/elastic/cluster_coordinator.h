@@ -19,11 +19,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/comm/control_store.h"
 #include "tessel/config/train_config.h"
 #include "tessel/elastic/cluster.h"
@@ -33,8 +35,13 @@ namespace tessel::elastic {
 
 class ClusterCoordinator {
  public:
+  // The newest committed checkpoint of the job, published on this host: its directory and
+  // step (cluster_checkpoints.h's CheckpointKeeper::newest).
+  using CheckpointFinder = std::function<std::optional<std::pair<std::string, int64_t>>()>;
+
+  // Without `newest_checkpoint` (no checkpoint.dir), the job never resumes nor rolls back.
   ClusterCoordinator(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
-                     std::string cluster, std::string job);
+                     std::string cluster, std::string job, CheckpointFinder newest_checkpoint = {});
 
   // One round: reads the hosts, the exits, a stop request and the workers' reports, makes the
   // decisions due and writes their placements and fences. Returns the job's end once it is over
@@ -46,6 +53,8 @@ class ClusterCoordinator {
 
  private:
   bool start_first_world(const std::vector<Host>& hosts);
+  std::optional<checkpoint::ResumePoint> resume_point();
+  void use_cluster_checkpoints();
   void take_over(const StartRecord& start, const std::vector<Host>& hosts);
   void place(const std::vector<Decider::Start>& starts);
   std::optional<JobEnd> finish(JobEnd end);
@@ -53,6 +62,7 @@ class ClusterCoordinator {
   config::TrainConfig cfg_;
   std::shared_ptr<comm::ControlStore> store_;
   std::string cluster_, job_;
+  CheckpointFinder newest_checkpoint_;
   std::unique_ptr<Decider> decider_;
   std::set<int> exits_seen_;
   std::set<int> fenced_;

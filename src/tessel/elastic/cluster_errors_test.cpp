@@ -162,10 +162,12 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
     agents.push_back(std::make_unique<Background>(
         fmt::format("LD_PRELOAD={} TESSEL_FAKE_CLOCK_FILE={} "
                     "ASAN_OPTIONS={}verify_asan_link_order=0 OMP_NUM_THREADS=1 {} agent --store {} "
-                    "--slots 1 --lease-ttl 1 --name a{} --work-dir {} --token-file {}",
+                    "--slots 1 --lease-ttl 1 --name a{} --work-dir {} --token-file {} "
+                    "--checkpoint-dir {}",
                     fake_clock.string(), clock_file(i).string(),
                     asan ? std::string(asan) + ":" : std::string(), tessel(), etcd.endpoint(), i,
-                    (dir / fmt::format("agent{}", i)).string(), token),
+                    (dir / fmt::format("agent{}", i)).string(), token,
+                    (dir / fmt::format("ck-a{}", i)).string()),
         dir / fmt::format("agent{}.log", i)));
     ASSERT_TRUE(
         wait_until([&] { return agent_log(i).find("joined cluster") != std::string::npos; }, 30s))
@@ -296,7 +298,11 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
   EXPECT_EQ(job.wait(120s), 128 + SIGTERM) << logs();
   EXPECT_NE(read_text(dir / "train.out").find("run the same command to resume"), std::string::npos)
       << logs();
-  EXPECT_TRUE(checkpoint::newest_intact_checkpoint((dir / "ck").string()).has_value());
+  // Each host's own disk holds the save: its rank file and a copy of the other's (two hosts).
+  for (int i : {0, 1})
+    EXPECT_TRUE(
+        checkpoint::newest_intact_checkpoint((dir / fmt::format("ck-a{}", i)).string()).has_value())
+        << logs();
   auto count = [](const std::string& text, const std::string& what) {
     size_t n = 0;
     for (size_t at = 0; (at = text.find(what, at)) != std::string::npos; ++at) ++n;

@@ -79,6 +79,15 @@ struct Cluster {
     return templ;
   }
 
+  // Each host's own disk, for the job's checkpoints.
+  std::filesystem::path checkpoint_dir(int host) const {
+    return dir.path() / fmt::format("ck-h{}", host);
+  }
+  std::vector<std::filesystem::path> checkpoint_dirs() const {
+    std::vector<std::filesystem::path> out;
+    for (int h = 1; h < net.hosts(); ++h) out.push_back(checkpoint_dir(h));
+    return out;
+  }
   std::filesystem::path agent_log(int host) const {
     return dir.path() / fmt::format("agent-h{}.log", host);
   }
@@ -88,6 +97,7 @@ struct Cluster {
         {tessel::testing::tessel_binary().string(), "agent", "--store", etcd.endpoint(), "--iface",
          net.iface(host), "--slots", "1", "--name", fmt::format("h{}", host), "--work-dir",
          (dir.path() / fmt::format("work-h{}", host)).string(), "--token-file", token,
+         "--checkpoint-dir", checkpoint_dir(host).string(),
          // Generous for a machine running the whole suite: a starved renewal must not make a
          // healthy host count as lost (detection speed is the benchmark's, not this test's).
          "--lease-ttl", "3"},
@@ -213,8 +223,79 @@ TEST(Cluster, HostsJoinDieAreCutOffAndTheCoordinatorMoves) {
       EXPECT_LE(e.at("steps_lost").get<int64_t>(), 1) << e.dump();
     }
   }
-  // At most one step unlogged per failure (its loss was being reduced when the host went).
+  // At most one step unlogged per failure (its loss was being reduced when the host went). While
+  // one host ran the job alone (the third phase), its checkpoints had no second copy.
+  ASSERT_TRUE(wait_for(
+      [&] {
+        for (const auto& d : c.checkpoint_dirs())
+          if (std::filesystem::exists(d / checkpoint::checkpoint_step_name(job.steps) /
+                                      "manifest.json"))
+            return true;
+        return false;
+      },
+      30s, "the last checkpoint published on a host", context));
+  gather_host_checkpoints(c.checkpoint_dirs(), dir / "ck", 1);
   expect_like_one_process(dir, corpus, job, 3);
+}
+
+// State that no survivor holds comes back from the checkpoints on the hosts' own disks: a
+// pipeline of two stages on h1 and h2 (h3 idle) saves every step, each rank file on its own host
+// and copied to the previous host (h1's to h3, h2's to h1). h1 is killed whole: its stage has no
+// other copy in memory, so the job rolls back to the newest checkpoint, on h2 and h3, and one of
+// them reads what it needs of the rank file it does not hold from the other host's tensor store.
+TEST(Cluster, StateNoSurvivorHoldsIsReadBackFromAnotherHostsDisk) {
+  if (const auto why = tessel::testing::netns_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (const auto why = tessel::testing::etcd_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  const auto corpus = config::testing::make_corpus(dir);
+  const Job job{40};
+  const auto cfg = config::testing::write_config(
+      dir, corpus,
+      job.config() +
+          "parallel: {pp: 2, timeout_s: 20}\n"
+          "elastic: {heartbeat_timeout_s: 4, grow_to_slots: false}\n");
+  Cluster c(dir, 4);
+  auto context = [&] { return c.logs(); };
+  // One after the other, so that host ids follow the namespaces.
+  for (int h : {1, 2, 3}) {
+    c.start_agent(h);
+    ASSERT_TRUE(wait_for([&] { return c.host_id(h) >= 0; }, 30s, "an agent to join", context));
+  }
+  ASSERT_LT(c.host_id(1), c.host_id(2));
+  ASSERT_LT(c.host_id(2), c.host_id(3));
+  const pid_t train = c.net.spawn(0,
+                                  {tessel::testing::tessel_binary().string(), "train", cfg,
+                                   "--cluster", c.etcd.endpoint(), "--token-file", c.token},
+                                  {}, dir / "train.out");
+  const auto metrics = dir / "metrics.jsonl";
+  const auto events = dir / "events.jsonl";
+  ASSERT_TRUE(wait_for([&] { return count_lines(metrics) >= 10; }, 60s, "10 steps", context));
+  c.net.kill_host(1);
+  ASSERT_TRUE(wait_for([&] { return std::filesystem::exists(events) && count_lines(events) >= 1; },
+                       60s, "the recovery from the killed host", context));
+  const auto recovered = read_lines(events).back();
+  EXPECT_EQ(recovered.at("event"), "recover") << recovered.dump();
+  EXPECT_NE(recovered.at("restored_from"), "survivors") << recovered.dump();
+  EXPECT_LE(recovered.at("steps_lost").get<int64_t>(), 1) << recovered.dump();
+  ASSERT_EQ(c.net.wait(train, 300s), 0) << context();
+
+  // Some rank read part of its state from the other host.
+  std::string worker_logs;
+  for (int h : {2, 3})
+    for (const auto& f :
+         std::filesystem::directory_iterator(dir.path() / fmt::format("work-h{}", h)))
+      worker_logs += read_text(f.path());
+  EXPECT_NE(worker_logs.find("read from other hosts"), std::string::npos) << worker_logs;
+  // Every checkpoint had each rank file on two hosts (three, then two, served the job). The
+  // agents publish the last one on their disks as they see its commit.
+  ASSERT_TRUE(wait_for(
+      [&] {
+        return std::filesystem::exists(
+            c.checkpoint_dir(2) / checkpoint::checkpoint_step_name(job.steps) / "manifest.json");
+      },
+      30s, "the last checkpoint published on h2", context));
+  gather_host_checkpoints(c.checkpoint_dirs(), dir / "ck", 2);
+  expect_like_one_process(dir, corpus, job, 1);
 }
 
 }  // namespace

@@ -542,7 +542,9 @@ std::vector<Decider::Start> Decider::recover() {
   in.next_process_id = next_process_id_;
   in.replace_failed = cfg_.replace_failed;
   in.max_workers = capacity();
-  if (!cfg_.checkpoint.dir.empty())
+  if (find_checkpoint_)
+    in.find_checkpoint = find_checkpoint_;
+  else if (!cfg_.checkpoint.dir.empty())
     in.find_checkpoint = [dir = cfg_.checkpoint.dir] {
       return checkpoint::newest_intact_checkpoint(dir);
     };

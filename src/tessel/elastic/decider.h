@@ -33,6 +33,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -58,6 +59,12 @@ struct Host {
 class Decider {
  public:
   using Clock = std::chrono::steady_clock;
+
+  // Where a recovery that no survivor can serve finds the newest checkpoint: by default the
+  // newest intact one in checkpoint.dir; a cluster's from its hosts (cluster_checkpoints.h).
+  void set_checkpoint_finder(std::function<std::optional<std::string>()> find) {
+    find_checkpoint_ = std::move(find);
+  }
 
   // A process to start on `host`, for the switch to `generation` (TESSEL_JOIN_GENERATION; 0: the
   // job's first world).
@@ -157,6 +164,7 @@ class Decider {
   void skip_timeline_through(int64_t step);
 
   config::TrainConfig cfg_;
+  std::function<std::optional<std::string>()> find_checkpoint_;
   std::shared_ptr<comm::ControlStore> store_;
   std::string job_;
   int64_t generation_revision_ = 0;  // of decisions/generation as this decider last wrote it

@@ -40,6 +40,62 @@ inline std::string read_text(const std::filesystem::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
+// A cluster job's checkpoints as the test reads them: each host (its agent's --checkpoint-dir,
+// `hosts`) holds its ranks' files and a copy of another host's, never all of them. Gathers every
+// step directory published on any host into `into` (the union of their rank files; the index
+// and manifest are the same on every host), points its `latest` at the newest, and checks what
+// the copies are for: every rank file is on `copies` hosts (2 while two hosts served the job:
+// the others then still hold every file when any one host is lost).
+inline void gather_host_checkpoints(const std::vector<std::filesystem::path>& hosts,
+                                    const std::filesystem::path& into, size_t copies) {
+  namespace fs = std::filesystem;
+  std::map<std::string, std::map<std::string, std::set<size_t>>> held;  // step -> file -> hosts
+  std::map<std::string, fs::path> published;  // step -> one host's copy of the directory
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    if (!fs::is_directory(hosts[h])) continue;
+    for (const auto& d : fs::directory_iterator(hosts[h])) {
+      const std::string name = d.path().filename().string();
+      if (name.rfind("step-", 0) != 0 || name.find('.') != std::string::npos ||
+          !fs::exists(d.path() / "manifest.json"))
+        continue;
+      published[name] = d.path();
+      held[name];
+      for (const auto& f : fs::directory_iterator(d.path()))
+        if (f.path().extension() == ".safetensors")
+          held[name][f.path().filename().string()].insert(h);
+    }
+  }
+  // A host that died before it published a step still held its files of that save on its disk
+  // (in the save's staging directory): they count as held.
+  for (size_t h = 0; h < hosts.size(); ++h)
+    for (const auto& [name, dir] : published) {
+      const auto manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
+      const auto staging = hosts[h] / (name + ".tmp-" + manifest.at("save_id").get<std::string>());
+      if (fs::is_directory(staging))
+        for (const auto& f : fs::directory_iterator(staging))
+          if (f.path().extension() == ".safetensors")
+            held[name][f.path().filename().string()].insert(h);
+    }
+  for (const auto& [name, dir] : published) {
+    const auto index = nlohmann::json::parse(read_text(dir / "index.json"));
+    for (const auto& [file, info] : index.at("files").items()) {
+      const auto& where = held[name][file];
+      ASSERT_FALSE(where.empty()) << name << ": no host holds " << file;
+      EXPECT_GE(where.size(), copies) << name << ": " << file << " is on too few hosts";
+      fs::create_directories(into / name);
+      for (size_t h : where)
+        if (fs::exists(hosts[h] / name / file)) {
+          fs::copy_file(hosts[h] / name / file, into / name / file,
+                        fs::copy_options::overwrite_existing);
+          break;
+        }
+    }
+    for (const char* f : {"index.json", "manifest.json"})
+      fs::copy_file(dir / f, into / name / f, fs::copy_options::overwrite_existing);
+  }
+  if (!published.empty()) std::ofstream(into / "latest") << published.rbegin()->first << "\n";
+}
+
 // A cluster's token file (elastic/cluster.h) holding `token`, readable by its owner only.
 inline std::string write_cluster_token(const TempDir& dir, const std::string& name,
                                        const std::string& token) {

@@ -113,7 +113,12 @@ Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryIn
                "from: set checkpoint.dir and checkpoint.every in the config so a job can survive "
                "losing the only copy of some state",
                in.cause, lost);
-  store::CheckpointReader reader(*checkpoint);
+  // Only its meta is read here: a cluster's host holds some of its rank files (the workers read
+  // the rest from other hosts, elastic/cluster_checkpoints.h), and the workers verify what they
+  // read.
+  store::CheckpointReaderOptions partial;
+  partial.allow_missing_files = true;
+  store::CheckpointReader reader(*checkpoint, partial);
   m.checkpoint = *checkpoint;
   // Every rank reads from the checkpoint; `from` only names the plan that failed (the newest
   // any survivor held) for the event line.

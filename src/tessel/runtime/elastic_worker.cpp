@@ -1,5 +1,7 @@
 #include "tessel/runtime/elastic_worker.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -65,6 +67,20 @@ ElasticWorker::ElasticWorker(config::TrainConfig c, const WorkerEnv& e)
   plan = cfg.plan;
   if (elastic()) {
     control = env.open_control_store(std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000)));
+    if (!env.cluster.empty() && !cfg.checkpoint.dir.empty()) {
+      // Each host keeps its share on its own disk (elastic/cluster_checkpoints.h).
+      elastic::ClusterCheckpointsConfig cc;
+      cc.cluster = env.cluster;
+      cc.job = env.job_id;
+      cc.checkpoint_dir = cfg.checkpoint.dir;
+      cc.root = env.checkpoint_root.empty() ? cfg.checkpoint.dir : env.checkpoint_root;
+      cc.keep = cfg.checkpoint.keep;
+      cc.copies = cfg.checkpoint.copies;
+      cc.secret = env.secret;
+      cc.timeout = std::chrono::milliseconds(int64_t(cfg.comm_timeout_s * 1000));
+      cfg.checkpoint.dir = cc.root;
+      env.cluster_saves = std::make_shared<elastic::ClusterSaves>(control, cc, env.host_id);
+    }
     feed = std::make_unique<RecordFeed>(control, env.job_id);
     env.signals = std::make_shared<GenerationSignals>();
     feed->on_failure([signals = env.signals](int64_t e) { signals->announce(e); });
@@ -185,6 +201,21 @@ void ElasticWorker::skip_timeline_through(int64_t step) {
     ++next_static;
 }
 
+ElasticWorker::OpenedCheckpoint ElasticWorker::open_checkpoint(const std::string& path) const {
+  OpenedCheckpoint o;
+  if (env.cluster_saves) {
+    // Records name the checkpoint as the coordinator's host has it: each host has its own copy
+    // of the step directory.
+    auto c = env.cluster_saves->open(std::filesystem::path(path).filename().string());
+    o.reader = std::move(c.reader);
+    o.fetch = std::move(c.fetch);
+    o.remote_files = std::move(c.remote_files);
+  } else {
+    o.reader = std::make_unique<store::CheckpointReader>(path);
+  }
+  return o;
+}
+
 bool ElasticWorker::resume() {
   std::optional<std::string> path;
   if (!env.resume_from) {
@@ -197,7 +228,8 @@ bool ElasticWorker::resume() {
     path = *env.resume_from;
   }
   if (!path) return false;
-  store::CheckpointReader reader(*path);
+  const auto opened = open_checkpoint(*path);
+  const auto& reader = *opened.reader;
   const auto& meta = reader.meta();
   check_resumable(cfg, meta, *path);
   const int64_t step = meta.at("step").get<int64_t>();
@@ -208,7 +240,7 @@ bool ElasticWorker::resume() {
                step);
   members = elastic::first_members(plan.world());
   world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, false);
-  load_rank_state(reader, world->layout(), env.rank, world->state_buffers());
+  load_rank_state(reader, world->layout(), env.rank, world->state_buffers(), opened.fetch);
   world->step = step;
   world->cursor = meta.at("cursor").get<int64_t>();
   entered = true;
@@ -644,13 +676,23 @@ void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_r
                                             std::chrono::steady_clock::time_point t0) {
   world.reset();
   if (new_rank < 0) return;
-  store::CheckpointReader reader(sw.checkpoint);
+  const auto opened = open_checkpoint(sw.checkpoint);
+  const auto& reader = *opened.reader;
   check_resumable(cfg, reader.meta(), sw.checkpoint);
   world = std::make_unique<RankTrainer>(cfg, env, sw.to, new_rank, store_generation, false);
   const double rebuild_s = seconds_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
-  load_rank_state(reader, world->layout(), new_rank, world->state_buffers());
+  try {
+    load_rank_state(reader, world->layout(), new_rank, world->state_buffers(), opened.fetch);
+  } catch (...) {
+    // Half-read state is no state: the failure report must not offer it as a survivor's.
+    world.reset();
+    throw;
+  }
   const double transfer_s = seconds_since(t1);
+  if (!opened.remote_files.empty())
+    spdlog::info("restored from {}: what this rank needed of {} read from other hosts",
+                 sw.checkpoint, fmt::join(opened.remote_files, ", "));
   world->generation = sw.generation;
   world->step = reader.meta().at("step").get<int64_t>();
   world->cursor = reader.meta().at("cursor").get<int64_t>();
@@ -672,6 +714,8 @@ void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_r
                              {"transfer_s", transfer_s},
                              {"bytes_read", reader.bytes_read()},
                              {"bytes_moved", 0}};
+    // In a cluster: the rank files this rank read from other hosts (it held no copy of them).
+    if (env.cluster_saves) record["files_from_other_hosts"] = opened.remote_files;
     write_switch_event(std::move(record), sw, total_s);
   }
 }

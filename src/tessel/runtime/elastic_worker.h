@@ -31,6 +31,7 @@
 #include "tessel/runtime/prepared_chunks.h"
 #include "tessel/runtime/rank_trainer.h"
 #include "tessel/runtime/worker_env.h"
+#include "tessel/store/checkpoint_store.h"
 
 namespace tessel::runtime {
 
@@ -146,6 +147,14 @@ struct ElasticWorker {
   // joins the plan the config has in force at the saved step and reads its share. Returns false
   // when there is none (or resume is off).
   bool resume();
+  // A checkpoint to read from: in a cluster, this host's copy of its step directory and the
+  // fetcher of what other hosts hold.
+  struct OpenedCheckpoint {
+    std::unique_ptr<store::CheckpointReader> reader;
+    store::PieceFetcher fetch;
+    std::vector<std::string> remote_files;
+  };
+  OpenedCheckpoint open_checkpoint(const std::string& path) const;
 
   // After a step: rank 0 reports it, and the switch to make now, if any. Collective over the
   // world: the ranks agree (one all-gather) on the newest record any of them has seen and on

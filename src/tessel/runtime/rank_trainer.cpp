@@ -230,19 +230,28 @@ void RankTrainer::save_checkpoint() {
     const int keep = cfg.checkpoint.keep;
     const int r = rank;
     const std::atomic<bool>* cancelled = &save_cancelled_;
-    saver_.save(std::move(writer), [world_size, meta, timeout, keep, r, dir, cancelled](
+    saver_.save(std::move(writer), [world_size, meta, timeout, keep, r, dir, cancelled,
+                                    cluster = env.cluster_saves, step = step](
                                        store::CheckpointWriter& w, std::exception_ptr write_error) {
+      const std::string name = checkpoint::checkpoint_step_name(step);
+      if (cluster && !write_error) cluster->announce(w.save_id(), name, r, w.rank_file_entry());
       if (r != 0) {
         if (write_error) std::rethrow_exception(write_error);
         return;
       }
       try {
-        const auto failed = wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
-        if (write_error) std::rethrow_exception(write_error);
-        TESSEL_CHECK(failed.empty(), IoError,
-                     "rank {} could not write its share of {} (see its log)",
-                     failed.empty() ? 0 : failed.front(), w.dir());
-        checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+        if (cluster) {
+          // Every host's share and its copy, announced in etcd; the commit is there too.
+          if (write_error) std::rethrow_exception(write_error);
+          cluster->commit(w.save_id(), name, step, world_size, meta, *cancelled);
+        } else {
+          const auto failed = wait_for_rank_files(w.staging_dir(), world_size, timeout, *cancelled);
+          if (write_error) std::rethrow_exception(write_error);
+          TESSEL_CHECK(failed.empty(), IoError,
+                       "rank {} could not write its share of {} (see its log)",
+                       failed.empty() ? 0 : failed.front(), w.dir());
+          checkpoint::publish_checkpoint(w, world_size, meta, dir, keep);
+        }
       } catch (...) {
         // What the ranks wrote would fill the disk until the next start.
         store::cleanup_interrupted_saves(w.dir());
@@ -261,17 +270,24 @@ void RankTrainer::save_checkpoint() {
     groups.world->all_gather(&failed, 1, all.data());
     return std::find(all.begin(), all.end(), 1) == all.end();
   };
+  const std::string name = checkpoint::checkpoint_step_name(step);
   try {
     writer.write_rank_file();
-  } catch (const IoError& e) {
+    if (env.cluster_saves)
+      env.cluster_saves->announce(writer.save_id(), name, rank, writer.rank_file_entry());
+  } catch (const Error& e) {
     error = e.what();
   }
   bool saved = agree();
   if (saved && rank == 0) {
     try {
-      checkpoint::publish_checkpoint(writer, plan.world(), meta, dir, cfg.checkpoint.keep);
+      if (env.cluster_saves)
+        env.cluster_saves->commit(writer.save_id(), name, step, plan.world(), meta,
+                                  save_cancelled_);
+      else
+        checkpoint::publish_checkpoint(writer, plan.world(), meta, dir, cfg.checkpoint.keep);
       spdlog::info("saved checkpoint {} ({:.1f} MB)", writer.dir(), double(writer.bytes()) / 1e6);
-    } catch (const IoError& e) {
+    } catch (const Error& e) {
       error = e.what();
     }
   }
@@ -291,6 +307,9 @@ bool RankTrainer::finish_checkpoint() {
     save_failed(cfg.checkpoint.dir, async_step_, e.what());
   } catch (const TimeoutError& e) {
     // Rank 0 waited for a rank's file that a failed write never produced, nor marked as failed.
+    save_failed(cfg.checkpoint.dir, async_step_, e.what());
+  } catch (const PeerLostError& e) {
+    // A cluster's save: etcd, or the host that was to keep a copy, could not be reached.
     save_failed(cfg.checkpoint.dir, async_step_, e.what());
   }
   return false;
@@ -324,7 +343,14 @@ void RankTrainer::save_failed(const std::string& dir, int64_t at_step, const std
 void RankTrainer::save_checkpoint_unless_published() {
   groups.world->barrier();
   int64_t published = -1;
-  if (rank == 0) try {
+  if (rank == 0 && env.cluster_saves) try {
+      published = env.cluster_saves->newest_step();
+    } catch (const std::exception& e) {
+      spdlog::warn("the cluster's checkpoints cannot be listed ({}); saving step {} anyway",
+                   e.what(), step);
+    }
+  else if (rank == 0)
+    try {
       if (const auto latest = checkpoint::latest_sharded_checkpoint(cfg.checkpoint.dir))
         published = store::CheckpointReader(*latest).meta().at("step").get<int64_t>();
     } catch (const std::exception& e) {

@@ -44,6 +44,10 @@ WorkerEnv WorkerEnv::from_environment() {
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
   e.cluster = env_string("TESSEL_CLUSTER", false);
   e.host_address = env_string("TESSEL_HOST_ADDRESS", false);
+  if (!e.cluster.empty()) {
+    e.host_id = int(env_int("TESSEL_HOST_ID", false));
+    e.checkpoint_root = env_string("TESSEL_CHECKPOINT_DIR", false);
+  }
   if (!e.cluster.empty())
     e.secret = elastic::read_cluster_secret(env_string(elastic::kClusterTokenEnv, false),
                                             "a worker of a cluster job");

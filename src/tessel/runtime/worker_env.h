@@ -15,6 +15,7 @@
 #include "tessel/comm/store.h"
 #include "tessel/config/train_config.h"
 #include "tessel/core/error.h"
+#include "tessel/elastic/cluster_checkpoints.h"
 #include "tessel/runtime/generation_signals.h"
 
 namespace tessel::runtime {
@@ -76,6 +77,11 @@ struct WorkerEnv {
   // this process signs what it writes to etcd and proves itself to its Gloo peers. Empty
   // outside a cluster.
   std::string secret;
+  // In a cluster: the agent's host id, and the job's checkpoint directory on this host
+  // ($TESSEL_HOST_ID, $TESSEL_CHECKPOINT_DIR); the job's checkpoints there, set by the worker.
+  int host_id = -1;
+  std::string checkpoint_root;
+  std::shared_ptr<elastic::ClusterSaves> cluster_saves;
   // A client of the job's control store: signed in a cluster.
   std::shared_ptr<comm::ControlStore> open_control_store(std::chrono::milliseconds timeout) const;
   // `tessel train` serves this job's control store (the embedded one): its pid

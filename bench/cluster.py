@@ -159,7 +159,9 @@ class Scenario:
         self.agents[host] = self.net.spawn(host, [
             self.args.tessel, "agent", "--store", self.etcd, "--iface", "eth0", "--slots", "1",
             "--name", f"h{host}", "--work-dir", str(self.work / f"work-h{host}"), "--lease-ttl",
-            str(self.args.lease_ttl), "--token-file", str(self.token)], self.agent_log(host),
+            str(self.args.lease_ttl), "--token-file", str(self.token),
+            # Each host's own disk for checkpoints (the namespaces share this machine's).
+            "--checkpoint-dir", str(self.work / f"ck-h{host}")], self.agent_log(host),
             {"OMP_NUM_THREADS": "1"})
 
     def lines(self, host, pattern):

@@ -147,10 +147,8 @@ std::string checkpoints_prefix(const std::string& cluster, const std::string& ch
 
 std::vector<CheckpointCommit> list_commits(comm::ControlStore& store,
                                            const ClusterCheckpointsConfig& c) {
-  const std::string prefix = checkpoints_prefix(c.cluster, c.checkpoint_dir);
   std::vector<CheckpointCommit> out;
-  for (const auto& kv : store.list(prefix)) {
-    if (kv.key.find('/', prefix.size()) != std::string::npos) continue;  // an entry
+  for (const auto& kv : store.list(checkpoints_prefix(c.cluster, c.checkpoint_dir) + "commits/")) {
     try {
       out.push_back(CheckpointCommit::from_json(json::parse(kv.value), kv.key));
     } catch (const std::exception& e) {
@@ -167,7 +165,7 @@ std::string publish_locally(comm::ControlStore& store, const ClusterCheckpointsC
   PublishLock lock(c.root);
   if (published_save_id(dir) != commit.save_id) {
     const std::string prefix =
-        checkpoints_prefix(c.cluster, c.checkpoint_dir) + commit.name + "/entries/";
+        checkpoints_prefix(c.cluster, c.checkpoint_dir) + "entries/" + commit.name + "/";
     std::vector<json> entries;
     for (const auto& kv : store.list(prefix)) entries.push_back(json::parse(kv.value));
     TESSEL_CHECK(int(entries.size()) == commit.num_ranks, CorruptDataError,
@@ -253,15 +251,15 @@ void ClusterSaves::commit(const std::string& save_id, const std::string& name, i
     commit.meta = meta;
     const std::string ck = checkpoints_prefix(c_.cluster, c_.checkpoint_dir);
     // A commit of the same step by an earlier world is replaced whole.
-    erase_prefix(*store_, ck + name + "/");
+    erase_prefix(*store_, ck + "entries/" + name + "/");
     for (const auto& [r, f] : files) {
       const std::string file = f.at("entry").at("file").get<std::string>();
       auto& h = commit.holders[file];
       h.push_back(f.at("host").get<int>());
       if (const auto c = copies.find(r); c != copies.end()) h.push_back(c->second);
-      store_->set(ck + name + "/entries/" + rank_segment(r), f.at("entry").dump());
+      store_->set(ck + "entries/" + name + "/" + rank_segment(r), f.at("entry").dump());
     }
-    store_->set(ck + name, commit.to_json().dump());  // the commit point
+    store_->set(ck + "commits/" + name, commit.to_json().dump());  // the commit point
   } catch (...) {
     erase_prefix(*store_, prefix);
     throw;
@@ -270,8 +268,8 @@ void ClusterSaves::commit(const std::string& save_id, const std::string& name, i
   const auto all = list_commits(*store_, c_);
   const std::string ck = checkpoints_prefix(c_.cluster, c_.checkpoint_dir);
   for (size_t i = 0; i + size_t(std::max(c_.keep, 1)) < all.size(); ++i) {
-    store_->erase(ck + all[i].name);
-    erase_prefix(*store_, ck + all[i].name + "/");
+    store_->erase(ck + "commits/" + all[i].name);
+    erase_prefix(*store_, ck + "entries/" + all[i].name + "/");
   }
 }
 

@@ -22,8 +22,9 @@
 //
 // Keys. The job's (removed with it): /tessel/<job>/stores/<host> (StoreRecord, on the agent's
 // lease), /tessel/<job>/saves/<save_id>/{files,copies}/<rank>. The cluster's (kept across
-// submissions, so the same command resumes): /tessel/clusters/<c>/checkpoints/<id>/<step-N>
-// (CheckpointCommit) and .../<step-N>/entries/<rank>, where <id> names the config's
+// submissions, so the same command resumes): /tessel/clusters/<c>/checkpoints/<id>/commits/<step-N>
+// (CheckpointCommit) and .../<id>/entries/<step-N>/<rank> (apart, so that listing the commits,
+// which agents do often, does not read the entries), where <id> names the config's
 // checkpoint.dir (a hash of the text), so the jobs that write one directory share its history.
 #pragma once
 

@@ -6,6 +6,8 @@ The checkpoint targets' valid index.json and manifest.json are what checkpoint_f
 (the store's own writer; Python has no xxh3 here): they are kept in corpus/checkpoint_*/valid*
 and only their variants are generated. Rerunning rewrites the generated files, nothing else.
 """
+import hashlib
+import hmac
 import json
 import os
 import struct
@@ -305,6 +307,20 @@ def small_seeds():
     ]
     for i, s in enumerate(seeds):
         put('etcd_json', f'gateway{i}.json', json.dumps(s))
+    # Values a cluster's etcd may hold (signed_envelope_fuzz.cpp): a member's envelope, one of
+    # another secret, one copied from another key, unsigned values and broken envelopes.
+    key = '/tessel/fuzz/decisions/records/1'
+    def seal(secret, k, value):
+        mac = hmac.new(secret, k.encode() + b'\0' + value, hashlib.sha256).hexdigest()
+        return b'tsig1.' + mac.encode() + b'.' + value
+    for i, v in enumerate([
+            seal(b'fuzz-secret-0123456789', key, b'{"generation": 1}'),
+            seal(b'fuzz-secret-0123456789', key, b''),
+            seal(b'another-secret-987654', key, b'{"generation": 1}'),
+            seal(b'fuzz-secret-0123456789', '/tessel/fuzz/other', b'x'),
+            b'{"generation": 1}', b'42', b'', b'tsig1.', b'tsig1.zz.value',
+            b'tsig1.' + b'a' * 64 + b'.value', b'tsig2.' + b'a' * 64 + b'.value']):
+        put('signed_envelope', f'value{i}', v)
 
 
 def main():

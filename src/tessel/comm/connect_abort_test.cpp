@@ -123,6 +123,18 @@ int check_aborted(const Caught& got, int rank, int size, const std::string& reas
   return kChildOk;
 }
 
+// As check_aborted, for ranks that all abort at about the same time: a rank whose connect got past
+// the mesh (its pairs with the frozen peer connected in the kernel's backlog) waits in connect's
+// closing barrier, where a peer that aborted first may close a connection before this rank's own
+// signal fires. Then it reports that lost peer, which is as true; either way it does not hang.
+int check_aborted_or_peer_gone(const Caught& got, int rank, int size, const std::string& reason) {
+  if (got.kind == Thrown::kPeerLost && contains(got.what, "lost a peer") &&
+      contains(got.what,
+               "group 'world' (rank " + std::to_string(rank) + " of " + std::to_string(size)))
+    return kChildOk;
+  return check_aborted(got, rank, size, reason);
+}
+
 using SizeAndStore = std::tuple<int, StoreKind>;
 
 std::string size_and_store_name(const ::testing::TestParamInfo<SizeAndStore>& info) {
@@ -289,7 +301,7 @@ TEST_P(FrozenPeerTest, AbortEndsTheHandshake) {
       }
       kill(pid, SIGKILL);
     }
-    return check_aborted(got, rank, size, reason);
+    return check_aborted_or_peer_gone(got, rank, size, reason);
   });
   for (int r = 0; r < frozen_rank; ++r)
     EXPECT_TRUE(outcomes[r].ok()) << testing::describe(outcomes);

@@ -422,10 +422,23 @@ void CheckpointKeeper::publish_what_is_committed() {
   }
 }
 
+// The newest commit that can still be read: every rank file on a host that serves the job
+// (this one included). One whose only holders are gone would fail every restore from it, and a
+// rollback would choose it again and again.
 std::optional<std::pair<std::string, int64_t>> CheckpointKeeper::newest() {
   const auto all = list_commits(*store_, c_);
-  if (all.empty()) return std::nullopt;
-  return std::make_pair(publish_locally(*store_, c_, all.back()), all.back().step);
+  const auto stores = list_stores(*store_, c_.job);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    std::string lost;
+    for (const auto& [file, hosts] : it->holders)
+      if (std::none_of(hosts.begin(), hosts.end(),
+                       [&](int h) { return h == host_ || stores.contains(h); }))
+        lost = file;
+    if (lost.empty()) return std::make_pair(publish_locally(*store_, c_, *it), it->step);
+    spdlog::warn("checkpoint {} cannot be read: every host holding {} is gone; trying an older one",
+                 it->name, lost);
+  }
+  return std::nullopt;
 }
 
 }  // namespace tessel::elastic

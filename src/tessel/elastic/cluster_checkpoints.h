@@ -151,8 +151,9 @@ class CheckpointKeeper {
   CheckpointKeeper(const CheckpointKeeper&) = delete;
   CheckpointKeeper& operator=(const CheckpointKeeper&) = delete;
 
-  // The newest committed checkpoint, published on this host (the coordinator's resume point):
-  // its local directory and step.
+  // The newest committed checkpoint whose every rank file is still on a host serving the job,
+  // published on this host (the coordinator's resume and rollback point): its local directory
+  // and step.
   std::optional<std::pair<std::string, int64_t>> newest();
 
  private:

@@ -549,6 +549,17 @@ std::vector<Decider::Start> Decider::recover() {
       return checkpoint::newest_intact_checkpoint(dir);
     };
   auto m = decide_recovery(cfg_, in);
+  const bool no_progress = !m.checkpoint.empty() && m.checkpoint == repeated_checkpoint_ &&
+                           m.record.value("steps_lost", int64_t(0)) == 0;
+  repeated_restores_ = no_progress ? repeated_restores_ + 1 : (m.checkpoint.empty() ? 0 : 1);
+  repeated_checkpoint_ = m.checkpoint;
+  TESSEL_CHECK(repeated_restores_ <= kMaxRepeatedRestores, Error,
+               "{}: the job was restored from checkpoint {} {} times in a row and no worker got "
+               "past it, so the restore itself fails (see the workers' logs: a checkpoint that "
+               "cannot be read, or damaged on every host that holds it); stopping the job. Move "
+               "that checkpoint aside (or repair it) and run the same command to resume from an "
+               "older one",
+               p.cause, m.checkpoint, kMaxRepeatedRestores);
   m.record["detection_s"] = std::chrono::duration<double>(t0 - p.detected).count();
   m.record["planning_s_coordinator"] = std::chrono::duration<double>(Clock::now() - t0).count();
   spdlog::warn(

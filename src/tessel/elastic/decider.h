@@ -56,6 +56,11 @@ struct Host {
   std::string name = "local";
 };
 
+// A restore that fails every time -- its checkpoint unreadable on every host that holds it,
+// say -- would make each recovery choose that checkpoint again, for ever. After this many
+// recoveries in a row from one checkpoint that no worker got past, the job stops, saying so.
+inline constexpr int kMaxRepeatedRestores = 3;
+
 class Decider {
  public:
   using Clock = std::chrono::steady_clock;
@@ -197,6 +202,10 @@ class Decider {
   std::set<int> left_;                 // processes whose leave was decided
   std::string stop_reason_;
   int64_t failures_ = 0;
+  // Recoveries in a row that restored from one checkpoint and never got past it (see
+  // kMaxRepeatedRestores).
+  std::string repeated_checkpoint_;
+  int repeated_restores_ = 0;
   struct Recovery {
     std::set<int> expected, dead;
     std::string cause;

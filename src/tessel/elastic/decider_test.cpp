@@ -13,6 +13,7 @@
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/elastic/record_feed.h"
+#include "tessel/store/checkpoint_store.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::elastic {
@@ -151,6 +152,76 @@ TEST(Decider, AReportedFailureWithoutADeathIsRecoveredFrom) {
   EXPECT_EQ(m->to.world(), 2);
   EXPECT_NE(m->cause.find("timed out"), std::string::npos) << m->cause;
   EXPECT_NE(d.status().find("1 failures"), std::string::npos);
+}
+
+// A restore that fails every time (its checkpoint unreadable wherever it is held) would make
+// each recovery choose the same checkpoint again: after kMaxRepeatedRestores recoveries from one
+// checkpoint that no worker got past, the decider stops the job, saying why.
+TEST(Decider, ARestoreThatKeepsFailingStopsTheJobInsteadOfRetryingForEver) {
+  Job job;
+  const std::string ck = (job.dir / "ck" / "step-00000005").string();
+  {
+    store::CheckpointWriter w(ck, 0);
+    const float x = 1;
+    w.add("x", DType::f32, Shape{1}, Box::of(Shape{1}), &x);
+    w.write_rank_file();
+    w.commit(1, {{"step", 5}, {"cursor", 60}});
+  }
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  d.set_checkpoint_finder([ck] { return std::optional<std::string>(ck); });
+  int generation = 0;
+  for (int failure = 1; failure <= kMaxRepeatedRestores; ++failure) {
+    // Both processes fail while restoring: they hold no state.
+    job.report(failure, 0, generation, 0, /*valid=*/false);
+    job.report(failure, 1, generation, 0, /*valid=*/false);
+    d.update();
+    d.update();
+    const auto m = job.record(generation + 1);
+    ASSERT_TRUE(m) << "failure " << failure;
+    EXPECT_EQ(m->checkpoint, ck);
+    EXPECT_EQ(m->step, 5);
+    generation = m->generation;
+  }
+  job.report(kMaxRepeatedRestores + 1, 0, generation, 0, false);
+  job.report(kMaxRepeatedRestores + 1, 1, generation, 0, false);
+  try {
+    d.update();
+    d.update();
+    ADD_FAILURE() << "a fourth restore from the same checkpoint was decided";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("3 times in a row"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(ck), std::string::npos) << e.what();
+  }
+}
+
+// A rollback to the same checkpoint after the workers got past it is a new failure, not the
+// restore failing: it does not count towards the limit.
+TEST(Decider, RollingBackToOneCheckpointAfterProgressIsNoRepeatedRestore) {
+  Job job;
+  // ZeRO-1: each dp rank alone holds its share of Adam's state, so losing one loses state.
+  job.cfg.plan.zero_stage = 1;
+  const std::string ck = (job.dir / "ck" / "step-00000005").string();
+  {
+    store::CheckpointWriter w(ck, 0);
+    const float x = 1;
+    w.add("x", DType::f32, Shape{1}, Box::of(Shape{1}), &x);
+    w.write_rank_file();
+    w.commit(1, {{"step", 5}, {"cursor", 60}});
+  }
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  d.set_checkpoint_finder([ck] { return std::optional<std::string>(ck); });
+  int generation = 0;
+  for (int failure = 1; failure <= kMaxRepeatedRestores + 2; ++failure) {
+    // Process 0 died mid-update (invalid) after both got to step 7: state lost, roll back.
+    job.report(failure, 0, generation, 7, /*valid=*/false);
+    job.report(failure, 1, generation, 7, /*valid=*/true);
+    d.update();
+    d.update();
+    const auto m = job.record(generation + 1);
+    ASSERT_TRUE(m) << "failure " << failure;
+    EXPECT_EQ(m->checkpoint, ck) << "failure " << failure;
+    generation = m->generation;
+  }
 }
 
 // A record some processes may have begun (registered under its rendezvous prefix, dead ones

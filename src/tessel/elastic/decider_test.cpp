@@ -154,19 +154,23 @@ TEST(Decider, AReportedFailureWithoutADeathIsRecoveredFrom) {
   EXPECT_NE(d.status().find("1 failures"), std::string::npos);
 }
 
+// A checkpoint of step 5 (only its meta matters to the decider).
+std::string checkpoint_of_step_5(const Job& job) {
+  const std::string ck = (job.dir / "ck" / "step-00000005").string();
+  store::CheckpointWriter w(ck, 0);
+  const float x = 1;
+  w.add("x", DType::f32, Shape{1}, Box::of(Shape{1}), &x);
+  w.write_rank_file();
+  w.commit(1, {{"step", 5}, {"cursor", 60}});
+  return ck;
+}
+
 // A restore that fails every time (its checkpoint unreadable wherever it is held) would make
 // each recovery choose the same checkpoint again: after kMaxRepeatedRestores recoveries from one
 // checkpoint that no worker got past, the decider stops the job, saying why.
 TEST(Decider, ARestoreThatKeepsFailingStopsTheJobInsteadOfRetryingForEver) {
   Job job;
-  const std::string ck = (job.dir / "ck" / "step-00000005").string();
-  {
-    store::CheckpointWriter w(ck, 0);
-    const float x = 1;
-    w.add("x", DType::f32, Shape{1}, Box::of(Shape{1}), &x);
-    w.write_rank_file();
-    w.commit(1, {{"step", 5}, {"cursor", 60}});
-  }
+  const std::string ck = checkpoint_of_step_5(job);
   Decider d(job.cfg, job.store, "j", 2, 0);
   d.set_checkpoint_finder([ck] { return std::optional<std::string>(ck); });
   int generation = 0;
@@ -200,14 +204,7 @@ TEST(Decider, RollingBackToOneCheckpointAfterProgressIsNoRepeatedRestore) {
   Job job;
   // ZeRO-1: each dp rank alone holds its share of Adam's state, so losing one loses state.
   job.cfg.plan.zero_stage = 1;
-  const std::string ck = (job.dir / "ck" / "step-00000005").string();
-  {
-    store::CheckpointWriter w(ck, 0);
-    const float x = 1;
-    w.add("x", DType::f32, Shape{1}, Box::of(Shape{1}), &x);
-    w.write_rank_file();
-    w.commit(1, {{"step", 5}, {"cursor", 60}});
-  }
+  const std::string ck = checkpoint_of_step_5(job);
   Decider d(job.cfg, job.store, "j", 2, 0);
   d.set_checkpoint_finder([ck] { return std::optional<std::string>(ck); });
   int generation = 0;

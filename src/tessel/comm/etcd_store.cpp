@@ -23,6 +23,7 @@
 #include "tessel/core/base64.h"
 #include "tessel/core/check.h"
 #include "tessel/net/bearer_token.h"
+#include "tessel/net/sigpipe_hold.h"
 
 namespace tessel::comm {
 namespace {
@@ -376,42 +377,6 @@ bool refuses_certificate(int alert) {
   }
 }
 
-// Holds SIGPIPE off the calling thread while it lives and discards one raised meanwhile. OpenSSL
-// writes to its sockets with write(2) (and httplib sends with no MSG_NOSIGNAL), so a request or
-// the close_notify of a TLS connection the peer has reset would otherwise end a process that does
-// not ignore SIGPIPE -- tessel's workers do not -- instead of failing the call.
-class SigpipeHold {
- public:
-  SigpipeHold() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    sigset_t pending;
-    sigpending(&pending);
-    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
-  }
-  ~SigpipeHold() {
-    if (!was_pending_) {
-      sigset_t pending;
-      sigpending(&pending);
-      if (sigismember(&pending, SIGPIPE) == 1) {
-        const int saved = errno;
-        const timespec now{};
-        while (sigtimedwait(&pipe_, nullptr, &now) < 0 && errno == EINTR) {
-        }
-        errno = saved;
-      }
-    }
-    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-  SigpipeHold(const SigpipeHold&) = delete;
-  SigpipeHold& operator=(const SigpipeHold&) = delete;
-
- private:
-  sigset_t pipe_{}, old_{};
-  bool was_pending_ = false;
-};
-
 }  // namespace
 
 bool is_etcd_endpoint(std::string_view url) {
@@ -419,7 +384,7 @@ bool is_etcd_endpoint(std::string_view url) {
 }
 
 void EtcdStore::ClientDeleter::operator()(httplib::Client* client) const {
-  SigpipeHold hold;
+  net::SigpipeHold hold;
   delete client;
 }
 
@@ -490,7 +455,7 @@ int EtcdStore::probe_tls(bool configured, bool* speaks_tls) const {
   start_tls_trace();
   bool answered = false;
   {
-    SigpipeHold hold;
+    net::SigpipeHold hold;
     std::unique_ptr<httplib::ClientImpl> probe;
     if (configured) {
       auto client = std::make_unique<httplib::SSLClient>(host_, port_, cert_file_, key_file_);
@@ -630,7 +595,7 @@ EtcdStore::Reply EtcdStore::post(const std::string& path, const std::string& bod
   const auto start = Clock::now();
   start_tls_trace();
   auto res = [&] {
-    SigpipeHold hold;
+    net::SigpipeHold hold;
     return client->send(req);
   }();
   if (!res) {
@@ -855,7 +820,7 @@ WatchResult EtcdStore::watch(const std::string& prefix, int64_t after, milliseco
   auto client = make_client(std::max(timeout, milliseconds(1)));
   start_tls_trace();
   auto res = [&] {
-    SigpipeHold hold;
+    net::SigpipeHold hold;
     return client->send(req);
   }();
   if (compacted > 0) {

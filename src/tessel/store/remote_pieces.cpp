@@ -16,6 +16,7 @@
 
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
+#include "tessel/net/sigpipe_hold.h"
 #include "tessel/store/checkpoint_format.h"
 #include "tessel/store/checksum.h"
 #include "tessel/store/http_endpoint.h"
@@ -35,45 +36,9 @@ constexpr size_t kWriteBytes = size_t(1) << 20;
 // Of an error body kept for the message.
 constexpr size_t kMaxErrorBody = 4096;
 
-// Holds SIGPIPE off the calling thread while it lives and discards one raised meanwhile:
-// cpp-httplib sends without MSG_NOSIGNAL, so a peer that closed its end would otherwise end a
-// process that does not ignore SIGPIPE (tessel's workers do not) instead of failing the request.
-// (The same guard as comm/etcd_store.cpp's.)
-class SigpipeHold {
- public:
-  SigpipeHold() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    sigset_t pending;
-    sigpending(&pending);
-    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
-  }
-  ~SigpipeHold() {
-    if (!was_pending_) {
-      sigset_t pending;
-      sigpending(&pending);
-      if (sigismember(&pending, SIGPIPE) == 1) {
-        const int saved = errno;
-        const timespec now{};
-        while (sigtimedwait(&pipe_, nullptr, &now) < 0 && errno == EINTR) {
-        }
-        errno = saved;
-      }
-    }
-    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-  SigpipeHold(const SigpipeHold&) = delete;
-  SigpipeHold& operator=(const SigpipeHold&) = delete;
-
- private:
-  sigset_t pipe_{}, old_{};
-  bool was_pending_ = false;
-};
-
 struct ClientDeleter {
   void operator()(httplib::Client* c) const {
-    SigpipeHold hold;  // closing a TLS connection writes
+    net::SigpipeHold hold;  // closing a TLS connection writes
     delete c;
   }
 };
@@ -203,7 +168,7 @@ class HttpFetcher {
     std::string error_body, problem;
     auto* dst = static_cast<char*>(out);
     auto res = [&] {
-      SigpipeHold hold;
+      net::SigpipeHold hold;
       return client->Get(
           target,
           [&](const httplib::Response& r) {
@@ -443,7 +408,7 @@ std::string download_rank_file(const std::string& base_url, const std::string& r
   std::string error_body, buffer;
   std::exception_ptr failure;
   auto res = [&] {
-    SigpipeHold hold;
+    net::SigpipeHold hold;
     return client->Get(
         "/v1/checkpoints/" + rel + "/files/" + file,
         [&](const httplib::Response& r) {

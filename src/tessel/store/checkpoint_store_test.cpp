@@ -22,33 +22,15 @@ using nlohmann::json;
 using tessel::testing::TempDir;
 using namespace tessel::store::test;
 
-struct Logical {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  std::vector<char> data;
-  size_t esize() const { return dtype_size(dtype); }
-};
-
-struct PieceSpec {
-  int rank;
-  std::string tensor;
-  Box box;
-};
-
 // Logical tensors with random contents (seeded by `version`) and how 3 ranks split them: row
 // blocks, a 3D tensor cut along two dimensions (two pieces of it in one file), a scalar on one
 // rank, a 1D bias over two ranks.
-struct World {
-  std::vector<Logical> tensors;
-  std::vector<PieceSpec> pieces;
+struct World : TensorWorld {
   int ranks = 3;
 
   explicit World(uint32_t version) {
     auto add = [&](std::string n, DType t, Shape s) {
-      tensors.push_back({n, t, s,
-                         random_bytes(size_t(s.numel()) * dtype_size(t),
-                                      version * 100 + uint32_t(tensors.size()))});
+      TensorWorld::add(std::move(n), t, std::move(s), version);
     };
     add("emb", DType::f32, Shape{10, 6});
     add("blk.w", DType::bf16, Shape{8, 9, 10});
@@ -64,17 +46,6 @@ struct World {
               {0, "step", Box({}, {})},
               {1, "bias", Box({0}, {3})},
               {2, "bias", Box({3}, {7})}};
-  }
-  const Logical& get(const std::string& n) const {
-    for (const auto& t : tensors)
-      if (t.name == n) return t;
-    throw std::runtime_error("no " + n);
-  }
-  std::vector<char> slice(const std::string& n, const Box& b) const {
-    const auto& t = get(n);
-    std::vector<char> out(size_t(b.volume()) * t.esize());
-    pack_box(t.data.data(), t.shape, b, out.data(), t.esize());
-    return out;
   }
 };
 
@@ -115,17 +86,6 @@ void expect_equals_world(const CheckpointReader& r, const World& w) {
 using tessel::testing::error_of;
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << (msg)
-
-Box random_box(const Shape& s, std::mt19937& rng) {
-  std::vector<int64_t> lo(s.rank()), hi(s.rank());
-  for (size_t d = 0; d < s.rank(); ++d) {
-    std::uniform_int_distribution<int64_t> u(0, s[d]);
-    int64_t a = u(rng), b = u(rng);
-    lo[d] = std::min(a, b);
-    hi[d] = std::max(a, b);
-  }
-  return Box(lo, hi);
-}
 
 // Bytes a verified read of `box` must touch: every chunk of every piece holding a byte of an
 // element of the box, found element by element.

@@ -41,31 +41,13 @@ using namespace tessel::store::test;
 constexpr int kRanks = 4;
 const json kMeta = {{"step", 7}, {"model", {{"n_layer", 2}}}, {"lr", 0.25}};
 
-struct Logical {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  std::vector<char> data;
-};
-
-struct PieceSpec {
-  int rank;
-  std::string tensor;
-  Box box;
-};
-
 // Tensors with random contents (seeded by `version`) split over 4 ranks: row blocks, a 3D tensor
 // cut along different dimensions, a scalar, a bias on two ranks, a matrix in small checksum
 // chunks (chunk_bytes 64) spread over three ranks, and a vector wholly on rank 3.
-struct World {
-  std::vector<Logical> tensors;
-  std::vector<PieceSpec> pieces;
-
+struct World : TensorWorld {
   explicit World(uint32_t version) {
     auto add = [&](std::string n, DType t, Shape s) {
-      tensors.push_back({n, t, s,
-                         random_bytes(size_t(s.numel()) * dtype_size(t),
-                                      version * 100 + uint32_t(tensors.size()))});
+      TensorWorld::add(std::move(n), t, std::move(s), version);
     };
     add("emb", DType::f32, Shape{12, 6});
     add("blk.w", DType::bf16, Shape{8, 9, 10});
@@ -89,17 +71,6 @@ struct World {
               {3, "big", Box({32, 32}, {64, 64})},
               {3, "layers/0/ids", Box({0}, {5})}};
   }
-  const Logical& get(const std::string& n) const {
-    for (const auto& t : tensors)
-      if (t.name == n) return t;
-    throw std::runtime_error("no " + n);
-  }
-  std::vector<char> slice(const std::string& n, const Box& b) const {
-    const auto& t = get(n);
-    std::vector<char> out(size_t(b.volume()) * dtype_size(t.dtype));
-    pack_box(t.data.data(), t.shape, b, out.data(), dtype_size(t.dtype));
-    return out;
-  }
 };
 
 // Writes the rank files of `ranks` into dir's staging directory; returns their entries.
@@ -120,17 +91,6 @@ std::vector<json> write_ranks(const World& w, const std::string& dir, const std:
     entries.push_back(wr.rank_file_entry());
   }
   return entries;
-}
-
-Box random_box(const Shape& s, std::mt19937& rng) {
-  std::vector<int64_t> lo(s.rank()), hi(s.rank());
-  for (size_t d = 0; d < s.rank(); ++d) {
-    std::uniform_int_distribution<int64_t> u(0, s[d]);
-    int64_t a = u(rng), b = u(rng);
-    lo[d] = std::min(a, b);
-    hi[d] = std::max(a, b);
-  }
-  return Box(lo, hi);
 }
 
 std::vector<char> read_with(const CheckpointReader& r, const std::string& name, const Box& box,

@@ -88,6 +88,19 @@ struct Cluster {
     for (int h = 1; h < net.hosts(); ++h) out.push_back(checkpoint_dir(h));
     return out;
   }
+  // `tessel train CONFIG --cluster ...` from host 0, its output in train.out.
+  pid_t submit(const std::string& cfg) {
+    return net.spawn(0,
+                     {tessel::testing::tessel_binary().string(), "train", cfg, "--cluster",
+                      etcd.endpoint(), "--token-file", token},
+                     {}, dir / "train.out");
+  }
+  // Whether checkpoint `step` is published on host `host`'s disk (the agents publish a commit
+  // as they see it, so the job's last one may come after the job ended).
+  bool published(int host, int64_t step) const {
+    return std::filesystem::exists(checkpoint_dir(host) / checkpoint::checkpoint_step_name(step) /
+                                   "manifest.json");
+  }
   std::filesystem::path agent_log(int host) const {
     return dir.path() / fmt::format("agent-h{}.log", host);
   }
@@ -157,10 +170,7 @@ TEST(Cluster, HostsJoinDieAreCutOffAndTheCoordinatorMoves) {
   for (int h : {1, 2}) c.start_agent(h);
   ASSERT_TRUE(wait_for([&] { return c.host_id(1) >= 0 && c.host_id(2) >= 0; }, 30s,
                        "two agents to join", context));
-  const pid_t train = c.net.spawn(0,
-                                  {tessel::testing::tessel_binary().string(), "train", cfg,
-                                   "--cluster", c.etcd.endpoint(), "--token-file", c.token},
-                                  {}, dir / "train.out");
+  const pid_t train = c.submit(cfg);
   const auto metrics = dir / "metrics.jsonl";
   const auto events = dir / "events.jsonl";
   auto steps_past = [&](size_t n) { return [&, n] { return count_lines(metrics) >= n; }; };
@@ -227,10 +237,8 @@ TEST(Cluster, HostsJoinDieAreCutOffAndTheCoordinatorMoves) {
   // one host ran the job alone (the third phase), its checkpoints had no second copy.
   ASSERT_TRUE(wait_for(
       [&] {
-        for (const auto& d : c.checkpoint_dirs())
-          if (std::filesystem::exists(d / checkpoint::checkpoint_step_name(job.steps) /
-                                      "manifest.json"))
-            return true;
+        for (int h = 1; h < c.net.hosts(); ++h)
+          if (c.published(h, job.steps)) return true;
         return false;
       },
       30s, "the last checkpoint published on a host", context));
@@ -263,10 +271,7 @@ TEST(Cluster, StateNoSurvivorHoldsIsReadBackFromAnotherHostsDisk) {
   }
   ASSERT_LT(c.host_id(1), c.host_id(2));
   ASSERT_LT(c.host_id(2), c.host_id(3));
-  const pid_t train = c.net.spawn(0,
-                                  {tessel::testing::tessel_binary().string(), "train", cfg,
-                                   "--cluster", c.etcd.endpoint(), "--token-file", c.token},
-                                  {}, dir / "train.out");
+  const pid_t train = c.submit(cfg);
   const auto metrics = dir / "metrics.jsonl";
   const auto events = dir / "events.jsonl";
   ASSERT_TRUE(wait_for([&] { return count_lines(metrics) >= 10; }, 60s, "10 steps", context));
@@ -288,12 +293,8 @@ TEST(Cluster, StateNoSurvivorHoldsIsReadBackFromAnotherHostsDisk) {
   EXPECT_NE(worker_logs.find("read from other hosts"), std::string::npos) << worker_logs;
   // Every checkpoint had each rank file on two hosts (three, then two, served the job). The
   // agents publish the last one on their disks as they see its commit.
-  ASSERT_TRUE(wait_for(
-      [&] {
-        return std::filesystem::exists(
-            c.checkpoint_dir(2) / checkpoint::checkpoint_step_name(job.steps) / "manifest.json");
-      },
-      30s, "the last checkpoint published on h2", context));
+  ASSERT_TRUE(wait_for([&] { return c.published(2, job.steps); }, 30s,
+                       "the last checkpoint published on h2", context));
   gather_host_checkpoints(c.checkpoint_dirs(), dir / "ck", 2);
   expect_like_one_process(dir, corpus, job, 1);
 }

@@ -55,6 +55,14 @@ std::string json_str(const json& obj, const char* key, const std::string& what) 
   return it->get<std::string>();
 }
 
+DType json_dtype(const json& obj, const char* key, const std::string& what) {
+  try {
+    return parse_dtype(json_str(obj, key, what));
+  } catch (const ConfigError& e) {
+    TESSEL_THROW(CorruptDataError, "{}: {}", what, e.what());
+  }
+}
+
 const json& json_field(const json& obj, const char* key, const std::string& what) {
   auto it = obj.find(key);
   if (it == obj.end()) TESSEL_THROW(CorruptDataError, "{}: \"{}\" is missing", what, key);

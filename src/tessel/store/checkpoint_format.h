@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tessel/tensor/box.h"
+#include "tessel/tensor/dtype.h"
 
 namespace tessel::store::detail {
 
@@ -35,6 +36,8 @@ uint64_t json_u64(const nlohmann::json& v, const std::string& what);
 std::string json_str(const nlohmann::json& obj, const char* key, const std::string& what);
 const nlohmann::json& json_field(const nlohmann::json& obj, const char* key,
                                  const std::string& what);
+// A dtype name under `key` ("f32", "bf16", ...).
+DType json_dtype(const nlohmann::json& obj, const char* key, const std::string& what);
 // A 16-hex-digit checksum under `key`.
 uint64_t json_hash(const nlohmann::json& obj, const char* key, const std::string& what);
 // A box written as a list of [lo, hi] pairs.

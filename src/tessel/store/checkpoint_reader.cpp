@@ -19,6 +19,7 @@ namespace tessel::store {
 
 namespace fs = std::filesystem;
 using detail::json_box;
+using detail::json_dtype;
 using detail::json_field;
 using detail::json_hash;
 using detail::json_str;
@@ -196,11 +197,7 @@ CheckpointTensor CheckpointReader::load_tensor(const std::string& tname, const j
   TESSEL_CHECK(t.is_object(), CorruptDataError, "{} is not an object", twhat);
   CheckpointTensor ct;
   ct.name = tname;
-  try {
-    ct.dtype = parse_dtype(json_str(t, "dtype", twhat));
-  } catch (const ConfigError& e) {
-    TESSEL_THROW(CorruptDataError, "{}: {}", twhat, e.what());
-  }
+  ct.dtype = json_dtype(t, "dtype", twhat);
   const auto& shape = json_field(t, "shape", twhat);
   TESSEL_CHECK(shape.is_array(), CorruptDataError, "{}: shape is not a list", twhat);
   std::vector<int64_t> dims;

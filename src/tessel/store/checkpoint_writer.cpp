@@ -195,12 +195,7 @@ json build_index(const std::string& dir, const std::string& save_id,
       for (const auto& pc : *entry->pieces) {
         const auto tname = detail::json_str(pc, "tensor", what);
         const auto in_file = detail::json_str(pc, "name", what);
-        DType dtype = DType::f32;
-        try {
-          dtype = parse_dtype(detail::json_str(pc, "dtype", what));
-        } catch (const ConfigError& e) {
-          TESSEL_THROW(CorruptDataError, "{}: {}", what, e.what());
-        }
+        const DType dtype = detail::json_dtype(pc, "dtype", what);
         const Shape shape = entry_shape(detail::json_field(pc, "shape", what), what);
         Box box = detail::json_box(detail::json_field(pc, "box", what), what);
         // Inside the shape first: the volume of a box from the wire could overflow otherwise.
@@ -459,12 +454,7 @@ json read_rank_file_entry(const std::string& path, const std::string& save_id) {
   try {
     for (const auto& pc : pieces) {
       const auto in_file = detail::json_str(pc, "name", what);
-      DType dtype = DType::f32;
-      try {
-        dtype = parse_dtype(detail::json_str(pc, "dtype", what));
-      } catch (const ConfigError& e) {
-        TESSEL_THROW(CorruptDataError, "{}: {}", what, e.what());
-      }
+      const DType dtype = detail::json_dtype(pc, "dtype", what);
       Box box = detail::json_box(detail::json_field(pc, "box", what), what);
       const auto* st = file.find(in_file);
       TESSEL_CHECK(st && st->dtype == dtype && st->shape == box.shape(), CorruptDataError,

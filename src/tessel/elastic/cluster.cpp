@@ -11,27 +11,13 @@
 
 namespace tessel::elastic {
 
-namespace {
-
-// Reads a document whose every field is required; nlohmann's errors become CorruptDataError.
-template <typename F>
-auto parse(const std::string& what, const char* kind, F&& read) {
-  try {
-    return read();
-  } catch (const nlohmann::json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "{} is not a valid {}: {}", what, kind, e.what());
-  }
-}
-
-}  // namespace
-
 nlohmann::json HostRecord::to_json() const {
   return {{"id", id},       {"name", name},           {"address", address}, {"slots", slots},
           {"iface", iface}, {"agent_pid", agent_pid}, {"started", started}};
 }
 
 HostRecord HostRecord::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "host record", [&] {
+  return parse_record(what, "host record", [&] {
     HostRecord h;
     h.id = d.at("id").get<int>();
     h.name = d.at("name").get<std::string>();
@@ -56,7 +42,7 @@ nlohmann::json JobSubmission::to_json() const {
 }
 
 JobSubmission JobSubmission::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "job submission", [&] {
+  return parse_record(what, "job submission", [&] {
     JobSubmission j;
     j.job = d.at("job").get<std::string>();
     j.config_yaml = d.at("config_yaml").get<std::string>();
@@ -74,7 +60,7 @@ nlohmann::json Placement::to_json() const {
 }
 
 Placement Placement::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "placement", [&] {
+  return parse_record(what, "placement", [&] {
     return Placement{d.at("process").get<int>(), d.at("host").get<int>(),
                      d.at("generation").get<int>(), d.at("host_name").get<std::string>()};
   });
@@ -85,7 +71,7 @@ nlohmann::json ExitReport::to_json() const {
 }
 
 ExitReport ExitReport::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "exit report", [&] {
+  return parse_record(what, "exit report", [&] {
     return ExitReport{d.at("process").get<int>(), d.at("host").get<int>(), d.at("ok").get<bool>(),
                       d.at("signaled").get<bool>(), d.at("how").get<std::string>()};
   });
@@ -100,7 +86,7 @@ nlohmann::json StartRecord::to_json() const {
 }
 
 StartRecord StartRecord::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "start record", [&] {
+  return parse_record(what, "start record", [&] {
     StartRecord s;
     s.plan = layout::plan_from_json(d.at("plan"));
     s.members = d.at("members").get<std::vector<int>>();
@@ -120,7 +106,7 @@ nlohmann::json JobEnd::to_json() const {
 }
 
 JobEnd JobEnd::from_json(const nlohmann::json& d, const std::string& what) {
-  return parse(what, "job end", [&] {
+  return parse_record(what, "job end", [&] {
     return JobEnd{d.at("exit_code").get<int>(), d.at("reason").get<std::string>()};
   });
 }

@@ -44,6 +44,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tessel/comm/control_store.h"
+#include "tessel/core/check.h"
 #include "tessel/layout/plan.h"
 
 namespace tessel::elastic {
@@ -114,6 +115,17 @@ struct JobEnd {
   nlohmann::json to_json() const;
   static JobEnd from_json(const nlohmann::json& doc, const std::string& what);
 };
+
+// Reads a record whose every field is required: `read` does nlohmann's accesses, and their
+// errors become one CorruptDataError naming the record (`what`, its key) and its `kind`.
+template <typename F>
+auto parse_record(const std::string& what, const char* kind, F&& read) {
+  try {
+    return read();
+  } catch (const nlohmann::json::exception& e) {
+    TESSEL_THROW(CorruptDataError, "{} is not a valid {}: {}", what, kind, e.what());
+  }
+}
 
 // Cluster names and job ids become key segments: letters, digits, '-', '_' and '.', 1-64
 // characters. Throws ConfigError naming `what` otherwise.

@@ -29,15 +29,6 @@ using nlohmann::json;
 
 namespace {
 
-template <typename F>
-auto parse(const std::string& what, const char* kind, F&& read) {
-  try {
-    return read();
-  } catch (const json::exception& e) {
-    TESSEL_THROW(CorruptDataError, "{} is not a valid {}: {}", what, kind, e.what());
-  }
-}
-
 std::string rank_segment(int rank) {
   return fmt::format("{:05d}", rank);
 }
@@ -99,7 +90,7 @@ json StoreRecord::to_json() const {
 }
 
 StoreRecord StoreRecord::from_json(const json& d, const std::string& what) {
-  return parse(what, "store record", [&] {
+  return parse_record(what, "store record", [&] {
     StoreRecord r;
     r.host = d.at("host").get<int>();
     r.url = d.at("url").get<std::string>();
@@ -115,7 +106,7 @@ json CheckpointCommit::to_json() const {
 }
 
 CheckpointCommit CheckpointCommit::from_json(const json& d, const std::string& what) {
-  return parse(what, "checkpoint commit", [&] {
+  return parse_record(what, "checkpoint commit", [&] {
     CheckpointCommit c;
     c.name = d.at("name").get<std::string>();
     c.save_id = d.at("save_id").get<std::string>();

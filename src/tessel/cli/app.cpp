@@ -28,6 +28,7 @@
 #include "tessel/core/log.h"
 #include "tessel/core/stop_signal.h"
 #include "tessel/data/tokenizer.h"
+#include "tessel/elastic/cluster.h"
 #include "tessel/elastic/coordinator.h"
 #include "tessel/model/model_config.h"
 #include "tessel/process/launcher.h"
@@ -219,8 +220,8 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
                   "http://host:port[/cluster]")
       ->excludes(nproc);
   cmd->add_option("--token-file", args.token_file,
-                  "with --cluster: the cluster's token file, the secret its agents hold "
-                  "(default: $TESSEL_CLUSTER_TOKEN_FILE)");
+                  "with --cluster: the cluster's token file, the secret its agents hold")
+      ->envname(elastic::kClusterTokenEnv);
   cmd->callback([&, nproc] {
     action = [&, nproc] {
       if (!args.cluster.empty())

@@ -5,7 +5,6 @@
 
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -74,20 +73,12 @@ std::string random_job_id() {
   return fmt::format("{:08x}{:04x}", rd(), rd() & 0xffff);
 }
 
-// The token file given, else the environment's.
-std::string token_file_or_env(std::string given) {
-  if (given.empty())
-    if (const char* env = std::getenv(elastic::kClusterTokenEnv)) given = env;
-  return given;
-}
-
 }  // namespace
 
 int train_on_cluster(const std::string& config_path, int64_t steps, const std::string& cluster,
-                     std::string token_file) {
+                     const std::string& token_file) {
   const auto address = elastic::parse_cluster_address(cluster);
-  const std::string secret = elastic::read_cluster_secret(token_file_or_env(std::move(token_file)),
-                                                          "tessel train --cluster");
+  const std::string secret = elastic::read_cluster_secret(token_file, "tessel train --cluster");
   std::ifstream in(config_path, std::ios::binary);
   TESSEL_CHECK(in.good(), IoError, "cannot read {}", config_path);
   elastic::JobSubmission job;

@@ -25,6 +25,6 @@ void add_agent_command(CLI::App& app, const std::string& log_level, std::functio
 // `tessel train CONFIG --cluster URL`: the job's exit code (0, 128 + SIGTERM when it was stopped
 // before its end, 1 when it failed).
 int train_on_cluster(const std::string& config_path, int64_t steps, const std::string& cluster,
-                     std::string token_file);
+                     const std::string& token_file);
 
 }  // namespace tessel::cli

@@ -47,10 +47,9 @@ WorkerEnv WorkerEnv::from_environment() {
   if (!e.cluster.empty()) {
     e.host_id = int(env_int("TESSEL_HOST_ID", false));
     e.checkpoint_root = env_string("TESSEL_CHECKPOINT_DIR", false);
-  }
-  if (!e.cluster.empty())
     e.secret = elastic::read_cluster_secret(env_string(elastic::kClusterTokenEnv, false),
                                             "a worker of a cluster job");
+  }
   if (const int64_t launcher = env_int("TESSEL_LAUNCHER_PID", false); launcher > 0)
     e.launcher = std::make_shared<LauncherLoss>(launcher);
   if (std::getenv("TESSEL_CONSOLE_FD") != nullptr)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
@@ -359,19 +360,23 @@ void CheckpointKeeper::run() {
 
 void CheckpointKeeper::copy_what_is_asked() {
   const std::string saves = saves_prefix(c_.job);
-  const auto stores = list_stores(*store_, c_.job);
+  std::optional<std::map<int, StoreRecord>> stores;  // read once there is something to copy
+  std::set<std::string> announced;
   for (const auto& kv : store_->list(saves)) {
     // .../saves/<save_id>/files/<rank>
     const auto rest = kv.key.substr(saves.size());
     const auto slash = rest.find("/files/");
-    if (slash == std::string::npos || copied_.contains(rest)) continue;
+    if (slash == std::string::npos) continue;
+    announced.insert(rest);
+    if (copied_.contains(rest)) continue;
     const json f = json::parse(kv.value);
     if (f.at("copy_to").get<int>() != host_) continue;
-    copied_[rest] = true;  // tried once: a copy that fails leaves the save incomplete
+    copied_.insert(rest);  // tried once: a copy that fails leaves the save incomplete
     const std::string save_id = rest.substr(0, slash);
     const int from = f.at("host").get<int>();
-    const auto src = stores.find(from);
-    if (src == stores.end()) {
+    if (!stores) stores = list_stores(*store_, c_.job);
+    const auto src = stores->find(from);
+    if (src == stores->end()) {
       spdlog::warn("agent: cannot copy {} of save {}: host {} serves no checkpoints",
                    f.at("entry").value("file", "?"), save_id, from);
       continue;
@@ -399,6 +404,8 @@ void CheckpointKeeper::copy_what_is_asked() {
                    save_id, from, e.what());
     }
   }
+  // Saves committed or abandoned are gone from etcd: forget them.
+  std::erase_if(copied_, [&](const std::string& k) { return !announced.contains(k); });
 }
 
 // Every commit newer than the last one published here, in order: each is a checkpoint the

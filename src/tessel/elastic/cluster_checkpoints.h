@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -167,8 +168,8 @@ class CheckpointKeeper {
   std::unique_ptr<store::CheckpointRootServer> server_;
   StoreRecord record_;
   comm::LeaseId lease_ = 0;
-  std::map<std::string, bool> copied_;  // "<save_id>/<rank>" -> done (or given up)
-  std::string published_;               // the newest step directory published here
+  std::set<std::string> copied_;  // "<save_id>/files/<rank>" copied (or given up on)
+  std::string published_;         // the newest step directory published here
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
@@ -43,14 +44,24 @@ void erase_prefix(comm::ControlStore& store, const std::string& prefix) {
 // may both publish a checkpoint there.
 class PublishLock {
  public:
-  explicit PublishLock(const std::string& root) {
+  // Waits at most `timeout` for the other publisher (a publish is a few small writes).
+  PublishLock(const std::string& root, std::chrono::milliseconds timeout) {
     fs::create_directories(root);
     const std::string path = (fs::path(root) / ".publish.lock").string();
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     TESSEL_CHECK(fd_ >= 0, IoError, "cannot open '{}': {}", path, std::strerror(errno));
-    if (::flock(fd_, LOCK_EX) != 0) {
+    const auto deadline = Clock::now() + timeout;
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
+      if (err == EWOULDBLOCK && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        continue;
+      }
       ::close(fd_);
+      TESSEL_CHECK(err != EWOULDBLOCK, TimeoutError,
+                   "'{}' stayed locked for {} s: another process publishing this host's "
+                   "checkpoints is stuck (see the agent's and the workers' logs)",
+                   path, timeout.count() / 1000);
       TESSEL_THROW(IoError, "cannot lock '{}': {}", path, std::strerror(err));
     }
   }
@@ -154,7 +165,7 @@ std::vector<CheckpointCommit> list_commits(comm::ControlStore& store,
 std::string publish_locally(comm::ControlStore& store, const ClusterCheckpointsConfig& c,
                             const CheckpointCommit& commit) {
   const fs::path dir = fs::path(c.root) / commit.name;
-  PublishLock lock(c.root);
+  PublishLock lock(c.root, c.timeout);
   if (published_save_id(dir) != commit.save_id) {
     const std::string prefix =
         checkpoints_prefix(c.cluster, c.checkpoint_dir) + "entries/" + commit.name + "/";

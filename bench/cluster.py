@@ -213,7 +213,7 @@ class Scenario:
     def config(self, name, control, timeline=None, stop_at=0):
         model = SMALL_MODEL if self.args.demo else GPT2_MODEL
         text = model + f"""data: {{path: {self.work}/data.tok, seq_len: {SEQ}, eval_fraction: 0.0, seed: 1}}
-training: {{steps: 100000, stop_at: {stop_at}, global_batch: {self.args.batch}, seed: 1234, log_every: 1, threads: 1}}
+training: {{steps: 100000, stop_at: {stop_at}, global_batch: {self.args.batch}, seed: 1234, log_every: 1, threads: 1, huge_pages: {str(self.args.huge_pages).lower()}}}
 optimizer: {{lr: 1.0e-4, warmup_steps: 2}}
 parallel: {{dp: 2, micro_batch: {self.args.batch // 6}, timeout_s: 60}}
 elastic: {{heartbeat_timeout_s: 2{control}}}
@@ -332,6 +332,10 @@ def main():
     p.add_argument("--demo", action="store_true", help="a small model and a timeline for people")
     p.add_argument("--steps-between", type=int, default=4)
     p.add_argument("--batch", type=int, default=12)
+    # training.huge_pages for both runs. Off by default: on a VM whose host backs guest memory
+    # lazily (this one), first touching fresh huge pages costs seconds per GiB (bench/README.md,
+    # elastic), which the README's advice for such machines avoids.
+    p.add_argument("--huge-pages", action="store_true")
     # A host silent this long is lost (`tessel agent --lease-ttl`; its default is 2 s). etcd
     # checks leases every 0.5 s, so detection takes the ttl plus up to that.
     p.add_argument("--lease-ttl", type=float, default=1.0)

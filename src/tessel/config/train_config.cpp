@@ -245,6 +245,10 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   el.read("replace_failed", c.replace_failed);
   el.read("prepare_steps", c.prepare_steps);
   el.read_choice("reshard_transport", c.reshard_transport, {"direct", "network"});
+  el.read("transfer_streams", c.transfer_streams);
+  TESSEL_CHECK(c.transfer_streams >= 1 && c.transfer_streams <= 16, ConfigError,
+               "{}: must be 1..16 streams, got {}", el.where("transfer_streams"),
+               c.transfer_streams);
   TESSEL_CHECK(c.prepare_steps >= 0, ConfigError, "{}: must be >= 0 steps, got {}",
                el.where("prepare_steps"), c.prepare_steps);
   el.read("control_store", c.control_store);

@@ -12,8 +12,8 @@
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]
-//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, control_store,
-//                heartbeat_timeout_s, stop_grace_s, grow_to_slots}
+//   elastic:    {hosts_file, replace_failed, prepare_steps, reshard_transport, transfer_streams,
+//                control_store, heartbeat_timeout_s, stop_grace_s, grow_to_slots}
 //               (see TrainConfig::hosts_file, ...)
 //
 // parallel.micro_batch is the samples per forward/backward on ONE data-parallel replica; when it
@@ -162,6 +162,11 @@ struct TrainConfig {
   // "direct" (the receiver reads the sender's memory, one copy; the network where the system
   // does not allow it) or "network" (always through the transition world's connections).
   std::string reshard_transport = "direct";
+  // elastic.transfer_streams: TCP streams per pair of processes for what a re-partition moves
+  // over the network (between hosts, or within one with reshard_transport: network). One stream
+  // is bound by one core (2.1 GiB/s between network namespaces of a 2-core VM, 4.7 on two);
+  // hosts with many cores and fast NICs may want more. 1..16.
+  int transfer_streams = 2;
   // elastic.control_store: where the coordinator and the workers keep the job's decisions,
   // reports and rendezvous (elastic/reconfiguration.h). "embedded" (the default): `tessel train`
   // serves them itself, nothing to start. Else an etcd v3 endpoint, "http://host:port".

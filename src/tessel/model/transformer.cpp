@@ -104,25 +104,49 @@ Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, i
       config_.tie_embeddings ? wte_off_ : offset_of(global_param_name(f, GlobalParam::lm_head));
 
   const size_t param_bytes = size_t(std::max<int64_t>(num_params_, 1)) * sizeof(float);
-  params_ = static_cast<float*>(allocate(param_bytes));
-  grads_ = static_cast<float*>(allocate(param_bytes));
+  params_ = static_cast<float*>(allocate(param_bytes, owned_));
+  grads_ = static_cast<float*>(allocate(param_bytes, owned_));
   backend_.memset_zero(params_, param_bytes);
   backend_.memset_zero(grads_, param_bytes);
 
+  build_activations();
+}
+
+void Transformer::build_activations() {
   act_floats_ = plan_activations(nullptr);
-  act_base_ = static_cast<float*>(allocate(size_t(act_floats_) * sizeof(float)));
+  act_base_ = static_cast<float*>(allocate(size_t(act_floats_) * sizeof(float), act_owned_));
   plan_activations(act_base_);
   // Touch every page now so that the first training step does not pay the page faults.
   backend_.memset_zero(act_base_, size_t(act_floats_) * sizeof(float));
   const size_t id_bytes = size_t(B_) * size_t(T_) * sizeof(int32_t);
   for (Slot& sl : slots_) {
-    sl.tokens = static_cast<int32_t*>(allocate(id_bytes));
+    sl.tokens = static_cast<int32_t*>(allocate(id_bytes, act_owned_));
     backend_.memset_zero(sl.tokens, id_bytes);
   }
   // Targets are read by the forward's loss only, so one buffer serves every slot.
-  targets_ = static_cast<int32_t*>(allocate(id_bytes));
+  targets_ = static_cast<int32_t*>(allocate(id_bytes, act_owned_));
   backend_.memset_zero(targets_, id_bytes);
   select_slot(0);
+}
+
+void Transformer::reshape(int B, int activation_slots) {
+  TESSEL_CHECK(!released_, InvalidArgumentError,
+               "reshape of a model whose training buffers were released");
+  TESSEL_CHECK(B > 0, ConfigError, "micro-batch size B is {}; it must be positive", B);
+  TESSEL_CHECK(activation_slots >= 1, ConfigError,
+               "activation_slots is {}; a model needs at least one activation slot",
+               activation_slots);
+  if (B == B_ && activation_slots == this->activation_slots()) {
+    for (Slot& sl : slots_) sl.forward_ready = sl.dlogits_ready = false;
+    return;
+  }
+  // The old activations go back to the allocator before the new ones are taken from it.
+  act_owned_.clear();
+  act_base_ = nullptr;
+  targets_ = nullptr;
+  B_ = B;
+  slots_.assign(size_t(activation_slots), Slot{});
+  build_activations();
 }
 
 void Transformer::check_slot(int s) const {
@@ -143,6 +167,7 @@ void Transformer::select_slot(int s) {
 void Transformer::release_training_buffers() {
   for (auto& p : owned_)
     if (p.get() != params_) p.reset();
+  act_owned_.clear();
   grads_ = nullptr;
   act_base_ = nullptr;
   targets_ = nullptr;
@@ -150,10 +175,10 @@ void Transformer::release_training_buffers() {
   released_ = true;
 }
 
-void* Transformer::allocate(size_t bytes) {
-  owned_.reserve(owned_.size() + 1);  // so that push_back cannot throw after the allocation
+void* Transformer::allocate(size_t bytes, std::vector<Owned>& owner) {
+  owner.reserve(owner.size() + 1);  // so that push_back cannot throw after the allocation
   void* ptr = backend_.allocate(bytes);
-  owned_.emplace_back(ptr, BackendFree{&backend_});
+  owner.emplace_back(ptr, BackendFree{&backend_});
   return ptr;
 }
 
@@ -341,6 +366,7 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
   }
   CrossEntropyResult result;
   if (stage_.has_head) {
+    if (layer_hook_) layer_hook_();
     if (gpt2) {
       backend_.layernorm_forward(a_.lnf, a_.lnf_mean, a_.lnf_rstd, x, p(lnf_w_off_), p(lnf_b_off_),
                                  N, C, config_.norm_eps);
@@ -386,6 +412,7 @@ void Transformer::tp_sum(float* data, int64_t n) {
 }
 
 void Transformer::block_forward(int l, const float* x) {
+  if (layer_hook_) layer_hook_();
   if (config_.family == Family::gpt2) {
     gpt2_block_forward(l, x);
   } else {
@@ -394,6 +421,7 @@ void Transformer::block_forward(int l, const float* x) {
 }
 
 void Transformer::block_backward(int l, const float* x) {
+  if (layer_hook_) layer_hook_();
   if (config_.family == Family::gpt2) {
     gpt2_block_backward(l, x);
   } else {
@@ -425,6 +453,7 @@ CrossEntropyResult Transformer::forward_backward(const int32_t* tokens, const in
 // ---- backward -----------------------------------------------------------------------------------
 
 void Transformer::head_backward() {
+  if (layer_hook_) layer_hook_();
   const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const size_t nc_bytes = size_t(N) * size_t(C) * sizeof(float);
   backend_.memset_zero(a_.dln, nc_bytes);

@@ -120,6 +120,12 @@ class Transformer {
   // switch calls it on chunks it will not keep, so the successor's buffers can reuse the memory.
   void release_training_buffers();
   bool training_buffers_released() const { return released_; }
+  // Re-sizes the activation memory for micro-batches of B sequences held in `activation_slots`
+  // slots, keeping the parameters and gradients: a live switch that changes only the
+  // micro-batching keeps the model instead of building (and touching) a new one. Every slot's
+  // saved activations are dropped. Throws ConfigError for B or activation_slots below 1, and
+  // InvalidArgumentError after release_training_buffers().
+  void reshape(int B, int activation_slots);
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
@@ -183,6 +189,14 @@ class Transformer {
   Tensor output_grad(int slot = 0) const;
   Tensor input_grad(int slot = 0) const;
 
+  // Called before each block's forward and backward and before the head's (the layers of a
+  // pass, where it may stop). It may throw to abandon the pass: an elastic worker stops computing
+  // a step whose world is being replaced (runtime/rank_trainer.h) instead of finishing work that
+  // will be redone. After such a throw the slot holds no saved activations (its forward must run
+  // again) and the gradients hold partial sums (zero_grad() before the next step).
+  using LayerHook = std::function<void()>;
+  void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
+
   // Bytes of activation and scratch memory held (excluding parameters and gradients).
   size_t activation_bytes() const { return size_t(act_floats_) * sizeof(float); }
 
@@ -210,7 +224,10 @@ class Transformer {
     kernels::Backend* backend;
     void operator()(void* ptr) const { backend->deallocate(ptr); }
   };
-  void* allocate(size_t bytes);
+  using Owned = std::unique_ptr<void, BackendFree>;
+  void* allocate(size_t bytes, std::vector<Owned>& owner);
+  // Allocates, carves and touches the activations, token ids and targets for B_ and slots_.
+  void build_activations();
   int64_t plan_activations(float* base);
   void check_ids(const int32_t* ids, bool targets) const;
   float* p(int64_t off) const { return off < 0 ? nullptr : params_ + off; }
@@ -290,9 +307,11 @@ class Transformer {
     bool dlogits_ready = false;  // ... and seeded dlogits (head stage)
   };
   std::vector<Slot> slots_;
-  int cur_ = 0;                                            // selected slot
-  std::vector<std::unique_ptr<void, BackendFree>> owned_;  // every allocation above
-  bool released_ = false;                                  // release_training_buffers()
+  int cur_ = 0;                   // selected slot
+  std::vector<Owned> owned_;      // parameters and gradients
+  std::vector<Owned> act_owned_;  // activations, token ids, targets (reshape() replaces them)
+  bool released_ = false;         // release_training_buffers()
+  LayerHook layer_hook_;
 };
 
 }  // namespace tessel::model

@@ -3,6 +3,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -19,6 +22,17 @@ std::unique_ptr<comm::Communicator> connect_transition_world(
     std::chrono::milliseconds timeout, const comm::TransportOptions& transport) {
   return comm::Communicator::connect(store, kTransitionGroup, plan.union_rank(process),
                                      int(plan.processes().size()), timeout, transport);
+}
+
+std::vector<std::unique_ptr<comm::Communicator>> connect_transition_lanes(
+    const comm::StoreOptions& store, const TransferPlan& plan, int process, int lanes,
+    std::chrono::milliseconds timeout, const comm::TransportOptions& transport) {
+  std::vector<std::unique_ptr<comm::Communicator>> out;
+  for (int k = 1; k <= lanes; ++k)
+    out.push_back(comm::Communicator::connect(store, fmt::format("{}.lane{}", kTransitionGroup, k),
+                                              plan.union_rank(process),
+                                              int(plan.processes().size()), timeout, transport));
+  return out;
 }
 
 namespace {
@@ -247,6 +261,28 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
     return n;
   };
 
+  for (const comm::Communicator* lane : options.lanes) {
+    TESSEL_CHECK(lane != nullptr && lane->size() == world.size() && lane->rank() == me,
+                 InvalidArgumentError,
+                 "a lane of the union world must have its size {} and this process's rank {}",
+                 world.size(), me);
+  }
+  // Which communicator carries each direct transfer of a message: the least loaded so far (the
+  // packed part rides on the world), the same choice on both sides.
+  auto lanes_of = [&](const Message& m) {
+    std::vector<comm::Communicator*> on;
+    std::vector<int64_t> load(options.lanes.size() + 1, 0);
+    load[0] = packed_numel(m);
+    for (int t : m.transfers) {
+      const Transfer& tr = plan.transfers()[size_t(t)];
+      if (!direct(tr)) continue;
+      const size_t k = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+      load[k] += tr.numel();
+      on.push_back(k == 0 ? &world : options.lanes[k - 1]);
+    }
+    return on;
+  };
+
   // 0. Same-host messages are read straight out of the sender's memory when everyone can.
   const DirectPeers peers =
       agree_on_direct_reads(plan, process, world, buffers, options.same_host_direct);
@@ -269,13 +305,15 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
     inbox.emplace_back(n > 0 ? new float[size_t(n)] : nullptr);
     if (n > 0)
       recvs.push_back(world.recv(inbox.back().get(), size_t(n) * sizeof(float), peer, kReshardTag));
+    const auto on = lanes_of(m);
+    size_t d = 0;
     for (int t : m.transfers) {
       const Transfer& tr = plan.transfers()[size_t(t)];
       if (!direct(tr)) continue;
       const auto& buf = buffers.new_buffers.at(size_t(tr.dst_buffer));
       check_region(tr.dst, buf.size(), "new", tr.dst_rank, tr.dst_buffer);
-      direct_recvs.push_back(world.recv(buf.data() + tr.dst.offset,
-                                        size_t(tr.numel()) * sizeof(float), peer, kReshardTag));
+      direct_recvs.push_back(on[d++]->recv(buf.data() + tr.dst.offset,
+                                           size_t(tr.numel()) * sizeof(float), peer, kReshardTag));
     }
   }
   // 2. Pack and send.
@@ -298,13 +336,15 @@ ExecuteStats execute(const TransferPlan& plan, int process, comm::Communicator& 
       sends.push_back(
           world.send(outbox.back().get(), size_t(n) * sizeof(float), peer, kReshardTag));
     }
+    const auto on = lanes_of(m);
+    size_t d = 0;
     for (int t : m.transfers) {
       const Transfer& tr = plan.transfers()[size_t(t)];
       if (!direct(tr)) continue;
       const auto& buf = buffers.old_buffers.at(size_t(tr.src_buffer));
       check_region(tr.src, buf.size(), "old", tr.src_rank, tr.src_buffer);
-      sends.push_back(world.send(buf.data() + tr.src.offset, size_t(tr.numel()) * sizeof(float),
-                                 peer, kReshardTag));
+      sends.push_back(on[d++]->send(buf.data() + tr.src.offset, size_t(tr.numel()) * sizeof(float),
+                                    peer, kReshardTag));
     }
   }
   // 3. Local work while the network runs.

@@ -56,14 +56,19 @@ struct Case {
 
 // Every process of the case runs this: reshard its ids-filled old state (if any) and compare
 // what it ends with against a fresh B; joiners also receive the scalar state.
-int run_process(const Case& c, const tessel::testing::TempDir& dir, int process, bool direct) {
+int run_process(const Case& c, const tessel::testing::TempDir& dir, int process, bool direct,
+                int lanes) {
   const auto A = StateLayout::build(c.config, c.a);
   const auto B = StateLayout::build(c.config, c.b);
   std::vector<int> old_hosts(c.old_ids.size(), 0), new_hosts(c.new_ids.size(), 0);
   const auto plan = TransferPlan::build(A, B, old_hosts, new_hosts, c.old_ids, c.new_ids);
   const StateUniverse u(c.config, kSeed);
-  auto world = connect_transition_world(store_in(dir, c.name + (direct ? "-direct" : "-net")), plan,
-                                        process, 20s);
+  const auto store = store_in(dir, c.name + (direct ? "-direct" : "-net") + std::to_string(lanes));
+  auto world = connect_transition_world(store, plan, process, 20s);
+  const auto lane_worlds = connect_transition_lanes(store, plan, process, lanes, 20s);
+  ExecuteOptions how;
+  how.same_host_direct = direct;
+  for (const auto& l : lane_worlds) how.lanes.push_back(l.get());
 
   const int i = plan.old_rank_of(process), j = plan.new_rank_of(process);
   ProcessBuffers io;
@@ -76,7 +81,7 @@ int run_process(const Case& c, const tessel::testing::TempDir& dir, int process,
     new_state = testing::empty_state(B, j);
     io.new_buffers = new_state.spans();
   }
-  const auto stats = execute(plan, process, *world, io, {.same_host_direct = direct});
+  const auto stats = execute(plan, process, *world, io, how);
   int64_t incoming = 0;
   for (const auto& m : plan.messages())
     if (m.dst_process == process) incoming += m.bytes();
@@ -108,11 +113,12 @@ void run_case(const Case& c) {
                           std::vector<int>(c.new_ids.size(), 0), c.old_ids, c.new_ids);
   ASSERT_GT(plan.stats().bytes_moved, 0);
   const auto& procs = plan.processes();
-  // Both transports: over the network, and read straight from the senders' memory.
-  for (bool direct : {false, true}) {
-    SCOPED_TRACE(direct ? "direct reads" : "network");
+  // Both transports: over the network (on one stream per pair, and on three: the world and two
+  // lanes), and read straight from the senders' memory.
+  for (auto [direct, lanes] : {std::pair{false, 0}, {false, 2}, {true, 0}}) {
+    SCOPED_TRACE(direct ? "direct reads" : "network, " + std::to_string(lanes) + " lanes");
     const auto outcomes = run_ranks(int(procs.size()), 60s, [&](int u) {
-      return run_process(c, dir, procs[size_t(u)], direct);
+      return run_process(c, dir, procs[size_t(u)], direct, lanes);
     });
     for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << comm::testing::describe(outcomes);
   }

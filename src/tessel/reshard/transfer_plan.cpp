@@ -440,6 +440,29 @@ TransferPlan TransferPlan::build(const StateLayout& from, const StateLayout& to,
   return P;
 }
 
+TransferPlan TransferPlan::part(const std::function<bool(const Transfer&)>& keep,
+                                bool with_kept) const {
+  TransferPlan P;
+  P.processes_ = processes_;
+  P.old_ids_ = old_ids_;
+  P.new_ids_ = new_ids_;
+  P.hosts_ = hosts_;
+  P.old_sizes_ = old_sizes_;
+  P.new_sizes_ = new_sizes_;
+  P.kept_ = kept_;
+  if (!with_kept)
+    for (auto& buffers : P.kept_) std::fill(buffers.begin(), buffers.end(), -1);
+  for (const Transfer& tr : transfers_)
+    if (keep(tr)) P.transfers_.push_back(tr);
+  P.stats_.min_bytes = stats_.min_bytes;
+  P.stats_.min_cross_host_bytes = stats_.min_cross_host_bytes;
+  P.stats_.kept_bytes = stats_.kept_bytes;
+  P.stats_.total_bytes = stats_.total_bytes;
+  P.messages_ = group_into_messages(P.transfers_, P.stats_.local_copy_bytes);
+  count_traffic(P, P.stats_);
+  return P;
+}
+
 int TransferPlan::union_rank(int process) const {
   auto it = std::lower_bound(processes_.begin(), processes_.end(), process);
   TESSEL_CHECK(it != processes_.end() && *it == process, InvalidArgumentError,

@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -129,6 +130,13 @@ class TransferPlan {
   int kept_from(int new_rank, int buffer) const;
 
   const TransferStats& stats() const { return stats_; }
+
+  // The part of this plan made of the transfers `keep` accepts (same processes and buffers;
+  // messages regrouped, traffic recounted, min_bytes and kept_bytes as the whole plan's). Without
+  // `with_kept`, no buffer counts as kept, so executing the part copies none: parts that run one
+  // after the other (a live switch moves the optimizer state after the parameters) copy the
+  // kept buffers once.
+  TransferPlan part(const std::function<bool(const Transfer&)>& keep, bool with_kept) const;
 
  private:
   std::vector<int> processes_, old_ids_, new_ids_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include "tessel/checkpoint/sharded_checkpoint.h"
@@ -15,7 +16,6 @@
 #include "tessel/reshard/executor.h"
 #include "tessel/runtime/host_settings.h"
 #include "tessel/store/checkpoint_store.h"
-#include "tessel/tensor/allocator.h"
 
 namespace tessel::runtime {
 
@@ -569,7 +569,32 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
   auto t1 = std::chrono::steady_clock::now();
   auto union_world =
       reshard::connect_transition_world(store, tplan, me, store.timeout, env.transport());
+  // Within this host, receivers read the senders' memory directly (one copy; the network when
+  // that is not allowed), unless elastic.reshard_transport says network. What goes over the
+  // network moves on elastic.transfer_streams streams per pair (every process decides alike,
+  // from the plan and the config).
+  reshard::ExecuteOptions how;
+  how.same_host_direct = cfg.reshard_transport == "direct";
+  const bool networked = tplan.stats().bytes_cross_host > 0 ||
+                         (!how.same_host_direct && tplan.stats().bytes_moved > 0);
+  auto lanes = reshard::connect_transition_lanes(
+      store, tplan, me, networked ? cfg.transfer_streams - 1 : 0, store.timeout, env.transport());
+  for (const auto& lane : lanes) how.lanes.push_back(lane.get());
   const double connect_s = seconds_since(t1);
+  // Between hosts, the Adam moments' messages move after the pause, while the new world computes
+  // its first step (arriving_state.h); the parameters and every copy within a process move now.
+  // Every process decides alike, from the plan.
+  auto in_pause = [](const reshard::Transfer& tr) {
+    return tr.kind == layout::StateKind::param || tr.src_process == tr.dst_process;
+  };
+  std::optional<reshard::TransferPlan> now_part, later_part;
+  if (tplan.stats().bytes_cross_host > 0) {
+    later_part = tplan.part([&](const reshard::Transfer& tr) { return !in_pause(tr); }, false);
+    if (later_part->messages().empty())
+      later_part.reset();
+    else
+      now_part = tplan.part(in_pause, true);
+  }
   t1 = std::chrono::steady_clock::now();
   // The old buffers first: the successor may take over chunks (and their memory) it keeps.
   reshard::ProcessBuffers buffers;
@@ -593,11 +618,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
     rebuild_s = seconds_since(t1);
     t1 = std::chrono::steady_clock::now();
     if (successor) buffers.new_buffers = successor->state_buffers();
-    // Within this host, receivers read the senders' memory directly (one copy; the network
-    // when that is not allowed), unless elastic.reshard_transport says network.
-    reshard::ExecuteOptions how;
-    how.same_host_direct = cfg.reshard_transport == "direct";
-    moved = reshard::execute(tplan, me, *union_world, buffers, how);
+    moved = reshard::execute(now_part ? *now_part : tplan, me, *union_world, buffers, how);
     int64_t by[2] = {moved.bytes_read_directly, moved.bytes_received};
     union_world->all_reduce_sum(by, 2);  // the whole transition's, for the event line
     moved = {by[0], by[1]};
@@ -615,6 +636,17 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
   } catch (...) {
     if (successor && world) successor->give_back(*world);
     throw;
+  }
+  const int64_t later_bytes = later_part ? later_part->stats().bytes_moved : 0;
+  if (later_part) {
+    if (successor) {
+      successor->arriving =
+          std::make_unique<ArrivingState>(std::move(*later_part), me, std::move(union_world),
+                                          std::move(lanes), buffers, how, std::move(world));
+    } else {
+      // Leaving: nothing to overlap it with, and its buffers must stay until the peers have them.
+      reshard::execute(*later_part, me, *union_world, buffers, how);
+    }
   }
   world = std::move(successor);
   enter();
@@ -650,6 +682,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
                              {"planning_s", planning_s},
                              {"connect_s", connect_s},
                              {"rebuild_s", rebuild_s},
+                             {"groups_connect_s", world->groups_connect_s},
                              {"transfer_s", transfer_s},
                              {"bytes_moved", st.bytes_moved},
                              {"bytes_cross_host", st.bytes_cross_host},
@@ -660,6 +693,9 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
                              {"messages", st.messages},
                              {"bytes_read_directly", moved.bytes_read_directly},
                              {"bytes_over_network", moved.bytes_received},
+                             // Adam moments moved between hosts after the pause (not counted in
+                             // bytes_over_network, which is the pause's).
+                             {"bytes_after_pause", later_bytes},
                              {"steps_lost", 0}};
     record.update(prepare_record);
     write_switch_event(std::move(record), sw, total_s);
@@ -667,8 +703,7 @@ void ElasticWorker::transition(const Reconfiguration& sw) {
 }
 
 void ElasticWorker::release_unkept_buffers(const PlannedSwitch& ps, int new_rank) {
-  if (world->release_unkept(ps.kept_chunks(world->rank, new_rank).old_chunks))
-    HostAllocator::instance().release_cached();
+  world->release_unkept(ps.kept_chunks(world->rank, new_rank).old_chunks);
 }
 
 void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_rank,
@@ -735,6 +770,12 @@ void ElasticWorker::recover(const std::string& what) {
   r.members = members;
   if (world) {
     world->abort(what);
+    try {
+      world->finish_arrival();  // the optimizer state a switch was still moving here
+    } catch (const std::exception& e) {
+      spdlog::warn("process {}: the optimizer state transfer of the last switch did not finish: {}",
+                   env.rank, e.what());
+    }
     try {
       world->finish_checkpoint();  // a background save may still be writing
     } catch (const std::exception& e) {

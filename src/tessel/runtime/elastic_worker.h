@@ -218,9 +218,10 @@ struct ElasticWorker {
   void transition(const elastic::Reconfiguration& sw);
 
   // Before the successor is built: the gradients and activations of old chunks the successor
-  // will not take over are not state, so they are freed and handed back to the OS. The
-  // successor's new buffers then reuse those pages instead of touching fresh memory, which on a
-  // VM whose host backs memory lazily costs seconds per GiB (bench/README.md, elastic).
+  // will not take over are not state, so they are freed. The allocator keeps their pages and
+  // builds the successor's new buffers from them (tensor/allocator.h) instead of touching fresh
+  // memory, which on a VM whose host backs memory lazily costs seconds per GiB
+  // (bench/README.md, elastic).
   void release_unkept_buffers(const PlannedSwitch& ps, int new_rank);
 
   // A recovery from a checkpoint: the new world's members read their share of it (each only

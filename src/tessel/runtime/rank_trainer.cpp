@@ -21,7 +21,9 @@ namespace tessel::runtime {
 namespace {
 
 comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env,
-                            const layout::Plan& plan, int rank, int64_t store_generation) {
+                            const layout::Plan& plan, int rank, int64_t store_generation,
+                            double& seconds) {
+  const auto start = std::chrono::steady_clock::now();
   comm::GridLayout grid;
   grid.dp = plan.dp;
   grid.tp = plan.tp;
@@ -29,8 +31,10 @@ comm::ProcessGroups connect(const config::TrainConfig& cfg, const WorkerEnv& env
   if (plan.order == layout::RankOrder::dp_tp_pp)
     grid.order = {comm::Axis::kDp, comm::Axis::kTp, comm::Axis::kPp};
   const auto store = env.store(store_generation, cfg.comm_timeout_s);
-  return comm::connect_process_groups(store, grid, rank, plan.world(), store.timeout,
-                                      env.transport());
+  auto groups =
+      comm::connect_process_groups(store, grid, rank, plan.world(), store.timeout, env.transport());
+  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return groups;
 }
 
 std::shared_ptr<const data::TokenSource> open_data(const config::TrainConfig& cfg) {
@@ -82,7 +86,7 @@ RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const
       env(e),
       plan(p.with_defaults(c.model)),
       rank(rank_in_plan),
-      groups(connect(cfg, env, plan, rank, store_generation)),
+      groups(connect(cfg, env, plan, rank, store_generation, groups_connect_s)),
       tp_group(plan.tp > 1 ? std::make_unique<CommTpGroup>(*groups.tp) : nullptr),
       backend(donor != nullptr ? donor->backend
               : prepared != nullptr
@@ -101,6 +105,8 @@ RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const
       optimizer(std::make_unique<OptimizerStep>(stage, plan, groups, *backend, cfg.bucket_mb)),
       lr_schedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                   cfg.training.steps} {
+  if (env.signals) abort_signal_ = env.signals->of(store_generation);
+  install_layer_hooks();
   loader_ = std::make_unique<data::BatchLoader>(source, cfg.data.seq_len, cfg.data.seed,
                                                 cfg.data.eval_fraction);
   inputs_.resize(size_t(plan.micro_batch * plan.micro_batches * cfg.data.seq_len));
@@ -115,10 +121,26 @@ RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const
 }
 
 RankTrainer::~RankTrainer() {
+  arriving.reset();  // its thread writes into this world's buffers
   if (data_log_fd_ >= 0) ::close(data_log_fd_);
 }
 
+void RankTrainer::finish_arrival() {
+  if (!arriving) return;
+  const auto a = std::move(arriving);
+  try {
+    a->wait();
+  } catch (...) {
+    state_incomplete_ = a->receives();
+    throw;
+  }
+  if (a->receives())
+    spdlog::info("process {}: the optimizer state ({:.1f} MB) arrived {:.3f} s after the switch",
+                 env.rank, double(a->bytes_received()) / 1e6, a->seconds());
+}
+
 void RankTrainer::abort(const std::string& why) noexcept {
+  if (arriving) arriving->abort(why);
   groups.abort(why);
   save_cancelled_ = true;
   executor->abort();
@@ -126,11 +148,28 @@ void RankTrainer::abort(const std::string& why) noexcept {
 
 void RankTrainer::give_back(RankTrainer& donor) {
   stage.give_back(donor.stage, donor.tp_group.get());
+  donor.install_layer_hooks();
 }
 
-bool RankTrainer::release_unkept(const std::vector<bool>& kept) {
+void RankTrainer::install_layer_hooks() {
+  // A world being replaced (its generation's signal fired: a peer or its host was lost, the
+  // coordinator recovers) stops computing at the next layer instead of finishing a step that will
+  // be redone: on a lost host the survivors would otherwise compute on until they reach the
+  // collective that needs it. The step's optimizer update has not started, so the state is still
+  // the step boundary's.
+  if (!abort_signal_) return;
+  for (auto& ch : stage.chunks()) {
+    if (!ch.model) continue;
+    ch.model->set_layer_hook([signal = abort_signal_] {
+      if (signal->aborted())
+        throw PeerLostError(fmt::format("stopped computing the step: {}", signal->reason()));
+    });
+  }
+}
+
+void RankTrainer::release_unkept(const std::vector<bool>& kept) {
   optimizer->release();  // it points at the gradients
-  return stage.release_unkept(kept);
+  stage.release_unkept(kept);
 }
 
 // O_APPEND: lines of different processes do not mix. Written before any collective of the step,
@@ -165,6 +204,7 @@ double RankTrainer::train_step(double* grad_norm) {
                                   [this](int c) { return optimizer->on_last_backward(c); });
   const double norm = optimizer->reduce_gradients();
   *grad_norm = norm;
+  finish_arrival();
   optimizer->apply(
       cfg.optimizer.adamw_step(lr_schedule.at(step), step,
                                kernels::clip_factor(norm, float(cfg.training.grad_clip))),

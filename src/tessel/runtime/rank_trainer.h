@@ -20,6 +20,7 @@
 #include "tessel/layout/plan.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/reshard/transfer_plan.h"
+#include "tessel/runtime/arriving_state.h"
 #include "tessel/runtime/lr_schedule.h"
 #include "tessel/runtime/metrics.h"
 #include "tessel/runtime/optimizer_step.h"
@@ -38,9 +39,9 @@ class RankTrainer {
   // rank's stage: initialised from the seed when `init_params`, else zero (the state arrives by
   // resharding or from a checkpoint). `layout`: the plan's StateLayout when the caller has it
   // (else built here). For a live switch, `donor` is this process's old RankTrainer: chunks the
-  // transfer plan keeps in place are taken over from it instead of being rebuilt when their
-  // micro-batch size and activation slots match; `prepared` chunks (prepared_chunks.h) are used
-  // where nothing is taken over.
+  // transfer plan keeps in place are taken over from it instead of being rebuilt (only their
+  // activations are re-sized to the new micro-batching); `prepared` chunks (prepared_chunks.h)
+  // are used where nothing is taken over.
   RankTrainer(const config::TrainConfig& cfg, const WorkerEnv& env, const layout::Plan& plan,
               int rank, int64_t store_generation, bool init_params,
               std::shared_ptr<const layout::StateLayout> layout = nullptr,
@@ -65,7 +66,7 @@ class RankTrainer {
   void give_back(RankTrainer& donor);
   // Frees what a switch does not keep (stage.h: release_unkept) and stops the overlapped
   // all-reduce that points at it.
-  bool release_unkept(const std::vector<bool>& kept);
+  void release_unkept(const std::vector<bool>& kept);
 
   // Saves the whole state as checkpoint.dir/step-N (checkpoint/sharded_checkpoint.h): every
   // rank writes its share, then rank 0 publishes it. Collective over the world. A save that
@@ -81,17 +82,26 @@ class RankTrainer {
 
   void save_failed(const std::string& dir, int64_t at_step, const std::string& why);
 
-  // This rank's buffers in StateLayout order.
-  std::vector<std::span<float>> state_buffers() { return stage.state_buffers(); }
+  // This rank's buffers in StateLayout order (complete: after finish_arrival()).
+  std::vector<std::span<float>> state_buffers() {
+    finish_arrival();
+    return stage.state_buffers();
+  }
   const layout::StateLayout& layout() const { return stage.layout(); }
   // True while a ZeRO-1 update is half applied (owned range stepped, parameters not yet
-  // gathered): a failure then leaves this rank's state inconsistent.
-  bool updating() const { return optimizer->updating(); }
+  // gathered), and after the optimizer state a switch was moving here failed to arrive: a
+  // failure then leaves this rank's state inconsistent.
+  bool updating() const { return optimizer->updating() || state_incomplete_; }
+  // Waits for the optimizer state still arriving from a switch (`arriving`), if any; rethrows
+  // the transfer's error (the state is then incomplete, see updating()). Called before the first
+  // optimizer update and before anything reads or replaces the state.
+  void finish_arrival();
 
   const config::TrainConfig& cfg;
   WorkerEnv env;
-  layout::Plan plan;  // defaults applied
-  int rank = 0;       // in this generation's world
+  layout::Plan plan;            // defaults applied
+  int rank = 0;                 // in this generation's world
+  double groups_connect_s = 0;  // how long connecting `groups` took (part of a switch's pause)
   comm::ProcessGroups groups;
   std::unique_ptr<CommTpGroup> tp_group;
   // Shared with the next generation's RankTrainer, which may take over models that refer to it.
@@ -106,11 +116,19 @@ class RankTrainer {
   MetricsWriter metrics;         // output.metrics (rank 0)
   double pipeline_idle = 0;      // last step: share of the pipeline phase all ranks spent waiting
   bool cancelled_save_checked = false;  // see ParallelTrainer::run
+  // The optimizer state the switch into this world still moves here (arriving_state.h).
+  std::unique_ptr<ArrivingState> arriving;
 
  private:
   // One line of output.data_order for the samples this replica has just loaded for step + 1.
   void log_data_order(int64_t first, int64_t count) const;
 
+  // Makes every model of the stage stop at its next layer once abort_signal_ fires.
+  void install_layer_hooks();
+
+  // This generation's abort signal (elastic processes; null for a fixed launch).
+  std::shared_ptr<comm::AbortSignal> abort_signal_;
+  bool state_incomplete_ = false;  // the arriving optimizer state did not all arrive
   std::unique_ptr<data::BatchLoader> loader_;
   std::vector<int32_t> inputs_, targets_;  // this replica's share of the global batch
   // Set when a peer failed: a background save then stops waiting for the other ranks' files.

@@ -50,9 +50,10 @@ Stage::Stage(const config::TrainConfig& cfg, std::shared_ptr<const layout::State
     const int peak = slots[size_t(c)];
     if (const int d = kept(c, StateKind::param); d >= 0) {
       auto& old = sources.donor->chunks_[size_t(d)].model;
-      if (old && !old->training_buffers_released() && old->activation_slots() == peak &&
-          sources.donor->micro_batch_ == micro_batch) {
+      if (old && !old->training_buffers_released()) {
         old->rebind_tp_group(tp);
+        // Only the activations depend on the micro-batching: the parameters stay in place.
+        old->reshape(micro_batch, peak);
         // A step that failed half-way (a recovery) left partial sums in the gradients.
         old->zero_grad();
         ch.model = std::move(old);
@@ -66,6 +67,7 @@ Stage::Stage(const config::TrainConfig& cfg, std::shared_ptr<const layout::State
     if (!ch.model)
       ch.model = std::make_unique<model::Transformer>(cfg.model, backend, micro_batch,
                                                       int(cfg.data.seq_len), ch.range, tp, peak);
+    ch.slots = peak;
     ch.slot_of.assign(size_t(plan.micro_batches), -1);
     for (int i = peak - 1; i >= 0; --i) ch.free_slots.push_back(i);
     if (init_params) ch.model->init(cfg.training.seed);
@@ -122,6 +124,7 @@ void Stage::give_back(Stage& donor, model::TpGroup* donor_tp) {
     if (t.kind == StateKind::param) {
       theirs.model = std::move(mine.model);
       theirs.model->rebind_tp_group(donor_tp);
+      theirs.model->reshape(donor.micro_batch_, theirs.slots);
     } else if (t.kind == StateKind::adam_m) {
       theirs.adam_m = std::move(mine.adam_m);
     } else {
@@ -131,15 +134,12 @@ void Stage::give_back(Stage& donor, model::TpGroup* donor_tp) {
   taken_.clear();
 }
 
-bool Stage::release_unkept(const std::vector<bool>& kept) {
-  bool released = false;
+void Stage::release_unkept(const std::vector<bool>& kept) {
   for (size_t c = 0; c < chunks_.size(); ++c) {
     auto& m = chunks_[c].model;
     if ((c < kept.size() && kept[c]) || !m || m->training_buffers_released()) continue;
     m->release_training_buffers();
-    released = true;
   }
-  return released;
 }
 
 void Stage::dump_params(const std::string& dir, int tp_rank, int tp_size) const {

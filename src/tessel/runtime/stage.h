@@ -38,6 +38,7 @@ struct Chunk {
   bool tied_copy = false;  // the head stage's copy (left out of the gradient norm)
   // Activation slots: slot_of[mb] is the slot holding micro-batch mb's activations (-1: none);
   // a forward takes a free slot, its backward gives it back.
+  int slots = 1;  // activation slots: the schedule's peak of micro-batches in flight
   std::vector<int> slot_of;
   std::vector<int> free_slots;
   int backwards_done = 0;  // this step's backwards so far (the M-th completes the gradients)
@@ -80,8 +81,8 @@ class Stage {
   void give_back(Stage& donor, model::TpGroup* donor_tp);
 
   // Frees the gradients and activations of the chunks not marked in `kept` (they are not state;
-  // a switch needs the memory). Returns whether anything was freed.
-  bool release_unkept(const std::vector<bool>& kept);
+  // a switch needs the memory).
+  void release_unkept(const std::vector<bool>& kept);
 
   // Writes <dir>/rank<R>.params: for every parameter view of every chunk, a text line
   // "<name> <numel> <tp_rank> <tp_size>\n" followed by numel raw native floats (this rank's local

@@ -388,8 +388,9 @@ const layout::Plan& TrainConfig::plan_at(int64_t step) const {
   return plan_of_generation(generation_at(step));
 }
 
-layout::Plan TrainConfig::plan_for_workers(int workers) const {
-  return planner::plan_for_workers({model, training.global_batch, data.seq_len, workers, source});
+layout::Plan TrainConfig::plan_for_workers(int workers, int prefer_micro_batch) const {
+  return planner::plan_for_workers(
+      {model, training.global_batch, data.seq_len, workers, source, prefer_micro_batch});
 }
 
 int TrainConfig::max_workers() const {

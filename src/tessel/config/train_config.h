@@ -195,7 +195,8 @@ struct TrainConfig {
   int max_workers() const;
   // The planner's plan for this run's model and batch on `workers` local worker processes
   // (planner/local_plan.h); throws ConfigError with the planner's reason when none fits.
-  layout::Plan plan_for_workers(int workers) const;
+  // `prefer_micro_batch`: planner::LocalPlanRequest::prefer_micro_batch.
+  layout::Plan plan_for_workers(int workers, int prefer_micro_batch = 0) const;
 
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);

@@ -72,9 +72,12 @@ Reconfiguration decide_recovery(const config::TrainConfig& cfg, const RecoveryIn
                               in.max_workers);
   std::string why_not;
   int workers = wanted;
+  // Survivors that keep their micro-batch size keep their activations (no fresh memory touched
+  // in the pause), where the planner sees no cost in it.
+  const int micro_batch = source != nullptr ? int(source->front()->plan.micro_batch) : 0;
   for (; workers >= 1; --workers) {
     try {
-      m.to = cfg.plan_for_workers(workers);
+      m.to = cfg.plan_for_workers(workers, micro_batch);
       break;
     } catch (const ConfigError& e) {
       if (why_not.empty()) why_not = e.what();

@@ -41,12 +41,24 @@ layout::Plan plan_for_workers(const LocalPlanRequest& r) {
   req.precision = Precision::fp32;
   req.options.recompute = {false};
   req.options.zero_stages = {0, 1};
-  req.options.top_k = 1;
+  req.options.top_k = r.prefer_micro_batch > 0 ? 64 : 1;
   const auto result = search(req);
   TESSEL_CHECK(!result.ranked.empty(), ConfigError,
                "{}: no layout of model '{}' fits {} workers: {}", r.source, r.model.name, workers,
                result.infeasible);
-  return result.ranked.front().plan;
+  const auto& best = result.ranked.front();
+  // Only the micro-batching may differ from the best layout (a tensor-parallel layout may cost
+  // the same, but it holds no replica a later failure could recover from).
+  auto same_layout = [&](layout::Plan p) {
+    p.micro_batch = best.plan.micro_batch;
+    p.micro_batches = best.plan.micro_batches;
+    return p == best.plan;
+  };
+  for (const auto& c : result.ranked)
+    if (c.plan.micro_batch == r.prefer_micro_batch && same_layout(c.plan) &&
+        c.step_s <= best.step_s * (1 + kKeepMicroBatchSlack))
+      return c.plan;
+  return best.plan;
 }
 
 }  // namespace tessel::planner

@@ -17,13 +17,21 @@ struct LocalPlanRequest {
   int seq = 0;               // tokens per sample
   int workers = 0;           // worker processes on this machine
   std::string source;        // where the request comes from (a config file), for messages
+  // A recovery's survivors hold activations for micro-batches of this size (0: no preference).
+  // The best layout (dp, tp, pp, schedule, ZeRO) stays; its micro-batching keeps this size when
+  // that is predicted within kKeepMicroBatchSlack of the best: a recovery is not prepared ahead,
+  // and re-sizing the activations means touching fresh memory during the pause
+  // (bench/README.md, cluster).
+  int prefer_micro_batch = 0;
 };
+
+inline constexpr double kKeepMicroBatchSlack = 0.02;
 
 // The planner's best plan (planner/search.h) for `r.workers` worker processes on this machine,
 // training `r.model` in fp32: the cluster is one host of `workers` CPU devices sharing its memory,
 // with nominal rates (only their ratios steer the choice). Restricted to what the multi-worker
-// runtime runs: ZeRO 0 or 1, no activation recompute. Throws ConfigError with the planner's
-// reason when no layout fits.
+// runtime runs: ZeRO 0 or 1, no activation recompute (with r.prefer_micro_batch, see above).
+// Throws ConfigError with the planner's reason when no layout fits.
 layout::Plan plan_for_workers(const LocalPlanRequest& r);
 
 }  // namespace tessel::planner

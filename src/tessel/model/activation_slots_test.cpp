@@ -4,33 +4,23 @@
 
 #include <cstring>
 #include <memory>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
+#include "tessel/model/batch_test_util.h"
 #include "tessel/model/transformer.h"
 
 namespace tessel::model {
 namespace {
 
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
+using test_util::Batch;
+using test_util::copy_of;
 
 Batch random_batch(int n, int V, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Batch b;
-  for (int i = 0; i < n; ++i) b.tokens.push_back(int32_t(rng() % uint64_t(V)));
-  for (int i = 0; i < n; ++i) b.targets.push_back(i % 5 == 4 ? -1 : int32_t(rng() % uint64_t(V)));
-  return b;
-}
-
-std::vector<float> copy_of(const Tensor& t) {
-  const float* d = t.data<float>();
-  return {d, d + t.numel()};
+  return test_util::random_batch(n, V, seed, 5);
 }
 
 class ActivationSlots : public ::testing::TestWithParam<const char*> {};

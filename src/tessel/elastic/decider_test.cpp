@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <set>
 
 #include "tessel/comm/memory_store.h"
 #include "tessel/config/config_test_util.h"
@@ -287,6 +288,27 @@ TEST(RecordFeed, FollowsRecordsAndIgnoresWhatNoCoordinatorWrote) {
   job.progress(1, 4);
   ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.progress.step == 4; }, deadline));
   EXPECT_NE(feed.view().record(1), nullptr);
+}
+
+// The processes a switch starts report their buffers built; a scale-up's members wait for that.
+TEST(RecordFeed, KnowsWhichStartedProcessesHaveBuiltTheirBuffers) {
+  Job job;
+  RecordFeed feed(job.store, "j");
+  EXPECT_TRUE(feed.prepared(3, {}));
+  EXPECT_FALSE(feed.prepared(3, {4}));
+  job.store->set(prepared_key("j", 3, 4), "built");
+  job.store->set("/tessel/j/reports/prepared/x/5", "built");  // a hand edit: ignored
+  job.store->set(prepared_key("j", 2, 5), "built");           // another generation's
+  job.progress(0, 1);
+  const auto deadline = RecordFeed::Clock::now() + 5s;
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.progress.step == 1; }, deadline));
+  EXPECT_TRUE(feed.prepared(3, {4}));
+  EXPECT_FALSE(feed.prepared(3, {4, 5}));
+  job.store->set(prepared_key("j", 3, 5), "built");
+  job.progress(0, 2);
+  ASSERT_TRUE(feed.wait_until([](const auto& v) { return v.progress.step == 2; }, deadline));
+  EXPECT_TRUE(feed.prepared(3, {4, 5}));
+  EXPECT_EQ(feed.view().prepared.at(2), (std::set<int>{5}));
 }
 
 // A feed that fell behind the store's history (events lost to it) reads the keys again.

@@ -172,6 +172,14 @@ std::string leaving_key(const std::string& job, int process) {
   return leaving_prefix(job) + std::to_string(process);
 }
 
+std::string prepared_prefix(const std::string& job, int generation) {
+  return job_prefix(job) + "reports/prepared/" + std::to_string(generation) + "/";
+}
+
+std::string prepared_key(const std::string& job, int generation, int process) {
+  return prepared_prefix(job, generation) + std::to_string(process);
+}
+
 std::string stop_key(const std::string& job) {
   return job_prefix(job) + "decisions/stop";
 }

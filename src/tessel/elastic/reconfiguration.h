@@ -132,6 +132,10 @@ std::string alive_key(const std::string& job, int process);
 // reports/leaving/<process>: the process received SIGTERM and asks to be switched out.
 std::string leaving_prefix(const std::string& job);
 std::string leaving_key(const std::string& job, int process);
+// reports/prepared/<g>/<process>: a process started for the switch to generation g has built its
+// buffers (a scale-up waits a few boundaries for them rather than pausing for the build).
+std::string prepared_prefix(const std::string& job, int generation);
+std::string prepared_key(const std::string& job, int generation, int process);
 // decisions/stop: the job stops (its reason as the value): every world saves at its next step
 // boundary and its processes exit.
 std::string stop_key(const std::string& job);

@@ -1,5 +1,7 @@
 #include "tessel/elastic/record_feed.h"
 
+#include <cstring>
+
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 
@@ -52,6 +54,16 @@ void RecordFeed::apply(const comm::KeyValue& kv, bool erased) {
       auto reason = nlohmann::json::parse(kv.value).at("reason").get<std::string>();
       std::lock_guard lock(mu_);
       view_.stop = reason.empty() ? "stopped" : std::move(reason);
+    } else if (kv.key.rfind(job_prefix(job_) + "reports/prepared/", 0) == 0) {
+      // reports/prepared/<g>/<process>
+      const std::string rest =
+          kv.key.substr(job_prefix(job_).size() + std::strlen("reports/prepared/"));
+      const auto slash = rest.find('/');
+      const int g = slash == std::string::npos ? -1 : key_number("", rest.substr(0, slash));
+      const int process = g < 0 ? -1 : key_number(prepared_prefix(job_, g), kv.key);
+      TESSEL_CHECK(g >= 0 && process >= 0, CorruptDataError, "{} is no prepared report", kv.key);
+      std::lock_guard lock(mu_);
+      view_.prepared[g].insert(process);
     } else if (kv.key == progress_key(job_)) {
       auto p = Progress::from_json(nlohmann::json::parse(kv.value), kv.key);
       std::lock_guard lock(mu_);
@@ -127,6 +139,14 @@ int64_t RecordFeed::failure() const {
 std::string RecordFeed::stop() const {
   std::lock_guard lock(mu_);
   return view_.stop;
+}
+
+bool RecordFeed::prepared(int g, const std::vector<int>& processes) const {
+  std::lock_guard lock(mu_);
+  const auto it = view_.prepared.find(g);
+  for (int p : processes)
+    if (it == view_.prepared.end() || !it->second.contains(p)) return false;
+  return true;
 }
 
 bool RecordFeed::wait_until(const std::function<bool(const View&)>& done,

@@ -16,8 +16,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tessel/comm/control_store.h"
 #include "tessel/elastic/reconfiguration.h"
@@ -41,6 +43,8 @@ class RecordFeed {
     int64_t failure = 0;                     // the newest failure being recovered from (0: none)
     Progress progress;                       // rank 0's newest report
     std::string stop;  // why the job stops (decisions/stop; empty: it does not)
+    // By generation: the processes started for its switch that have built their buffers.
+    std::map<int, std::set<int>> prepared;
     std::string lost;  // why the store cannot be followed (empty: it can)
 
     const Reconfiguration* record(int g) const {
@@ -55,6 +59,8 @@ class RecordFeed {
   std::optional<Reconfiguration> record(int g) const;
   int64_t failure() const;
   std::string stop() const;
+  // Whether every one of `processes` reported its buffers for generation g built. Cheap.
+  bool prepared(int g, const std::vector<int>& processes) const;
 
   // Waits until `done(view)` holds and returns it, or returns false at `deadline`. Throws
   // PeerLostError when the store stopped answering before that.

@@ -363,6 +363,24 @@ std::optional<Reconfiguration> ElasticWorker::next_switch() {
   Reconfiguration sw;
   if (preparing && preparing->sw.generation == g) {
     if (preparing->at_step > b) return std::nullopt;
+    // A scale-up waits, a boundary at a time and at most elastic.prepare_steps of them, until the
+    // processes it starts and every member have built their buffers: the pause is then the
+    // transfer's, not the rest of a build (one on cores shared with training can take longer than
+    // the steps it was given). The ranks agree on it; a timeline switch keeps its step.
+    const bool timeline_next =
+        next_static < cfg.timeline.size() && cfg.timeline[next_static].at_step <= b + 1;
+    if (!preparing->sw.timeline && preparing->waited < cfg.prepare_steps &&
+        b + 1 < cfg.training.end_step() && !timeline_next) {
+      const bool built =
+          !preparing->chunks.valid() ||
+          preparing->chunks.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+      int64_t waiting = built && feed->prepared(g, preparing->sw.spawn) ? 0 : 1;
+      world->groups.world->all_reduce_sum(&waiting, 1);
+      if (waiting > 0) {
+        ++preparing->waited;
+        return std::nullopt;
+      }
+    }
     sw = preparing->sw;  // the buffers stay in `preparing` for transition()
   } else {
     int64_t at = r.at_step >= 0 ? r.at_step : b;
@@ -422,6 +440,7 @@ std::optional<PreparedChunks> ElasticWorker::take_prepared(const Reconfiguration
   auto p = std::move(*preparing);
   preparing.reset();
   record["announced_at_step"] = p.sw.step;
+  if (p.waited > 0) record["waited_for_builds_steps"] = p.waited;
   if (!p.chunks.valid()) return {};
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -458,13 +477,20 @@ std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration
   const int new_rank = index_of(announced.to_members, env.rank);
   Preparation p;
   p.sw = announced;
-  p.chunks = std::async(std::launch::async, [this, to = announced.to, new_rank] {
-    return prepare_chunks(
+  const int g = announced.generation;
+  p.chunks = std::async(std::launch::async, [this, to = announced.to, new_rank, g] {
+    auto chunks = prepare_chunks(
         cfg, to, new_rank,
         std::shared_ptr<kernels::Backend>(kernels::make_backend(cfg.training.backend)), {});
+    // A scale-up's members switch once every process it starts has said so (boundary above).
+    try {
+      control->set(elastic::prepared_key(env.job_id, g, env.rank), "built");
+    } catch (const std::exception& e) {
+      spdlog::warn("process {}: could not report its buffers built: {}", env.rank, e.what());
+    }
+    return chunks;
   });
   preparing = std::move(p);
-  const int g = announced.generation;
   const auto limit = recovery_deadline(cfg.comm_timeout_s) * (cfg.prepare_steps + 1);
   const auto deadline = RecordFeed::Clock::now() + limit;
   // The go: rank 0 began the switch (or, its report overwritten since, finished it: that needed

@@ -83,6 +83,7 @@ struct ElasticWorker {
     std::future<PreparedChunks> chunks;  // invalid: this process prepares nothing
     // The transfer, planned at the announcement (null: to be planned at the switch).
     std::shared_ptr<const PlannedSwitch> planned;
+    int waited = 0;  // boundaries past at_step a scale-up waited for the builds
   };
   std::optional<Preparation> preparing;
   // When the newest step ended (Unix time): a switch's control-plane share of its pause runs

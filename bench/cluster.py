@@ -39,6 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from plans import timeline_entry  # noqa: E402
 from soak import JsonLines  # noqa: E402  (an append-only JSON-lines file read as it grows)
 
 SEQ = 64
@@ -220,8 +221,7 @@ elastic: {{heartbeat_timeout_s: 2{control}}}
 output: {{metrics: {self.work}/{name}metrics.jsonl, events: {self.work}/{name}events.jsonl, data_order: {self.work}/{name}order.jsonl}}
 """
         if timeline:
-            text += "timeline:\n" + "".join(f"  - {{at_step: {s}, parallel: {parallel_of(p)}}}\n"
-                                            for s, p in timeline)
+            text += "timeline:\n" + "".join(timeline_entry(s, p) for s, p in timeline)
         path = self.work / f"{name or 'cluster.'}yaml"
         path.write_text(text)
         return path
@@ -325,18 +325,6 @@ output: {{metrics: {self.work}/{name}metrics.jsonl, events: {self.work}/{name}ev
         by = {m["step"]: m for _, m in metrics}
         return {s: m["time"] - m["step_s"] - by[s - 1]["time"] for s, m in by.items()
                 if s - 1 in by}
-
-
-def parallel_of(described):
-    """A `parallel:` block for a plan as events describe it ("dp=2 tp=1 pp=1 v=1 mb=6x1 1f1b
-    zero0"): the reference replays the very plans the cluster ran (a recovery keeps the
-    survivors' micro-batch size where the planner sees no cost in it, which a timeline entry of
-    `workers: N` would not)."""
-    f = dict(w.split("=") for w in described.split() if "=" in w)
-    words = described.split()
-    return (f"{{dp: {f['dp']}, tp: {f['tp']}, pp: {f['pp']}, virtual_stages: {f['v']}, "
-            f"micro_batch: {f['mb'].split('x')[0]}, schedule: {words[5]}, "
-            f"zero_stage: {words[6].removeprefix('zero')}}}")
 
 
 def main():

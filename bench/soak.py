@@ -34,8 +34,8 @@ At the end `tessel train` is stopped (SIGTERM) and checked:
                     job's TMPDIR, sockets in its control directory, new entries in /dev/shm
   checkpoints_lost  checkpoints that no fault damaged but that do not verify, plus resumes from
                     a checkpoint older than the newest intact one
-  loss_matches      a reference run without faults, whose timeline replays the worker counts the
-                    soak ran each step with (from the events and the restarts), gives bit-equal
+  loss_matches      a reference run without faults, whose timeline replays the plans the soak
+                    ran each step with (from the events and the restarts), gives bit-equal
                     losses at every step the soak logged
   samples_exactly_once  the data-order log: for every step, the lines of the last run and
                     generation that trained it cover its window of the sample order exactly
@@ -52,6 +52,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from plans import timeline_entry, workers_of
 
 SEQ = 64
 GLOBAL_BATCH = 24
@@ -84,8 +86,7 @@ output: {{metrics: {name}.metrics.jsonl, events: {name}.events.jsonl, data_order
         text += (f"checkpoint: {{dir: ck, every: {CHECKPOINT_EVERY}, keep: 2, async: true, "
                  f"resume: true}}\n")
     if timeline:
-        text += "timeline:\n" + "".join(f"  - {{at_step: {s}, workers: {w}}}\n"
-                                         for s, w in timeline)
+        text += "timeline:\n" + "".join(timeline_entry(s, w) for s, w in timeline)
     return text
 
 
@@ -536,9 +537,10 @@ class Soak:
 
 
 def plan_history(job):
-    """[(at_step, workers)] change points of the worker count the final history ran with: a
-    change point (a, w) means steps after a ran on w workers; an event or a resume at step s
-    replaces everything after s."""
+    """[(at_step, plan)] change points of the plans the final history ran with: a change point
+    (a, p) means steps after a ran with p -- a described plan from an event, or a worker count
+    (a resume starts on the config's plan, the planner's for MAX_WORKERS); an event or a resume
+    at step s replaces everything after s."""
     points = [(0, MAX_WORKERS)]
 
     def at(step, workers):
@@ -556,7 +558,7 @@ def plan_history(job):
         end = run_starts[i + 1] if i + 1 < len(run_starts) else float("inf")
         for off, e in events:
             if run["events"] <= off < end:
-                at(e["step"], e["new_workers"])
+                at(e["step"], e["new_plan"])
     timeline = []
     for s, w in points:
         if (timeline[-1][1] if timeline else MAX_WORKERS) != w:
@@ -624,7 +626,7 @@ def run_reference(args, work, env, timeline, final_step):
         config_text(args, "reference", checkpoint=False, timeline=timeline, stop_at=final_step))
     for p in ("reference.metrics.jsonl", "reference.events.jsonl", "reference.order.jsonl"):
         (work / p).unlink(missing_ok=True)
-    nproc = max([MAX_WORKERS] + [w for _, w in timeline])
+    nproc = max([MAX_WORKERS] + [workers_of(w) for _, w in timeline])
     with open(work / "reference.log", "w") as out:
         rc = subprocess.run([args.tessel, "train", "reference.yaml", "--nproc", str(nproc)],
                             cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -706,7 +708,7 @@ def main():
         soak.log(f"data order: {b}")
 
     timeline = plan_history(job)
-    soak.log(f"reference run: {final_step} steps, {len(timeline)} worker-count changes")
+    soak.log(f"reference run: {final_step} steps, {len(timeline)} plan changes")
     t = time.monotonic()
     ref = run_reference(args, work, env, timeline, final_step)
     soak.log(f"reference run took {time.monotonic() - t:.0f} s")

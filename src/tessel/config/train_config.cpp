@@ -35,7 +35,19 @@ model::ModelConfig read_model(YamlSection s) {
   if (s.has("family")) {
     std::string family;
     s.read("family", family);
-    m.family = model::parse_family(family);
+    const auto f = model::parse_family(family);
+    // A family other than the preset's (or no preset) brings its own defaults: a llama has no
+    // biases and no tied head unless the section says so.
+    if (preset.empty() || f != m.family) {
+      const auto d = model::ModelConfig::family_defaults(f);
+      m.family = f;
+      m.tie_embeddings = d.tie_embeddings;
+      m.bias = d.bias;
+      if (preset.empty()) {
+        m.norm_eps = d.norm_eps;
+        m.rope_theta = d.rope_theta;
+      }
+    }
   }
   s.read("name", m.name);
   s.read("n_layer", m.n_layer);
@@ -49,9 +61,13 @@ model::ModelConfig read_model(YamlSection s) {
   s.read("rope_theta", m.rope_theta);
   s.read("tie_embeddings", m.tie_embeddings);
   s.read("bias", m.bias);
-  // A preset's kv heads follow its heads unless set: changing n_head alone keeps MHA models MHA.
-  if (s.has("n_head") && !s.has("n_kv_head") && m.family == model::Family::gpt2)
+  // A preset's kv heads follow its heads unless set: changing n_head alone keeps MHA models MHA
+  // (a preset's GQA stays); a model without a preset is MHA unless n_kv_head says otherwise.
+  if (s.has("n_head") && !s.has("n_kv_head") && (m.family == model::Family::gpt2 || preset.empty()))
     m.n_kv_head = m.n_head;
+  // Without a preset the MLP width follows the family's rule unless given.
+  if (preset.empty() && !s.has("ffn_hidden") && m.n_embd > 0)
+    m.ffn_hidden = model::ModelConfig::default_ffn_hidden(m.family, m.n_embd);
   if (m.name.empty()) m.name = preset.empty() ? "custom" : preset;
   s.reject_unknown_keys();
   return m;

@@ -127,6 +127,39 @@ TEST(TrainConfig, HeadsThatDoNotDivideHiddenAreRejected) {
   EXPECT_NE(msg.find("n_head"), std::string::npos) << msg;
 }
 
+// A model section without a preset takes its family's defaults: a llama has no biases and no
+// tied head, and is MHA with Meta's MLP width unless the section says otherwise.
+TEST(TrainConfig, AModelWithoutAPresetFollowsItsFamily) {
+  TempDir dir;
+  auto model = [&](const std::string& section) {
+    return TrainConfig::load(write(dir, "model: {" + section +
+                                            ", n_layer: 2, n_embd: 64, n_head: 4, vocab_size: "
+                                            "300, max_seq_len: 128}\ndata: {path: x.tok}\n"))
+        .model;
+  };
+  const auto llama = model("family: llama");
+  EXPECT_FALSE(llama.bias);
+  EXPECT_FALSE(llama.tie_embeddings);
+  EXPECT_EQ(llama.n_kv_head, 4);
+  EXPECT_EQ(llama.ffn_hidden, 256);  // 2/3 of 4 x 64 = 171, up to a multiple of 256
+  EXPECT_EQ(model::ModelConfig::default_ffn_hidden(model::Family::llama, 4096), 11008);
+  const auto gqa = model("family: llama, n_kv_head: 2, ffn_hidden: 96, tie_embeddings: true");
+  EXPECT_EQ(gqa.n_kv_head, 2);
+  EXPECT_EQ(gqa.ffn_hidden, 96);
+  EXPECT_TRUE(gqa.tie_embeddings);
+  const auto gpt2 = model("family: gpt2");
+  EXPECT_TRUE(gpt2.bias);
+  EXPECT_TRUE(gpt2.tie_embeddings);
+  EXPECT_EQ(gpt2.ffn_hidden, 256);
+  // Asked for explicitly, a llama's biases are still refused, by name.
+  try {
+    model("family: llama, bias: true");
+    ADD_FAILURE() << "a llama with biases loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("bias"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TrainConfig, MicroBatchMustDivideGlobalBatch) {
   TempDir dir;
   auto msg = error_of<ConfigError>(write(dir,

@@ -158,6 +158,22 @@ const std::map<std::string, std::function<ModelConfig()>, std::less<>>& presets(
 
 }  // namespace
 
+ModelConfig ModelConfig::family_defaults(Family family) {
+  ModelConfig c;
+  c.family = family;
+  c.norm_eps = 1e-5f;
+  c.rope_theta = 1e4f;
+  c.tie_embeddings = family == Family::gpt2;
+  c.bias = family == Family::gpt2;
+  return c;
+}
+
+int ModelConfig::default_ffn_hidden(Family family, int n_embd) {
+  if (family == Family::gpt2) return 4 * n_embd;
+  const int hidden = (2 * 4 * n_embd + 2) / 3;  // 2/3 of 4C, rounded up
+  return (hidden + 255) / 256 * 256;
+}
+
 ModelConfig ModelConfig::preset(std::string_view name) {
   const auto& table = presets();
   auto it = table.find(name);

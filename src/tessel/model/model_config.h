@@ -47,6 +47,12 @@ struct ModelConfig {
 
   // A named preset; throws ConfigError listing the known names for an unknown one.
   static ModelConfig preset(std::string_view name);
+  // What a model of `family` has unless told otherwise (no sizes): gpt2 has biases and a tied
+  // head; llama has neither (RMSNorm, SwiGLU and RoPE follow from the family itself).
+  static ModelConfig family_defaults(Family family);
+  // The MLP width a family uses for n_embd C when none is given: gpt2 4C; llama 2/3 of 4C rounded
+  // up to a multiple of 256 (Meta's rule: 4096 -> 11008).
+  static int default_ffn_hidden(Family family, int n_embd);
   static std::vector<std::string> preset_names();
 };
 

@@ -71,12 +71,18 @@ struct ReferenceTrainer::Impl {
             {adam_m.data<float>(), size_t(adam_m.numel())},
             {adam_v.data<float>(), size_t(adam_v.numel())}};
   }
-  layout::StateLayout state_layout() const {
-    return layout::StateLayout::build(cfg.model, layout::Plan{}.with_defaults(cfg.model));
+  // The one-rank plan this loop runs: training.micro_batch samples per forward/backward, the
+  // global batch in global_batch / micro_batch of them (what a checkpoint's meta records).
+  layout::Plan plan() const {
+    layout::Plan p;
+    p.micro_batch = cfg.training.micro_batch;
+    p.micro_batches = cfg.training.global_batch / cfg.training.micro_batch;
+    return p.with_defaults(cfg.model);
   }
+  layout::StateLayout state_layout() const { return layout::StateLayout::build(cfg.model, plan()); }
 
   nlohmann::json checkpoint_meta() const {
-    return checkpoint::checkpoint_meta(cfg, layout::Plan{}.with_defaults(cfg.model), step, cursor);
+    return checkpoint::checkpoint_meta(cfg, plan(), step, cursor);
   }
 
   // Continues from the newest checkpoint in checkpoint.dir, which may have been saved by any

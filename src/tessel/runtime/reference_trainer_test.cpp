@@ -6,11 +6,13 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/config/config_test_util.h"
 #include "tessel/core/error.h"
 #include "tessel/data/token_dataset.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/step_check_test_util.h"
+#include "tessel/store/checkpoint_store.h"
 #include "tessel/tensor/allocator.h"
 
 namespace tessel::runtime {
@@ -74,6 +76,12 @@ TEST(ReferenceTrainer, ResumeContinuesWithTheSameLosses) {
     auto first_cfg = TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset));
     first_cfg.training.steps = 5;  // stops after step 5; the newest checkpoint is at step 5
     ReferenceTrainer(first_cfg).run();
+    // The checkpoint records the micro-batching that ran: 2 samples, 2 micro-batches a step.
+    const auto saved = checkpoint::latest_sharded_checkpoint((dir.path() / "ck").string());
+    ASSERT_TRUE(saved.has_value());
+    const auto plan = layout::plan_from_json(store::CheckpointReader(*saved).meta().at("plan"));
+    EXPECT_EQ(plan.micro_batch, 2);
+    EXPECT_EQ(plan.micro_batches, 2);
     ReferenceTrainer resumed(
         TrainConfig::load(write_config(dir, corpus, train + ckpt, "b.yaml", preset)));
     EXPECT_EQ(resumed.step(), 5);

@@ -201,6 +201,7 @@ ClusterSpec ClusterSpec::with_devices(int devices) const {
   ClusterSpec c = *this;
   if (devices <= devices_per_host) {
     c.hosts = 1;
+    c.host_capacity = whole_host_devices();
     c.devices_per_host = devices;
   } else {
     TESSEL_CHECK(devices % devices_per_host == 0, ConfigError,

@@ -35,6 +35,7 @@
 // reduce-scatter, all-gather); they default to the point-to-point values.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -99,17 +100,21 @@ struct ClusterSpec {
   std::string name;
   int hosts = 1;
   int devices_per_host = 1;
+  // The devices a whole host of this kind has, when this cluster uses only part of one
+  // (with_devices below a host); 0: devices_per_host. A cluster grows by whole hosts.
+  int host_capacity = 0;
   DeviceSpec device;
   LinkSpec intra_host;
   LinkSpec inter_host;
 
   int num_devices() const { return hosts * devices_per_host; }
+  int whole_host_devices() const { return std::max(devices_per_host, host_capacity); }
   // The host of global device index d (devices are numbered host by host).
   int host_of(int device) const { return device / devices_per_host; }
 
-  // This cluster resized to `devices` in all: one host of `devices` when it is at most a host,
-  // else devices / devices_per_host hosts. Throws ConfigError when `devices` is not positive or
-  // not a multiple of devices_per_host.
+  // This cluster resized to `devices` in all: one host of `devices` when it is at most a host
+  // (host_capacity keeps the host's size), else devices / devices_per_host hosts. Throws
+  // ConfigError when `devices` is not positive or not a multiple of devices_per_host.
   ClusterSpec with_devices(int devices) const;
 
   // Throws ConfigError naming the field and the fix.

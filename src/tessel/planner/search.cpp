@@ -466,8 +466,10 @@ SearchResult Searcher::run() {
 
 int64_t Searcher::smallest_fitting_world() {
   // Add hosts one at a time (then in growing steps, to bound the work) until the most frugal
-  // setting of some layout fits. The global batch is left out: the answer is about memory.
-  const int64_t per_host = req_.cluster.devices_per_host;
+  // setting of some layout fits. The global batch is left out: the answer is about memory. Hosts
+  // are whole ones of this kind, also when the request used part of one (--gpus 1 of a DGX), so
+  // the answer does not depend on how many of a host's devices were asked for.
+  const int64_t per_host = req_.cluster.whole_host_devices();
   int64_t step = per_host;
   for (int64_t w = (N_ / per_host + 1) * per_host, tries = 0;
        w <= int64_t(N_) * 1024 && w < (1 << 24); w += step, ++tries) {

@@ -251,6 +251,26 @@ TEST(Search, ModelThatFitsNowhereSaysWhatWouldFit) {
   EXPECT_FALSE(search(req).feasible()) << need - 8;
 }
 
+// The hint is the search's own minimum for hosts of this kind, whatever part of a host was asked
+// for: 1, 4 or 8 devices of a DGX give the same answer (whole 8-device hosts, tp up to 8).
+TEST(Search, TheDeviceHintDoesNotDependOnThePartOfAHostAskedFor) {
+  std::vector<std::string> hints;
+  for (int devices : {1, 4, 8}) {
+    SearchRequest req;
+    req.model = model::ModelConfig::preset("gpt3-175b");
+    req.cluster = ClusterSpec::preset("dgx-a100").with_devices(devices);
+    req.global_batch = 8;
+    req.seq = 2048;
+    const auto res = search(req);
+    ASSERT_FALSE(res.feasible());
+    const size_t at = res.infeasible.find("use >= ");
+    ASSERT_NE(at, std::string::npos) << res.infeasible;
+    hints.push_back(res.infeasible.substr(at, res.infeasible.find(' ', at + 7) - at));
+  }
+  EXPECT_EQ(hints[0], hints[2]);
+  EXPECT_EQ(hints[1], hints[2]);
+}
+
 TEST(Search, BatchThatDividesNoLayoutGetsTheValidValues) {
   // gpt2-tiny (8 units, 4 heads) on 64 devices: tp <= 4 and pp <= 8, so dp >= 2 — an odd
   // global batch divides no layout.

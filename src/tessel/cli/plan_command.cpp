@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tessel/cli/count_flag.h"
+#include "tessel/config/train_config.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/planner/cluster.h"
@@ -21,6 +22,7 @@ namespace {
 
 struct PlanArgs {
   std::string model;
+  std::string config;   // a train config: its model section, seq_len and global batch
   std::string cluster;  // empty: dgx-a100, or this-machine with --profile
   std::string profile;
   std::string precision;
@@ -89,7 +91,21 @@ std::string table(const planner::SearchRequest& req, const planner::SearchResult
 
 int run_plan(const PlanArgs& a) {
   planner::SearchRequest req;
-  req.model = model::ModelConfig::preset(a.model);
+  TESSEL_CHECK(
+      a.model.empty() != a.config.empty(), ConfigError,
+      "tessel plan: give either --model PRESET or --config TRAIN.yaml (whose model section "
+      "may describe any model), not {}",
+      a.model.empty() ? "neither" : "both");
+  int64_t config_batch = 0;
+  int config_seq = 0;
+  if (!a.config.empty()) {
+    const auto cfg = config::TrainConfig::load(a.config);
+    req.model = cfg.model;
+    config_batch = cfg.training.global_batch;
+    config_seq = int(cfg.data.seq_len);
+  } else {
+    req.model = model::ModelConfig::preset(a.model);
+  }
   const std::string cluster = !a.cluster.empty()  ? a.cluster
                               : a.profile.empty() ? "dgx-a100"
                                                   : "this-machine";
@@ -114,8 +130,11 @@ int run_plan(const PlanArgs& a) {
                         ? planner::Precision::bf16
                         : planner::Precision::fp32;
   }
-  req.global_batch = a.global_batch;
-  req.seq = a.seq > 0 ? a.seq : req.model.max_seq_len;
+  req.global_batch = a.global_batch > 0 ? a.global_batch : config_batch;
+  TESSEL_CHECK(req.global_batch > 0, ConfigError,
+               "tessel plan: --global-batch is required with --model (a --config gives its "
+               "training.global_batch)");
+  req.seq = a.seq > 0 ? a.seq : config_seq > 0 ? config_seq : req.model.max_seq_len;
   TESSEL_CHECK(a.top >= 1, ConfigError, "--top is {}; it must be at least 1", a.top);
   req.options.top_k = a.top;
 
@@ -155,7 +174,10 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
   auto args = std::make_shared<PlanArgs>();
   auto* cmd = app.add_subcommand(
       "plan", "search the fastest dp x tp x pp layout of a model that fits a cluster");
-  cmd->add_option("--model", args->model, "model preset (see `tessel presets`)")->required();
+  cmd->add_option("--model", args->model, "model preset (see `tessel presets`)");
+  cmd->add_option("--config", args->config,
+                  "train config YAML: its model section (any model), data.seq_len and "
+                  "training.global_batch (flags override them)");
   cmd->add_option("--cluster", args->cluster,
                   "dgx-a100 (the default), dgx-h100, a cluster YAML file, or this-machine (the "
                   "default with --profile)");
@@ -163,8 +185,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
                   "profile JSON from `tessel profile`: plans for this machine with measured times");
   cmd->add_option("--gpus", args->gpus, "total devices (default: the cluster's)")
       ->check(kDeviceCount);
-  cmd->add_option("--global-batch", args->global_batch, "samples per optimizer step")
-      ->required()
+  cmd->add_option("--global-batch", args->global_batch,
+                  "samples per optimizer step (required with --model)")
       ->check(kCount);
   cmd->add_option("--seq", args->seq, "tokens per sample (default: the model's max_seq_len)")
       ->check(kCount);

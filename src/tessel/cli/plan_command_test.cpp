@@ -113,6 +113,38 @@ TEST(PlanCommand, ThisMachineFromAProfile) {
                ConfigError);
 }
 
+// A train config's model section plans any model (not only the presets), with its seq_len and
+// global batch unless flags say otherwise; exactly one of --model and --config.
+TEST(PlanCommand, PlansTheModelOfATrainConfig) {
+  testing::TempDir dir;
+  const auto cfg = (dir / "train.yaml").string();
+  std::ofstream(cfg) << "model: {family: llama, n_layer: 4, n_embd: 256, n_head: 8, "
+                        "n_kv_head: 4, vocab_size: 32000, max_seq_len: 512, name: mine}\n"
+                        "data: {path: d.tok, seq_len: 256}\n"
+                        "training: {steps: 2, global_batch: 16, micro_batch: 2}\n";
+  auto doc = nlohmann::json::parse(run_plan("plan --config " + cfg + " --gpus 4 --json"));
+  EXPECT_EQ(doc.at("model"), "mine");
+  EXPECT_EQ(doc.at("seq"), 256);
+  EXPECT_EQ(doc.at("global_batch"), 16);
+  model::ModelConfig mine = model::ModelConfig::preset("llama-tiny");
+  mine.n_layer = 4;
+  mine.n_embd = 256;
+  mine.n_head = 8;
+  mine.n_kv_head = 4;
+  mine.ffn_hidden = model::ModelConfig::default_ffn_hidden(model::Family::llama, 256);
+  mine.vocab_size = 32000;
+  mine.max_seq_len = 512;
+  EXPECT_NO_THROW(layout::plan_from_json(doc.at("plan")).validate(mine, 16, 4));
+  doc = nlohmann::json::parse(
+      run_plan("plan --config " + cfg + " --gpus 4 --seq 128 --global-batch 32 --json"));
+  EXPECT_EQ(doc.at("seq"), 128);
+  EXPECT_EQ(doc.at("global_batch"), 32);
+  EXPECT_THROW(run_plan("plan --gpus 4 --global-batch 8"), ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-tiny --config " + cfg + " --global-batch 8"),
+               ConfigError);
+  EXPECT_THROW(run_plan("plan --model gpt2-tiny --gpus 4"), ConfigError);  // no batch
+}
+
 TEST(PlanCommand, InfeasibleRequestsSayWhy) {
   try {
     run_plan("plan --model gpt3-175b --cluster dgx-a100 --gpus 8 --global-batch 64 --seq 2048");
@@ -126,11 +158,17 @@ TEST(PlanCommand, InfeasibleRequestsSayWhy) {
   EXPECT_THROW(run_plan("plan --model gpt2-nope --global-batch 8"), ConfigError);
   EXPECT_THROW(run_plan("plan --model gpt2-124m --gpus 12 --global-batch 8"), ConfigError);
   EXPECT_THROW(run_plan("plan --model gpt2-124m --global-batch 8 --top 0"), ConfigError);
-  // Required options are CLI11 parse errors.
-  CLI::App app{"test"};
-  std::function<int()> action;
-  add_plan_command(app, action);
-  EXPECT_THROW(app.parse("plan --model gpt2-124m", false), CLI::ParseError);
+  // Without a config, the batch is required.
+  EXPECT_THROW(run_plan("plan --model gpt2-124m"), ConfigError);
+  // Counts out of range are CLI11 parse errors, never a silent default.
+  for (const char* bad : {"--gpus 0", "--gpus -8", "--seq 0", "--global-batch 0"}) {
+    CLI::App app{"test"};
+    std::function<int()> action;
+    add_plan_command(app, action);
+    EXPECT_THROW(app.parse(std::string("plan --model gpt2-124m --global-batch 8 ") + bad, false),
+                 CLI::ParseError)
+        << bad;
+  }
 }
 
 }  // namespace

@@ -172,8 +172,16 @@ std::string leaving_key(const std::string& job, int process) {
   return leaving_prefix(job) + std::to_string(process);
 }
 
+namespace {
+
+std::string prepared_root(const std::string& job) {
+  return job_prefix(job) + "reports/prepared/";
+}
+
+}  // namespace
+
 std::string prepared_prefix(const std::string& job, int generation) {
-  return job_prefix(job) + "reports/prepared/" + std::to_string(generation) + "/";
+  return prepared_root(job) + std::to_string(generation) + "/";
 }
 
 std::string prepared_key(const std::string& job, int generation, int process) {
@@ -200,6 +208,17 @@ int record_generation(const std::string& job, const std::string& key) {
   // Always 8 digits (record_key).
   const std::string prefix = records_prefix(job);
   return key.size() == prefix.size() + 8 ? key_number(prefix, key) : -1;
+}
+
+std::optional<std::pair<int, int>> prepared_report(const std::string& job, const std::string& key) {
+  const std::string root = prepared_root(job);
+  if (key.compare(0, root.size(), root) != 0) return std::nullopt;
+  // reports/prepared/<g>/<process>
+  const auto slash = key.find('/', root.size());
+  const int g = slash == std::string::npos ? -1 : key_number(root, key.substr(0, slash));
+  const int process = g < 0 ? -1 : key_number(prepared_prefix(job, g), key);
+  if (process < 0) return std::pair{-1, -1};
+  return std::pair{g, process};
 }
 
 }  // namespace tessel::elastic

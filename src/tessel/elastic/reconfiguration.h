@@ -34,7 +34,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -144,5 +146,8 @@ std::string stop_key(const std::string& job);
 int key_number(const std::string& prefix, const std::string& key);
 // The record's generation when `key` is a record key of the job, else -1.
 int record_generation(const std::string& job, const std::string& key);
+// (generation, process) of a prepared report key of the job (prepared_key); nullopt for a key
+// elsewhere, and (-1, -1) for a key under reports/prepared/ that is not one (a hand edit).
+std::optional<std::pair<int, int>> prepared_report(const std::string& job, const std::string& key);
 
 }  // namespace tessel::elastic

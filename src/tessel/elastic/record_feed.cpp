@@ -1,7 +1,5 @@
 #include "tessel/elastic/record_feed.h"
 
-#include <cstring>
-
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
 
@@ -54,14 +52,9 @@ void RecordFeed::apply(const comm::KeyValue& kv, bool erased) {
       auto reason = nlohmann::json::parse(kv.value).at("reason").get<std::string>();
       std::lock_guard lock(mu_);
       view_.stop = reason.empty() ? "stopped" : std::move(reason);
-    } else if (kv.key.rfind(job_prefix(job_) + "reports/prepared/", 0) == 0) {
-      // reports/prepared/<g>/<process>
-      const std::string rest =
-          kv.key.substr(job_prefix(job_).size() + std::strlen("reports/prepared/"));
-      const auto slash = rest.find('/');
-      const int g = slash == std::string::npos ? -1 : key_number("", rest.substr(0, slash));
-      const int process = g < 0 ? -1 : key_number(prepared_prefix(job_, g), kv.key);
-      TESSEL_CHECK(g >= 0 && process >= 0, CorruptDataError, "{} is no prepared report", kv.key);
+    } else if (const auto report = prepared_report(job_, kv.key)) {
+      const auto [g, process] = *report;
+      TESSEL_CHECK(g >= 0, CorruptDataError, "{} is no prepared report", kv.key);
       std::lock_guard lock(mu_);
       view_.prepared[g].insert(process);
     } else if (kv.key == progress_key(job_)) {

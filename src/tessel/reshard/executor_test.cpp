@@ -39,12 +39,7 @@ Plan make_plan(int dp, int tp, int pp, int zero = 0, std::vector<int> lps = {}) 
 }
 
 comm::StoreOptions store_in(const tessel::testing::TempDir& dir, const std::string& job) {
-  comm::StoreOptions o;
-  o.path = (dir.path() / "rendezvous").string();
-  o.job_id = job;
-  o.generation = 1;  // the new world's generation
-  o.timeout = 20s;
-  return o;
+  return testing::transition_store(dir.path(), job, 20s);
 }
 
 struct Case {

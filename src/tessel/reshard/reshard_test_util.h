@@ -10,16 +10,32 @@
 //          cannot go unnoticed even where `fresh` repeats values (norm weights, padding rows).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "tessel/comm/store.h"
 #include "tessel/layout/state_layout.h"
 #include "tessel/model/init.h"
 #include "tessel/tensor/region_test_util.h"
 
 namespace tessel::reshard::testing {
+
+// A file-store rendezvous under `dir` for `job`'s new generation (1): where these tests' processes
+// meet in a transition world.
+inline comm::StoreOptions transition_store(const std::filesystem::path& dir, const std::string& job,
+                                           std::chrono::milliseconds timeout) {
+  comm::StoreOptions o;
+  o.path = (dir / "rendezvous").string();
+  o.job_id = job;
+  o.generation = 1;  // the new world's generation
+  o.timeout = timeout;
+  return o;
+}
 
 using layout::StateKind;
 using layout::StateLayout;

@@ -28,12 +28,7 @@ using reshard::Transfer;
 using reshard::TransferPlan;
 
 comm::StoreOptions store_in(const tessel::testing::TempDir& dir, const std::string& job) {
-  comm::StoreOptions o;
-  o.path = (dir.path() / "rendezvous").string();
-  o.job_id = job;
-  o.generation = 1;
-  o.timeout = 5s;
-  return o;
+  return reshard::testing::transition_store(dir.path(), job, 5s);
 }
 
 struct Fixture {

@@ -75,6 +75,19 @@ TEST(TrainConfig, HostSettingsAndOutputsAreConfigKeys) {
       "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\nelastic: {reshard_transport: rdma}\n"));
   EXPECT_NE(msg.find("reshard_transport"), std::string::npos) << msg;
   EXPECT_NE(msg.find("network"), std::string::npos) << msg;
+  // Streams per pair for state moved over the network: 2 unless set, 1..16.
+  EXPECT_EQ(cfg.transfer_streams, 2);
+  EXPECT_EQ(TrainConfig::load(write(dir,
+                                    "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\n"
+                                    "elastic: {transfer_streams: 4}\n"))
+                .transfer_streams,
+            4);
+  for (const char* bad : {"0", "17", "-1"}) {
+    msg = error_of<ConfigError>(write(dir, std::string("model: {preset: gpt2-tiny}\ndata: {path: "
+                                                       "x.tok}\nelastic: {transfer_streams: ") +
+                                               bad + "}\n"));
+    EXPECT_NE(msg.find("transfer_streams"), std::string::npos) << bad << ": " << msg;
+  }
 }
 
 // The stall, stop and failed-save settings: read, and refused out of range with their key named.

@@ -2,7 +2,7 @@
 //
 // The tessel side is a store checkpoint (store/checkpoint_store.h) of the *parameter naming
 // convention*:
-//   - manifest meta: {"model": ModelConfig as JSON (checkpoint/model_json.h), "step": int, ...};
+//   - manifest meta: {"model": ModelConfig as JSON (config/model_json.h), "step": int, ...};
 //   - one tensor per parameter, named by ModelSpec (model/model_spec.h: Hugging Face names with
 //     GPT-2's "transformer." prefix), of ModelSpec's shape: Linear weights [out, in], embedding
 //     and untied head with padded_vocab() rows (rows >= vocab_size are padding), f32;
@@ -112,14 +112,7 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
 std::map<std::string, std::string> hf_index_weight_map(const std::string& text,
                                                        const std::string& what);
 
-// The ModelConfig a transformers config.json describes. `name` labels it. Throws
-// UnsupportedError / CorruptDataError as import_hf does for config.json.
-model::ModelConfig model_config_from_hf(const nlohmann::json& config, const std::string& name);
-
-// The config.json transformers needs to load `model` stored in `dtype`. Fields of `base` (a
-// source config.json of the same family) that do not describe the architecture are kept.
-// Throws UnsupportedError for a model transformers cannot represent.
-nlohmann::json hf_config_from_model(const model::ModelConfig& model, DType dtype,
-                                    const nlohmann::json& base = nlohmann::json::object());
+// model_config_from_hf and hf_config_from_model (config.json <-> ModelConfig) are in
+// config/hf_model_config.h.
 
 }  // namespace tessel::checkpoint

@@ -10,8 +10,9 @@
 #include <map>
 #include <random>
 
-#include "tessel/checkpoint/model_json.h"
 #include "tessel/config/config_test_util.h"
+#include "tessel/config/hf_model_config.h"
+#include "tessel/config/model_json.h"
 #include "tessel/core/error.h"
 #include "tessel/layout/training_state.h"
 #include "tessel/model/init.h"
@@ -63,7 +64,7 @@ std::map<std::string, std::vector<float>> write_tessel_checkpoint(const fs::path
   }
   w0.write_rank_file();
   w1.write_rank_file();
-  w0.commit(2, {{"model", to_json(cfg)}, {"step", 7}});
+  w0.commit(2, {{"model", config::to_json(cfg)}, {"step", 7}});
   return params;
 }
 
@@ -180,7 +181,7 @@ TEST_P(HfRoundTrip, TesselToHfToTesselIsBitExactAndHfHasTransformersLayout) {
   const auto imported = import_hf((tmp / "hf").string(), (tmp / "back").string());
   EXPECT_EQ(imported.tensors, params.size());
   EXPECT_EQ(imported.source_dtypes, "f32");
-  auto a = to_json(cfg), b = to_json(imported.model);
+  auto a = config::to_json(cfg), b = config::to_json(imported.model);
   a.erase("name");
   b.erase("name");
   EXPECT_EQ(a, b);
@@ -403,9 +404,9 @@ TEST(HfConfig, EveryPresetSurvivesConfigJson) {
     ModelConfig c = ModelConfig::preset(name);
     for (bool tied : {true, false}) {
       c.tie_embeddings = tied;
-      const json j = hf_config_from_model(c, DType::bf16);
+      const json j = config::hf_config_from_model(c, DType::bf16);
       EXPECT_EQ(j.at("torch_dtype"), "bfloat16");
-      auto back = to_json(model_config_from_hf(j, "x")), want = to_json(c);
+      auto back = config::to_json(config::model_config_from_hf(j, "x")), want = config::to_json(c);
       back.erase("name");
       want.erase("name");
       if (c.family == model::Family::gpt2) {  // rope_theta means nothing for gpt2
@@ -446,8 +447,8 @@ TEST(HfConfig, ReadsPublishedConfigs) {
   for (const auto& [j, preset] : {std::pair<json, std::string>{gpt2, "gpt2-124m"},
                                   {llama2, "llama2-7b"},
                                   {llama3, "llama3-8b"}}) {
-    auto got = to_json(model_config_from_hf(j, preset)),
-         want = to_json(ModelConfig::preset(preset));
+    auto got = config::to_json(config::model_config_from_hf(j, preset)),
+         want = config::to_json(ModelConfig::preset(preset));
     if (preset == "gpt2-124m") {
       got.erase("rope_theta");
       want.erase("rope_theta");
@@ -455,9 +456,9 @@ TEST(HfConfig, ReadsPublishedConfigs) {
     EXPECT_EQ(got, want) << preset;
   }
   // Export keeps what does not describe the architecture and overwrites what does.
-  ModelConfig c = model_config_from_hf(gpt2, "gpt2");
+  ModelConfig c = config::model_config_from_hf(gpt2, "gpt2");
   c.n_layer = 2;
-  const json out = hf_config_from_model(c, DType::f32, gpt2);
+  const json out = config::hf_config_from_model(c, DType::f32, gpt2);
   EXPECT_EQ(out.at("n_layer"), 2);
   EXPECT_EQ(out.at("bos_token_id"), 50256);
   EXPECT_EQ(out.at("summary_type"), "cls_index");
@@ -469,34 +470,35 @@ TEST(HfConfig, RejectsWhatTesselCannotCompute) {
   json j = small_gpt2_config();
   j["model_type"] = "mistral";
   j["architectures"] = {"MistralForCausalLM"};
-  EXPECT_THAT(error_of<UnsupportedError>([&] { model_config_from_hf(j, "m"); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::model_config_from_hf(j, "m"); }),
               HasSubstr("model_type 'mistral' (architectures [MistralForCausalLM])"));
   j = small_gpt2_config();
   j["activation_function"] = "gelu";
-  EXPECT_THAT(error_of<UnsupportedError>([&] { model_config_from_hf(j, "m"); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::model_config_from_hf(j, "m"); }),
               HasSubstr("activation_function 'gelu'"));
   j = small_gpt2_config();
   j["scale_attn_by_inverse_layer_idx"] = true;
-  EXPECT_THAT(error_of<UnsupportedError>([&] { model_config_from_hf(j, "m"); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::model_config_from_hf(j, "m"); }),
               HasSubstr("scale_attn_by_inverse_layer_idx"));
   j = small_gpt2_config();
   j.erase("n_embd");
-  EXPECT_THAT(error_of<CorruptDataError>([&] { model_config_from_hf(j, "m"); }),
+  EXPECT_THAT(error_of<CorruptDataError>([&] { config::model_config_from_hf(j, "m"); }),
               HasSubstr("has no 'n_embd'"));
-  json l = hf_config_from_model(ModelConfig::preset("llama-tiny"), DType::f32);
+  json l = config::hf_config_from_model(ModelConfig::preset("llama-tiny"), DType::f32);
   l["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
-  EXPECT_THAT(error_of<UnsupportedError>([&] { model_config_from_hf(l, "m"); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::model_config_from_hf(l, "m"); }),
               HasSubstr("rope_scaling"));
-  l = hf_config_from_model(ModelConfig::preset("llama-tiny"), DType::f32);
+  l = config::hf_config_from_model(ModelConfig::preset("llama-tiny"), DType::f32);
   l["attention_bias"] = true;
-  EXPECT_THAT(error_of<UnsupportedError>([&] { model_config_from_hf(l, "m"); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::model_config_from_hf(l, "m"); }),
               HasSubstr("attention_bias"));
   ModelConfig nobias = ModelConfig::preset("gpt2-tiny");
   nobias.bias = false;
-  EXPECT_THAT(error_of<UnsupportedError>([&] { hf_config_from_model(nobias, DType::f32); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] { config::hf_config_from_model(nobias, DType::f32); }),
               HasSubstr("without biases"));
-  EXPECT_THAT(error_of<UnsupportedError>(
-                  [&] { hf_config_from_model(ModelConfig::preset("gpt2-tiny"), DType::i32); }),
+  EXPECT_THAT(error_of<UnsupportedError>([&] {
+                config::hf_config_from_model(ModelConfig::preset("gpt2-tiny"), DType::i32);
+              }),
               HasSubstr("f32, bf16 or f16"));
 }
 
@@ -554,7 +556,7 @@ TEST_F(HfImportErrors, UnexpectedAndAmbiguousTensors) {
 }
 
 TEST_F(HfImportErrors, ModelOverride) {
-  ModelConfig c = model_config_from_hf(small_gpt2_config(), "mine");
+  ModelConfig c = config::model_config_from_hf(small_gpt2_config(), "mine");
   // The same model: config.json agrees, name from the override.
   EXPECT_EQ(import_hf(dir().string(), (tmp_ / "a").string(), {c, ""}).model.name, "mine");
   // Disagreeing: every difference listed.
@@ -636,7 +638,8 @@ TEST(HfExport, CheckpointWithoutModelOrParameter) {
     store::CheckpointWriter w((tmp / "partial").string(), 0);
     w.add("transformer.ln_f.weight", Tensor::wrap(x, Shape{4}));
     w.write_rank_file();
-    w.commit(1, {{"model", to_json(model_config_from_hf(small_gpt2_config(), "s"))}});
+    w.commit(1,
+             {{"model", config::to_json(config::model_config_from_hf(small_gpt2_config(), "s"))}});
   }
   EXPECT_THAT(error_of<CorruptDataError>(
                   [&] { export_hf((tmp / "partial").string(), (tmp / "out").string()); }),

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <set>
 
-#include "tessel/checkpoint/model_json.h"
+#include "tessel/config/model_json.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
@@ -282,7 +282,7 @@ nlohmann::json data_fingerprint(const std::string& path) {
 
 nlohmann::json checkpoint_meta(const TrainConfig& cfg, const layout::Plan& plan, int64_t step,
                                int64_t cursor) {
-  return {{"model", to_json(cfg.model)},
+  return {{"model", config::to_json(cfg.model)},
           {"data", {{"path", cfg.data.path}, {"fingerprint", data_fingerprint(cfg.data.path)}}},
           {"plan", layout::to_json(plan)},
           {"step", step},
@@ -299,7 +299,7 @@ namespace {
 void check_resumable_meta(const TrainConfig& cfg, const nlohmann::json& meta,
                           const std::string& path) {
   auto saved = meta.at("model");
-  auto wanted = to_json(cfg.model);
+  auto wanted = config::to_json(cfg.model);
   saved.erase("name");
   wanted.erase("name");
   TESSEL_CHECK(saved == wanted, ConfigError,
@@ -340,6 +340,15 @@ void check_resumable(const TrainConfig& cfg, const nlohmann::json& meta, const s
   } catch (const nlohmann::json::exception& e) {
     // A field missing or of the wrong type: a damaged manifest, or a checkpoint that `tessel
     // train` did not write (a conversion holds weights only).
+    // An import (`tessel convert`) holds weights only: no cursor, seeds or optimizer state.
+    const bool weights_only =
+        meta.is_object() && meta.contains("model") && !meta.contains("cursor");
+    TESSEL_CHECK(!weights_only, ConfigError,
+                 "checkpoint '{}' holds weights only (no optimizer state, data cursor or seeds: "
+                 "an import or conversion), so a run cannot resume from it; to fine-tune from "
+                 "it, write `init_from: {}` in the config and point checkpoint.dir at a "
+                 "directory of its own",
+                 path, path);
     TESSEL_THROW(CorruptDataError,
                  "checkpoint '{}' cannot be resumed from: the meta in its manifest.json is not "
                  "what `tessel train` writes ({}); point checkpoint.dir at a training checkpoint "

@@ -24,6 +24,7 @@
 #include "tessel/cli/profile_command.h"
 #include "tessel/cli/simulate_command.h"
 #include "tessel/cli/store_command.h"
+#include "tessel/config/init_from.h"
 #include "tessel/core/error.h"
 #include "tessel/core/log.h"
 #include "tessel/core/stop_signal.h"
@@ -55,12 +56,39 @@ struct Args {
   std::string train_log_dir;
   std::string job_id;
   std::string cluster;     // train --cluster
+  bool eval_only = false;  // tessel eval (and its workers)
+  std::string init_from;   // eval --checkpoint
+  std::string eval_data;   // eval --data
+  int64_t eval_batches = 0;
   std::string token_file;  // train --cluster --token-file
 };
+
+// `tessel eval`: the config's model, data and layout, evaluated once from the weights given
+// (--checkpoint, else the config's init_from); nothing read from or written to the run's
+// checkpoint.dir and outputs, no timeline.
+void apply_eval_flags(config::TrainConfig& cfg, const Args& args) {
+  cfg.eval_only = true;
+  if (!args.init_from.empty()) {
+    const std::string path = std::filesystem::absolute(args.init_from).lexically_normal().string();
+    config::check_init_from_model(cfg.model, config::init_from_model(path), path);
+    cfg.init_from = path;
+  }
+  if (!args.eval_data.empty())
+    cfg.data.path = std::filesystem::absolute(args.eval_data).lexically_normal().string();
+  if (args.eval_batches > 0) cfg.training.eval_batches = args.eval_batches;
+  cfg.checkpoint = {};
+  cfg.checkpoint.resume = false;
+  cfg.metrics_path.clear();
+  cfg.events_path.clear();
+  cfg.data_order_path.clear();
+  cfg.rank_params_dir.clear();
+  cfg.timeline.clear();
+}
 
 config::TrainConfig load_train_config(const Args& args) {
   auto cfg = config::TrainConfig::load(args.config);
   if (args.steps > 0) cfg.training.steps = args.steps;
+  if (args.eval_only) apply_eval_flags(cfg, args);
   return cfg;
 }
 
@@ -126,6 +154,14 @@ int launch_training(const Args& args) {
   if (args.steps > 0) {
     opt.command.push_back("--steps");
     opt.command.push_back(std::to_string(args.steps));
+  }
+  if (args.eval_only) {
+    // The workers read the same config: they are told the same overrides, resolved.
+    opt.command.push_back("--eval");
+    if (!cfg.init_from.empty())
+      opt.command.insert(opt.command.end(), {"--init-from", cfg.init_from});
+    opt.command.insert(opt.command.end(), {"--data", cfg.data.path, "--eval-batches",
+                                           std::to_string(cfg.training.eval_batches)});
   }
   opt.log_dir = args.train_log_dir;
   opt.stop_timeout = std::chrono::milliseconds(int64_t(args.stop_timeout_s * 1000));
@@ -239,6 +275,10 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   // Without a config: the job its cluster runs (TESSEL_CLUSTER, started by `tessel agent`).
   worker->add_option("config", args.config, "YAML config file");
   worker->add_option("--steps", args.steps, "override training.steps")->check(kCount);
+  worker->add_flag("--eval", args.eval_only);
+  worker->add_option("--init-from", args.init_from);
+  worker->add_option("--data", args.eval_data);
+  worker->add_option("--eval-batches", args.eval_batches)->check(kCount);
   worker->callback([&] {
     action = [&] {
       const auto env = runtime::WorkerEnv::from_environment();
@@ -271,6 +311,37 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
       // console failed (nobody read the pipe any more): expected, not this process's failure.
       if (env.launcher && env.launcher->noticed()) std::clearerr(stdout);
       return rc;
+    };
+  });
+}
+
+// `tessel eval CONFIG --checkpoint PATH`: the loss of a checkpoint (or Hugging Face model) on the
+// held-out samples of the config's data (or --data), under the config's layout.
+void add_eval(CLI::App& app, Args& args, std::function<int()>& action) {
+  auto* cmd = app.add_subcommand(
+      "eval",
+      "compute the loss of a checkpoint or Hugging Face model on a dataset, under the "
+      "config's layout");
+  cmd->add_option("config", args.config, "YAML config file (model, data, parallel)")->required();
+  cmd->add_option("--checkpoint", args.init_from,
+                  "weights to evaluate: a tessel checkpoint, a run's checkpoint.dir or a Hugging "
+                  "Face directory (default: the config's init_from)");
+  cmd->add_option("--data", args.eval_data,
+                  "token file to evaluate on (default: data.path); its held-out share "
+                  "(data.eval_fraction) is read");
+  cmd->add_option("--batches", args.eval_batches,
+                  "micro-batches to evaluate (default: training.eval_batches)")
+      ->check(kCount);
+  auto* nproc = cmd->add_option("--nproc", args.nproc,
+                                "local worker processes (default: as many as the config's "
+                                "parallel section needs)")
+                    ->check(kCount);
+  cmd->callback([&, nproc] {
+    action = [&, nproc] {
+      args.eval_only = true;
+      auto cfg = load_train_config(args);
+      if (nproc->count() == 0) args.nproc = cfg.max_workers();
+      return launch_training(args);
     };
   });
 }
@@ -368,6 +439,7 @@ int run(int argc, char** argv) {
   app.add_option("--log-level", args.log_level, "trace, debug, info, warn, error or off");
   std::function<int()> action;
   add_train(app, args, action);
+  add_eval(app, args, action);
   add_data(app, args, action);
   add_launch(app, args, action);
   add_agent_command(app, args.log_level, action);

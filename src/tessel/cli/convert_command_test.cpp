@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "tessel/checkpoint/model_json.h"
+#include "tessel/config/model_json.h"
 #include "tessel/core/error.h"
 #include "tessel/model/init.h"
 #include "tessel/model/model_spec.h"
@@ -58,7 +58,7 @@ model::ModelConfig write_checkpoint(const fs::path& dir) {
     w.add(p.name, DType::f32, p.shape, Box::of(p.shape), values.back().data());
   }
   w.write_rank_file();
-  w.commit(1, {{"model", checkpoint::to_json(cfg)}, {"step", 3}});
+  w.commit(1, {{"model", config::to_json(cfg)}, {"step", 3}});
   return cfg;
 }
 
@@ -88,7 +88,7 @@ TEST(ConvertCommand, ToHfAndBack) {
   Tensor rounded = a.to(DType::bf16).to(DType::f32);
   for (int64_t i = 0; i < a.numel(); ++i)
     ASSERT_EQ(b.data<float>()[i], rounded.data<float>()[i]) << i;
-  EXPECT_EQ(checkpoint::model_config_from_json(back.meta().at("model")).n_layer, cfg.n_layer);
+  EXPECT_EQ(config::model_config_from_json(back.meta().at("model")).n_layer, cfg.n_layer);
 }
 
 // An export into a directory that holds the user's files (their own config.json) is refused

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "tessel/config/init_from.h"
 #include "tessel/config/yaml_reader.h"
 #include "tessel/core/log.h"
 #include "tessel/planner/local_plan.h"
@@ -189,9 +190,28 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   TrainConfig c;
   c.source = path;
   YamlSection top(root, "", path);
-  TESSEL_CHECK(top.has("model"), ConfigError,
-               "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}})", path);
-  c.model = read_model(top.section("model"));
+  if (top.has("init_from")) {
+    top.read("init_from", c.init_from);
+    TESSEL_CHECK(!c.init_from.empty(), ConfigError,
+                 "{}: is empty; name a Hugging Face model directory or a tessel checkpoint",
+                 top.where("init_from"));
+    c.init_from = resolve(c.init_from, base);
+  }
+  TESSEL_CHECK(top.has("model") || !c.init_from.empty(), ConfigError,
+               "{}: missing section 'model' (e.g. model: {{preset: gpt2-tiny}}), or init_from: "
+               "with the weights to start from",
+               path);
+  if (!c.init_from.empty()) {
+    const auto source = init_from_model(c.init_from);
+    if (top.has("model")) {
+      c.model = read_model(top.section("model"));
+      check_init_from_model(c.model, source, c.init_from);
+    } else {
+      c.model = source;
+    }
+  } else {
+    c.model = read_model(top.section("model"));
+  }
 
   auto data = top.section("data");
   data.read("path", c.data.path);

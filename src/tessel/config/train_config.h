@@ -1,6 +1,8 @@
 // The training job configuration, read from a YAML file.
 //
 //   model:      {preset: gpt2-tiny, n_layer: 4, ...}   a preset, optionally with fields overridden
+//   init_from:  hf-model-dir | tessel checkpoint   weights to start from (fine-tuning); the model
+//               section may then be left out
 //   data:       {path: train.tok, seq_len: 64, eval_fraction: 0.05, seed: 1}
 //   training:   {steps, global_batch, micro_batch, seed, grad_clip, eval_every, eval_batches,
 //                log_every, backend, gemm, huge_pages, threads, stop_at}
@@ -121,6 +123,13 @@ struct PlanSwitch {
 struct TrainConfig {
   std::string source;  // file it was read from, for messages
   model::ModelConfig model;
+  // init_from: the weights the run starts from (config/init_from.h), absolute; empty = the
+  // deterministic initialisation from training.seed. A resume from checkpoint.dir takes
+  // precedence: init_from only decides how step 0 starts.
+  std::string init_from;
+  // `tessel eval`: the workers evaluate the weights once (init_from's, else the seed's) on the
+  // held-out samples under the plan, print the loss and leave; nothing is trained or saved.
+  bool eval_only = false;
   DataConfig data;
   TrainingConfig training;
   OptimizerConfig optimizer;

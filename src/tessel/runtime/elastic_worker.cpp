@@ -7,6 +7,7 @@
 #include <optional>
 #include <thread>
 
+#include "tessel/checkpoint/model_weights.h"
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
@@ -192,7 +193,14 @@ void ElasticWorker::join_job() {
                "need them",
                env.rank, plan.describe());
   members = elastic::first_members(plan.world());
-  world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, true);
+  const bool fine_tune = !cfg.init_from.empty();
+  world = std::make_unique<RankTrainer>(cfg, env, plan, env.rank, env.generation, !fine_tune);
+  if (fine_tune) {
+    // Weights only: the optimizer, data cursor and schedule start afresh.
+    const auto weights = checkpoint::ModelWeights::open(cfg.init_from);
+    checkpoint::load_rank_weights(*weights, world->layout(), env.rank, world->state_buffers());
+    if (env.rank == 0) spdlog::info("initialised from {}", weights->describe());
+  }
   entered = true;  // a switch may be due before the first step (one prepared from step 0)
 }
 

@@ -1,5 +1,9 @@
 #include "tessel/runtime/parallel_trainer.h"
 
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -31,11 +35,44 @@ double ParallelTrainer::train_step() {
   return impl_->world->train_step(&norm);
 }
 
+namespace {
+
+// `tessel eval`: one evaluation of the weights the world started from, on every rank (it is
+// collective); rank 0 reports it as a line of text and one of JSON.
+void evaluate_only(RankTrainer& w, const config::TrainConfig& cfg) {
+  const auto start = std::chrono::steady_clock::now();
+  const double loss = w.evaluate();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (w.rank == 0) {
+    const std::string weights =
+        cfg.init_from.empty() ? fmt::format("the seed {}", cfg.training.seed) : cfg.init_from;
+    std::printf(
+        "eval loss %.4f nats/token (perplexity %.2f) on the held-out samples of %s, %s, "
+        "in %.1f s; weights: %s\n",
+        loss, std::exp(loss), cfg.data.path.c_str(), w.plan.describe().c_str(), seconds,
+        weights.c_str());
+    const nlohmann::json line = {{"eval_loss", loss},     {"perplexity", std::exp(loss)},
+                                 {"data", cfg.data.path}, {"plan", w.plan.describe()},
+                                 {"weights", weights},    {"seconds", seconds}};
+    std::printf("%s\n", line.dump().c_str());
+    std::fflush(stdout);
+  }
+  // Nobody leaves before everyone is done with the evaluation's collectives.
+  w.groups.world->barrier();
+}
+
+}  // namespace
+
 TrainSummary ParallelTrainer::run() {
   auto& s = *impl_;
   const auto& cfg = s.cfg;
   const int64_t tokens_per_step = cfg.training.global_batch * cfg.data.seq_len;
-  if (s.lead()) {
+  if (s.lead() && cfg.eval_only) {
+    spdlog::info("evaluating {} ({:.3g} parameters) on {} worker{} ({})", cfg.model.name,
+                 double(cfg.model.num_params()), s.world->plan.world(),
+                 s.world->plan.world() == 1 ? "" : "s", s.world->plan.describe());
+  } else if (s.lead()) {
     spdlog::info(
         "training {} ({:.3g} parameters) on {} worker{} ({}) for {} steps, {} tokens per "
         "step, backend {}",
@@ -148,6 +185,10 @@ TrainSummary ParallelTrainer::run() {
                         latest ? fmt::format("run the same command to resume from {}", *latest)
                                : std::string("there is no checkpoint to resume from"));
       };
+      if (cfg.eval_only && s.world) {
+        evaluate_only(*s.world, cfg);
+        break;
+      }
       while (s.world && s.world->step < cfg.training.end_step()) {
         resave_cancelled(*s.world);
         // A world entered at a step boundary (a switch, a recovery, joining one) may have more

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <filesystem>
 
-#include "tessel/checkpoint/model_json.h"
+#include "tessel/checkpoint/model_weights.h"
 #include "tessel/checkpoint/sharded_checkpoint.h"
 #include "tessel/core/check.h"
 #include "tessel/core/log.h"
@@ -61,7 +61,15 @@ struct ReferenceTrainer::Impl {
     targets.resize(inputs.size());
     schedule = LrSchedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                           cfg.training.steps};
-    if (!resume()) model->init(cfg.training.seed);
+    if (!resume()) {
+      if (cfg.init_from.empty()) {
+        model->init(cfg.training.seed);
+      } else {
+        const auto weights = checkpoint::ModelWeights::open(cfg.init_from);
+        checkpoint::load_rank_weights(*weights, state_layout(), 0, state_buffers());
+        spdlog::info("initialised from {}", weights->describe());
+      }
+    }
     metrics = MetricsWriter(cfg.metrics_path);
   }
 

@@ -1,8 +1,8 @@
-#include "tessel/checkpoint/model_json.h"
+#include "tessel/config/model_json.h"
 
 #include "tessel/core/check.h"
 
-namespace tessel::checkpoint {
+namespace tessel::config {
 
 nlohmann::json to_json(const model::ModelConfig& c) {
   return {{"name", c.name},
@@ -42,4 +42,4 @@ model::ModelConfig model_config_from_json(const nlohmann::json& j) {
   }
 }
 
-}  // namespace tessel::checkpoint
+}  // namespace tessel::config

@@ -5,10 +5,10 @@
 
 #include "tessel/model/model_config.h"
 
-namespace tessel::checkpoint {
+namespace tessel::config {
 
 nlohmann::json to_json(const model::ModelConfig& c);
 // Throws CorruptDataError naming the missing or mistyped field.
 model::ModelConfig model_config_from_json(const nlohmann::json& j);
 
-}  // namespace tessel::checkpoint
+}  // namespace tessel::config

@@ -34,6 +34,20 @@ using json = nlohmann::json;
 using model::Family;
 using model::ModelConfig;
 
+// Rows of at most this many bytes are converted at a time: a conversion's memory does not grow
+// with the model.
+constexpr uint64_t kBlockBytes = uint64_t(16) << 20;
+
+int64_t rows_per_block(int64_t row_bytes) {
+  return std::max<int64_t>(1, int64_t(kBlockBytes) / std::max<int64_t>(1, row_bytes));
+}
+
+bool weight_map_has_file(const json& weight_map, const std::string& file) {
+  for (const auto& [name, f] : weight_map.items())
+    if (f == file) return true;
+  return false;
+}
+
 }  // namespace
 
 HfExportResult export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
@@ -71,60 +85,125 @@ HfExportResult export_hf(const std::string& checkpoint_dir, const std::string& o
                  result.checkpoint, m.spec->name, dtype_name(t->dtype));
   }
 
-  std::vector<std::vector<std::byte>> data(maps.size());
-  std::vector<store::SafetensorsTensor> tensors;
-  std::vector<float> f32, transposed;
-  for (size_t i = 0; i < maps.size(); ++i) {
-    const TensorMap& m = maps[i];
+  // Padding rows are dropped; say so when that loses anything (training keeps them zero).
+  for (const auto& m : maps) {
+    if (!m.vocab || m.rows >= m.spec->shape[0]) continue;
     const store::CheckpointTensor& t = reader.at(m.spec->name);
-    // The rows HF has (no vocabulary padding), all columns.
-    std::vector<int64_t> lo(m.spec->shape.rank(), 0), hi = m.spec->shape.dims();
-    hi[0] = m.rows;
-    const Box box(lo, hi);
-    const size_t n = size_t(box.volume());
-    f32.resize(n);
-    if (t.dtype == DType::f32) {
-      reader.read_box(t.name, box, f32.data());
-    } else {
-      std::vector<std::byte> raw(n * dtype_size(t.dtype));
-      reader.read_box(t.name, box, raw.data());
-      convert(raw.data(), t.dtype, f32.data(), DType::f32, n);
-    }
-    const float* src = f32.data();
-    if (m.transpose) {
-      transposed.resize(n);
-      transpose(f32.data(), m.spec->shape[0], m.spec->shape[1], transposed.data());
-      src = transposed.data();
-    }
-    data[i].resize(n * dtype_size(options.dtype));
-    convert(src, DType::f32, data[i].data(), options.dtype, n);
-    tensors.push_back({m.spec->name, options.dtype, m.hf_shape, data[i].data()});
-
-    if (m.vocab && m.rows < m.spec->shape[0]) {
-      // Padding rows are dropped; say so when that loses anything (training keeps them zero).
-      std::vector<int64_t> plo = lo, phi = m.spec->shape.dims();
-      plo[0] = m.rows;
-      Tensor pad = reader.read(t.name, Box(plo, phi)).to(DType::f32);
-      const auto values = pad.span<float>();
-      if (std::any_of(values.begin(), values.end(), [](float v) { return v != 0.0f; }))
-        spdlog::warn(
-            "checkpoint '{}': vocabulary padding rows {}..{} of '{}' are not zero; they are not "
-            "part of the exported model",
-            result.checkpoint, m.rows, m.spec->shape[0] - 1, t.name);
-    }
+    std::vector<int64_t> plo(m.spec->shape.rank(), 0), phi = m.spec->shape.dims();
+    plo[0] = m.rows;
+    Tensor pad = reader.read(t.name, Box(plo, phi)).to(DType::f32);
+    const auto values = pad.span<float>();
+    if (std::any_of(values.begin(), values.end(), [](float v) { return v != 0.0f; }))
+      spdlog::warn(
+          "checkpoint '{}': vocabulary padding rows {}..{} of '{}' are not zero; they are not "
+          "part of the exported model",
+          result.checkpoint, m.rows, m.spec->shape[0] - 1, t.name);
   }
   std::set<std::string> names;
   for (const auto& m : maps) names.insert(m.spec->name);
   for (const auto& t : reader.tensors()) result.skipped += names.contains(t.name) ? 0 : 1;
-  result.tensors = tensors.size();
+  result.tensors = maps.size();
+
+  // Shards in parameter order, as transformers' save_pretrained cuts them: a tensor that would
+  // take a shard past the limit starts the next one (a tensor larger than the limit is a shard of
+  // its own).
+  const uint64_t esize = dtype_size(options.dtype);
+  std::vector<std::vector<size_t>> shards;
+  uint64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < maps.size(); ++i) {
+    const uint64_t bytes = uint64_t(maps[i].hf_numel()) * esize;
+    if (shards.empty() || (in_shard > 0 && in_shard + bytes > options.max_shard_bytes)) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(i);
+    in_shard += bytes;
+    total += bytes;
+  }
+  const size_t n_shards = shards.size();
+  auto shard_name = [&](size_t k) {
+    return n_shards == 1 ? std::string("model.safetensors")
+                         : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, n_shards);
+  };
 
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   TESSEL_CHECK(!ec, IoError, "cannot create directory '{}': {}", out_dir, ec.message());
-  // transformers rejects safetensors files whose metadata lacks format "pt".
-  result.bytes = store::write_safetensors((fs::path(out_dir) / "model.safetensors").string(),
-                                          tensors, {{"format", "pt"}});
+  // Each tensor is read, transposed where GPT-2's Conv1D wants it and narrowed to the export's
+  // dtype a block of rows at a time, straight into its shard: memory stays bounded whatever the
+  // model (the limit is kBlockBytes of f32 and its conversions).
+  std::vector<float> f32, transposed;
+  std::vector<std::byte> narrow;
+  auto read_f32_box = [&](const store::CheckpointTensor& t, const Box& box, float* out) {
+    const size_t n = size_t(box.volume());
+    if (t.dtype == DType::f32) {
+      reader.read_box(t.name, box, out);
+      return;
+    }
+    narrow.resize(n * dtype_size(t.dtype));
+    reader.read_box(t.name, box, narrow.data());
+    convert(narrow.data(), t.dtype, out, DType::f32, n);
+  };
+  json weight_map = json::object();
+  std::vector<std::byte> block;
+  for (size_t k = 0; k < n_shards; ++k) {
+    std::vector<store::SafetensorsTensor> tensors;
+    for (size_t i : shards[k]) {
+      tensors.push_back({maps[i].spec->name, options.dtype, maps[i].hf_shape, nullptr});
+      weight_map[maps[i].spec->name] = shard_name(k);
+    }
+    store::SafetensorsStream stream;
+    stream.produce = [&](size_t j, const store::SafetensorsStream::Write& write) {
+      const TensorMap& m = maps[shards[k][j]];
+      const store::CheckpointTensor& t = reader.at(m.spec->name);
+      const Shape& hf = m.hf_shape;
+      const int64_t hf_rows = hf.rank() == 0 ? 1 : hf[0];
+      const int64_t row = hf.rank() == 0 ? 1 : hf.numel() / std::max<int64_t>(1, hf_rows);
+      const int64_t step = rows_per_block(row * int64_t(sizeof(float)));
+      for (int64_t r = 0; r < hf_rows; r += step) {
+        const int64_t r1 = std::min(hf_rows, r + step);
+        const size_t n = size_t((r1 - r) * row);
+        f32.resize(n);
+        const float* src = f32.data();
+        if (m.transpose) {
+          // HF rows [r, r1) of [in, out] are tessel's columns [r, r1) of [out, in].
+          const int64_t out_dim = m.spec->shape[0];
+          read_f32_box(t, Box({0, r}, {out_dim, r1}), f32.data());
+          transposed.resize(n);
+          transpose(f32.data(), out_dim, r1 - r, transposed.data());
+          src = transposed.data();
+        } else {
+          std::vector<int64_t> lo(hf.rank(), 0), hi = hf.dims();
+          if (!lo.empty()) lo[0] = r, hi[0] = r1;
+          read_f32_box(t, Box(lo, hi), f32.data());
+        }
+        block.resize(n * esize);
+        convert(src, DType::f32, block.data(), options.dtype, n);
+        write(block.data(), block.size());
+      }
+    };
+    // transformers rejects safetensors files whose metadata lacks format "pt".
+    result.bytes += store::write_safetensors((fs::path(out_dir) / shard_name(k)).string(), tensors,
+                                             {{"format", "pt"}}, stream);
+  }
+  result.shards = n_shards;
+  const fs::path index = fs::path(out_dir) / "model.safetensors.index.json";
+  if (n_shards > 1) {
+    const json j = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_file_atomically(index.string(), j.dump(2) + "\n");
+  }
   write_file_atomically((fs::path(out_dir) / "config.json").string(), config.dump(2) + "\n");
+  // What an earlier export of another sharding left would be read instead of (or beside) this
+  // one: removed once this export is complete.
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    const bool ours =
+        n_shards == 1 ? name == "model.safetensors"
+                      : name == index.filename().string() || weight_map_has_file(weight_map, name);
+    const bool model_file = name == "model.safetensors" || name == index.filename().string() ||
+                            (name.starts_with("model-") && name.ends_with(".safetensors"));
+    if (model_file && !ours) fs::remove(entry.path(), ec);
+  }
   return result;
 }
 
@@ -167,52 +246,63 @@ ModelConfig import_model(const fs::path& dir, const std::optional<json>& hf_conf
   return config::model_config_from_hf(*hf_config, name, config_what);
 }
 
-// Every parameter in f32, tessel's [out, in], vocabulary padding rows zero.
-std::vector<std::vector<float>> convert_params(const HfWeights& weights,
-                                               const std::vector<TensorMap>& maps,
-                                               const std::vector<std::string>& hf_names) {
-  std::vector<std::vector<float>> params(maps.size());
-  for (size_t i = 0; i < maps.size(); ++i) {
-    const TensorMap& m = maps[i];
-    std::vector<float> hf = read_f32(weights, hf_names[i]);
-    if (m.transpose) {
-      params[i].resize(hf.size());
-      transpose(hf.data(), m.hf_shape[0], m.hf_shape[1], params[i].data());
-    } else {
-      hf.resize(size_t(m.spec->numel()), 0.0f);  // zero padding rows after the real ones
-      params[i] = std::move(hf);
-    }
-  }
-  return params;
-}
-
-// A head saved beside a tied embedding must equal it (it is then dropped).
+// A head saved beside a tied embedding must equal it (it is then dropped). Compared block by
+// block, in the file's bytes.
 void check_tied_head(const HfWeights& weights, const model::ModelSpec& spec,
-                     const std::vector<TensorMap>& maps, const std::vector<std::string>& hf_names,
-                     const std::vector<std::vector<float>>& params) {
+                     const std::vector<std::string>& hf_names) {
   const ModelConfig& cfg = spec.config();
   const std::string head = model::global_param_name(cfg.family, model::GlobalParam::lm_head);
   const std::string wte = model::global_param_name(cfg.family, model::GlobalParam::token_embedding);
-  const size_t e = size_t(spec.index_of(wte));
-  const std::vector<float> lm = read_f32(weights, head);
-  const bool same = lm.size() == size_t(maps[e].hf_numel()) &&
-                    std::memcmp(lm.data(), params[e].data(), lm.size() * sizeof(float)) == 0;
+  const std::string& emb = hf_names[size_t(spec.index_of(wte))];
+  const store::SafetensorsEntry& a = *weights.find(head);
+  const store::SafetensorsEntry& b = *weights.find(emb);
+  bool same = a.shape == b.shape && a.dtype == b.dtype;
+  if (same && a.shape.rank() == 2) {
+    const int64_t rows = a.shape[0], cols = a.shape[1];
+    const int64_t block = rows_per_block(cols * int64_t(dtype_size(a.dtype)));
+    std::vector<std::byte> x, y;
+    for (int64_t r = 0; same && r < rows; r += block) {
+      const Box box({r, 0}, {std::min(rows, r + block), cols});
+      x.resize(size_t(box.volume()) * dtype_size(a.dtype));
+      y.resize(x.size());
+      weights.file_of(head).read_box(head, box, x.data());
+      weights.file_of(emb).read_box(emb, box, y.data());
+      same = std::memcmp(x.data(), y.data(), x.size()) == 0;
+    }
+  }
   TESSEL_CHECK(same, ConfigError,
                "{} holds an '{}' that differs from the token embedding '{}' although "
                "tie_word_embeddings is true: set \"tie_word_embeddings\": false in config.json "
                "to keep it as a separate head",
-               weights.what, head, hf_names[e]);
+               weights.what, head, emb);
 }
 
-// Step 0's checkpoint of the converted parameters, with the source in its metadata.
+// Step 0's checkpoint of the converted parameters, with the source in its metadata. Each
+// parameter is read from the Hugging Face files while the rank file is written, one chunk of
+// rows at a time (CheckpointWriter::add_streamed): memory stays bounded whatever the model.
 void write_imported(const std::string& out_checkpoint_dir, const std::string& hf_dir,
                     const std::optional<json>& hf_config, const HfImportResult& result,
-                    const std::vector<TensorMap>& maps,
-                    const std::vector<std::vector<float>>& params) {
+                    const HfWeights& weights, const std::vector<TensorMap>& maps,
+                    const std::vector<std::string>& hf_names) {
   store::CheckpointWriter writer(out_checkpoint_dir, 0);
-  for (size_t i = 0; i < maps.size(); ++i)
-    writer.add(maps[i].spec->name, DType::f32, maps[i].spec->shape, Box::of(maps[i].spec->shape),
-               params[i].data());
+  for (size_t i = 0; i < maps.size(); ++i) {
+    const TensorMap& m = maps[i];
+    const Shape& shape = m.spec->shape;
+    const int64_t row = shape.rank() == 0 ? 1 : shape.numel() / std::max<int64_t>(1, shape[0]);
+    writer.add_streamed(
+        m.spec->name, DType::f32, shape, Box::of(shape),
+        [&weights, &m, &name = hf_names[i], row, buf = std::vector<float>()](
+            uint64_t offset, uint64_t n, void* out) mutable {
+          // The rows holding elements [e0, e1), read whole, then the range copied out.
+          const int64_t e0 = int64_t(offset / sizeof(float)), e1 = e0 + int64_t(n / sizeof(float));
+          const int64_t r0 = e0 / row, r1 = (e1 + row - 1) / row;
+          std::vector<int64_t> lo(m.spec->shape.rank(), 0), hi = m.spec->shape.dims();
+          if (!lo.empty()) lo[0] = r0, hi[0] = r1;
+          buf.resize(size_t((r1 - r0) * row));
+          read_hf_box(weights, m, name, Box(lo, hi), buf.data());
+          std::memcpy(out, buf.data() + (e0 - r0 * row), n);
+        });
+  }
   writer.write_rank_file();
   json meta = {{"model", config::to_json(result.model)},
                {"step", 0},
@@ -277,14 +367,13 @@ HfImportResult import_hf(const std::string& hf_dir, const std::string& out_check
   const MatchedNames names = match_names(weights, maps, cfg);
   result.ignored += names.ignored;
   const std::set<DType> dtypes = check_tensors(weights, maps, names.hf_names, cfg);
-  const std::vector<std::vector<float>> params = convert_params(weights, maps, names.hf_names);
   if (names.tied_head_present) {
-    check_tied_head(weights, spec, maps, names.hf_names, params);
+    check_tied_head(weights, spec, names.hf_names);
     ++result.ignored;
   }
   for (DType t : dtypes)
     result.source_dtypes += (result.source_dtypes.empty() ? "" : ",") + std::string(dtype_name(t));
-  write_imported(out_checkpoint_dir, hf_dir, hf_config, result, maps, params);
+  write_imported(out_checkpoint_dir, hf_dir, hf_config, result, weights, maps, names.hf_names);
   result.tensors = maps.size();
   return result;
 }

@@ -35,7 +35,9 @@
 // dtype) gives every tensor's bytes back; config.json keeps the source's extra fields (token
 // ids, ...) because import stores the source config under meta "hf_config" and export starts
 // from it.
-// Both directions hold the whole model in host memory once (f32), plus one tensor in flight.
+// Both directions stream: each tensor is converted a block of rows (16 MiB of f32) at a time
+// straight into the file being written, so memory stays bounded whatever the model's size
+// (bench/convert_rss.py measures the peak on a llama2-7b-shaped checkpoint).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -51,25 +53,32 @@
 namespace tessel::checkpoint {
 
 struct HfExportOptions {
-  DType dtype = DType::f32;  // of model.safetensors: f32, bf16 or f16
+  DType dtype = DType::f32;  // of the safetensors files: f32, bf16 or f16
+  // Largest shard (bytes of tensor data), as transformers' max_shard_size ("5GB" = 5e9): a model
+  // that fits is one model.safetensors, a larger one model-0000k-of-0000n.safetensors files and
+  // model.safetensors.index.json (its weight_map names each tensor's file).
+  uint64_t max_shard_bytes = 5'000'000'000;
 };
 
 struct HfExportResult {
   std::string checkpoint;  // the checkpoint exported (the newest one of a training run's dir)
   model::ModelConfig model;
   std::string architecture;  // "GPT2LMHeadModel" / "LlamaForCausalLM"
-  size_t tensors = 0;        // written to model.safetensors
+  size_t tensors = 0;        // written
   size_t skipped = 0;        // checkpoint tensors that are not parameters (optimizer state, ...)
-  uint64_t bytes = 0;        // size of model.safetensors
+  uint64_t bytes = 0;        // size of the safetensors files together
+  size_t shards = 1;         // safetensors files written
 };
 
-// Writes OUT_DIR/model.safetensors and OUT_DIR/config.json (each atomically; OUT_DIR is created)
-// from the parameters of the tessel checkpoint CHECKPOINT_DIR, or of the newest checkpoint of a
-// training run when CHECKPOINT_DIR is its checkpoint.dir (checkpoint/sharded_checkpoint.h). Throws
-// CorruptDataError when the checkpoint has no model description (meta "model") or lacks a parameter
-// or holds one of the wrong shape or a non-float dtype (naming it), UnsupportedError for a model
-// transformers cannot represent (GPT-2 without biases) or an export dtype other than f32/bf16/f16,
-// and the store's errors (IoError, CorruptDataError) for an unreadable or damaged checkpoint.
+// Writes OUT_DIR/model.safetensors (or its shards and index, see max_shard_bytes) and
+// OUT_DIR/config.json (each atomically; OUT_DIR is created; model files of an earlier export of
+// another sharding are removed once the new ones are complete) from the parameters of the tessel
+// checkpoint CHECKPOINT_DIR, or of the newest checkpoint of a training run when CHECKPOINT_DIR is
+// its checkpoint.dir (checkpoint/sharded_checkpoint.h). Throws CorruptDataError when the checkpoint
+// has no model description (meta "model") or lacks a parameter or holds one of the wrong shape or a
+// non-float dtype (naming it), UnsupportedError for a model transformers cannot represent (GPT-2
+// without biases) or an export dtype other than f32/bf16/f16, and the store's errors (IoError,
+// CorruptDataError) for an unreadable or damaged checkpoint.
 HfExportResult export_hf(const std::string& checkpoint_dir, const std::string& out_dir,
                          const HfExportOptions& options = {});
 

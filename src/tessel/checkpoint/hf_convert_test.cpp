@@ -1,5 +1,6 @@
 #include "tessel/checkpoint/hf_convert.h"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <map>
 #include <random>
 
+#include "tessel/checkpoint/model_weights.h"
 #include "tessel/config/config_test_util.h"
 #include "tessel/config/hf_model_config.h"
 #include "tessel/config/model_json.h"
@@ -645,6 +647,66 @@ TEST(HfExport, CheckpointWithoutModelOrParameter) {
                   [&] { export_hf((tmp / "partial").string(), (tmp / "out").string()); }),
               HasSubstr("has no tensor 'transformer.wte.weight'"));
   EXPECT_FALSE(fs::exists(tmp / "out" / "model.safetensors"));
+}
+
+}  // namespace
+}  // namespace tessel::checkpoint
+
+namespace tessel::checkpoint {
+namespace {
+
+// A model larger than the shard limit is written as transformers shards it: files
+// model-0000k-of-0000n.safetensors, each within the limit unless one tensor alone exceeds it,
+// and an index whose weight_map names each tensor's file and whose total_size is the data's.
+// It reads back (import, ModelWeights) bit for bit, and a later unsharded export into the same
+// directory removes the shards and the index.
+TEST(HfConvert, ExportShardsAModelLargerThanTheLimitAndReadsItBack) {
+  for (std::string preset : {"gpt2-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    TempDir dir;
+    const ModelConfig cfg = ModelConfig::preset(preset);
+    const auto params = write_tessel_checkpoint(dir / "ck", cfg, 5);
+    HfExportOptions opt;
+    opt.max_shard_bytes = 40'000;
+    const auto r = export_hf((dir / "ck").string(), (dir / "hf").string(), opt);
+    ASSERT_GT(r.shards, 2u);
+    EXPECT_FALSE(fs::exists(dir / "hf" / "model.safetensors"));
+    const json index = read_json(dir / "hf" / "model.safetensors.index.json");
+    const auto& map = index.at("weight_map");
+    EXPECT_EQ(map.size(), params.size());
+    uint64_t total = 0;
+    std::map<std::string, uint64_t> per_file;
+    for (size_t k = 1; k <= r.shards; ++k) {
+      const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k, r.shards);
+      auto f = store::SafetensorsReader::open((dir / "hf" / file).string());
+      uint64_t data = 0;
+      for (const auto& e : f.tensors()) {
+        EXPECT_EQ(map.at(e.name), file) << e.name;
+        data += e.nbytes;
+      }
+      // Over the limit only as one tensor alone.
+      EXPECT_TRUE(data <= opt.max_shard_bytes || f.tensors().size() == 1) << file;
+      total += data;
+    }
+    EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), total);
+    EXPECT_GT(r.bytes, total);  // the files: data and headers
+
+    import_hf((dir / "hf").string(), (dir / "back").string());
+    const auto weights = ModelWeights::open((dir / "hf").string());
+    for (const auto& [name, want] : params) {
+      EXPECT_TRUE(same_bits(read_param(dir / "back", name), want)) << name;
+      std::vector<float> got(want.size());
+      weights->read(weights->spec().at(name), got.data());
+      EXPECT_TRUE(same_bits(got, want)) << name;
+    }
+
+    // One file again: the shards and the index of the earlier export go.
+    export_hf((dir / "ck").string(), (dir / "hf").string());
+    EXPECT_TRUE(fs::exists(dir / "hf" / "model.safetensors"));
+    EXPECT_FALSE(fs::exists(dir / "hf" / "model.safetensors.index.json"));
+    for (const auto& e : fs::directory_iterator(dir / "hf"))
+      EXPECT_FALSE(e.path().filename().string().starts_with("model-")) << e.path();
+  }
 }
 
 }  // namespace

@@ -19,9 +19,11 @@
 #include "tessel/cli/cluster_command.h"
 #include "tessel/cli/convert_command.h"
 #include "tessel/cli/count_flag.h"
+#include "tessel/cli/generate_command.h"
 #include "tessel/cli/output_guard.h"
 #include "tessel/cli/plan_command.h"
 #include "tessel/cli/profile_command.h"
+#include "tessel/cli/report_command.h"
 #include "tessel/cli/simulate_command.h"
 #include "tessel/cli/store_command.h"
 #include "tessel/config/init_from.h"
@@ -47,7 +49,8 @@ struct Args {
   int64_t steps = 0;
   std::vector<std::string> inputs;
   std::string output;
-  bool force = false;  // data prepare --force
+  bool force = false;     // data prepare --force
+  std::string tokenizer;  // data prepare --tokenizer
   int nproc = 1;
   std::string log_dir = "logs";
   double stop_timeout_s = 10;
@@ -349,19 +352,38 @@ void add_eval(CLI::App& app, Args& args, std::function<int()>& action) {
 void add_data(CLI::App& app, Args& args, std::function<int()>& action) {
   auto* data = app.add_subcommand("data", "prepare training data");
   data->require_subcommand(1);
-  auto* prepare =
-      data->add_subcommand("prepare", "tokenize text files (byte-level) into a token file");
+  auto* prepare = data->add_subcommand(
+      "prepare", "tokenize text files into a token file (bytes, or the --tokenizer)");
   prepare->add_option("--input", args.inputs, "text files, one document each")->required();
   prepare->add_option("--output", args.output, "token file to write")->required();
+  prepare->add_option("--tokenizer", args.tokenizer,
+                      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, LLaMA-3), a "
+                      "SentencePiece .model, or a model directory holding either; default: "
+                      "bytes (vocab 257)");
   prepare->add_flag("--force", args.force, "replace the --output file if it exists");
   prepare->callback([&] {
     action = [&] {
-      check_output_file(args.output, args.inputs, args.force, "--output");
-      auto stats = data::prepare_dataset(args.inputs, args.output);
-      fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {})\n", args.output,
-                 stats.documents, stats.bytes, stats.tokens, data::ByteTokenizer::kVocabSize);
-      fmt::print("unigram entropy of the bytes: {:.3f} bits = {:.3f} nats per token\n",
-                 stats.entropy_bits, stats.entropy_nats);
+      // The tokenizer is read too: --output must not be it (nor, for a directory, its files).
+      auto read = args.inputs;
+      if (!args.tokenizer.empty()) {
+        read.push_back(args.tokenizer);
+        for (const char* name : {"tokenizer.json", "tokenizer.model"})
+          read.push_back((std::filesystem::path(args.tokenizer) / name).string());
+      }
+      check_output_file(args.output, read, args.force, "--output");
+      const auto tokenizer = data::load_tokenizer(args.tokenizer);
+      auto stats = data::prepare_dataset(args.inputs, args.output, *tokenizer);
+      fmt::print("wrote {}: {} documents, {} bytes, {} tokens (vocab {}, uint{})\n", args.output,
+                 stats.documents, stats.bytes, stats.tokens, stats.vocab_size,
+                 8 * stats.token_width);
+      fmt::print("tokenizer: {}\n", tokenizer->describe());
+      if (!tokenizer->eot())
+        fmt::print(
+            "the tokenizer has no end-of-text token: documents follow each other without "
+            "a separator\n");
+      fmt::print("unigram entropy of the {}: {:.3f} bits = {:.3f} nats per token\n",
+                 args.tokenizer.empty() ? "bytes" : "tokens", stats.entropy_bits,
+                 stats.entropy_nats);
       return 0;
     };
   });
@@ -448,8 +470,11 @@ int run(int argc, char** argv) {
   add_plan_command(app, action);
   add_store_command(app, action);
   add_convert_command(app, action);
+  add_init_command(app, action);
+  add_generate_command(app, action);
   add_profile_command(app, action);
   add_simulate_command(app, action);
+  add_report_command(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

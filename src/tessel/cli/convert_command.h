@@ -20,5 +20,7 @@ namespace tessel::cli {
 
 // Adds the `convert` subcommand to `app`; parsing it sets `action` to run it.
 void add_convert_command(CLI::App& app, std::function<int()>& action);
+// Adds `init`: a preset's deterministic initial weights as a tessel checkpoint.
+void add_init_command(CLI::App& app, std::function<int()>& action);
 
 }  // namespace tessel::cli

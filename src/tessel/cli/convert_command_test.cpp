@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -22,6 +23,7 @@ namespace tessel::cli {
 namespace {
 
 namespace fs = std::filesystem;
+using tessel::testing::error_of;
 using tessel::testing::TempDir;
 using ::testing::HasSubstr;
 
@@ -143,7 +145,60 @@ TEST(ConvertCommand, UsageErrors) {
   EXPECT_THROW(run_convert({"convert", "--to", "onnx", in, out}), CLI::ValidationError);
   EXPECT_THROW(run_convert({"convert", "--to", "hf", "--from", "hf", in, out}), CLI::ExcludesError);
   EXPECT_THROW(run_convert({"convert", "--to", "hf", in}), CLI::RequiredError);
+  // Sizes that are not sizes, or nothing: named with the flag.
+  for (std::string bad : {"0", "-5GB", "5XB", "GB", "1.2.3MB"})
+    EXPECT_THAT(error_of<ConfigError>([&] {
+                  run_convert({"convert", "--to", "hf", in, out, "--shard-size", bad});
+                }),
+                HasSubstr("--shard-size '" + bad + "'"))
+        << bad;
+  EXPECT_THROW(run_convert({"convert", "--from", "hf", in, out, "--shard-size", "1GB"}),
+               ConfigError);
   EXPECT_FALSE(fs::exists(out));
+}
+
+// --shard-size in transformers' units: a 40KB limit shards gpt2-tiny, 2GiB does not.
+TEST(ConvertCommand, ShardSizeSetsTheFiles) {
+  TempDir tmp;
+  write_checkpoint(tmp / "ckpt");
+  const std::string in = (tmp / "ckpt").string();
+  auto [rc, out] =
+      run_convert({"convert", "--to", "hf", in, (tmp / "a").string(), "--shard-size", "40KB"});
+  EXPECT_EQ(rc, 0);
+  EXPECT_THAT(out, HasSubstr("model.safetensors.index.json"));
+  EXPECT_TRUE(fs::exists(tmp / "a" / "model.safetensors.index.json"));
+  std::tie(rc, out) =
+      run_convert({"convert", "--to", "hf", in, (tmp / "b").string(), "--shard-size", "2GiB"});
+  EXPECT_EQ(rc, 0);
+  EXPECT_TRUE(fs::exists(tmp / "b" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp / "b" / "model.safetensors.index.json"));
+}
+
+// `tessel init`: the initialiser's values, every parameter, bit for bit, at step 0.
+TEST(ConvertCommand, InitWritesTheDeterministicInitialWeights) {
+  TempDir tmp;
+  CLI::App app;
+  std::function<int()> action;
+  add_init_command(app, action);
+  std::vector<std::string> args = {
+      "tessel", "init", "--model", "llama-tiny", "--seed", "7", (tmp / "ck").string()};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  app.parse(int(argv.size()), argv.data());
+  ::testing::internal::CaptureStdout();
+  EXPECT_EQ(action(), 0);
+  ::testing::internal::GetCapturedStdout();
+  store::CheckpointReader r((tmp / "ck").string());
+  r.verify();
+  EXPECT_EQ(r.meta().at("step"), 0);
+  const auto spec = model::ModelSpec::from(model::ModelConfig::preset("llama-tiny"));
+  for (const auto& p : spec) {
+    std::vector<float> want(size_t(p.numel()));
+    model::init_full(p, 7, want.data());
+    const Tensor got = r.read(p.name);
+    ASSERT_EQ(got.numel(), p.numel()) << p.name;
+    EXPECT_EQ(std::memcmp(got.data<float>(), want.data(), want.size() * 4), 0) << p.name;
+  }
 }
 
 }  // namespace

@@ -114,6 +114,14 @@ class CheckpointWriter {
            const void* data);
   // The whole tensor as one piece.
   void add(const std::string& name, const Tensor& tensor);
+  // A piece whose bytes are produced while the rank file is written, so that a checkpoint larger
+  // than memory can be written in bounded memory (a conversion, a generated model):
+  // produce(offset, n, out) fills bytes [offset, offset + n) of the piece (dense row-major),
+  // called once per range, in increasing order, with ranges of at most chunk_bytes. snapshot()
+  // refuses such pieces (InvalidArgumentError): they are read when written.
+  using PieceProducer = std::function<void(uint64_t offset, uint64_t n, void* out)>;
+  void add_streamed(const std::string& name, DType dtype, const Shape& global_shape, const Box& box,
+                    PieceProducer produce);
   // Copies the bytes of every piece added so far into host memory the writer owns (from
   // HostAllocator, which keeps the block for the next save), so the caller's buffers may change:
   // what AsyncSaver does before writing in the background.
@@ -149,8 +157,10 @@ class CheckpointWriter {
     Box box;
     const void* data;
     uint64_t nbytes;
+    PieceProducer produce;  // set for add_streamed pieces (data is then null)
   };
   void stage(std::string_view name) const;
+  std::string write_streamed_rank_file(const std::string& path);
 
   std::string dir_;
   int rank_;

@@ -318,7 +318,18 @@ void CheckpointWriter::add(const std::string& name, DType dtype, const Shape& gl
   for (const auto& p : pieces_)
     TESSEL_CHECK(p.name != name || p.box != box, InvalidArgumentError,
                  "piece {} of '{}' added twice", box.str(), name);
-  pieces_.push_back({name, dtype, global_shape, box, data, nbytes});
+  pieces_.push_back({name, dtype, global_shape, box, data, nbytes, {}});
+}
+
+void CheckpointWriter::add_streamed(const std::string& name, DType dtype, const Shape& global_shape,
+                                    const Box& box, PieceProducer produce) {
+  TESSEL_CHECK(produce != nullptr, InvalidArgumentError, "piece {} of '{}' has no producer",
+               box.str(), name);
+  // add() checks the name and box; a dummy pointer passes its data check and is replaced.
+  static const char kNone = 0;
+  add(name, dtype, global_shape, box, &kNone);
+  pieces_.back().data = nullptr;
+  pieces_.back().produce = std::move(produce);
 }
 
 void CheckpointWriter::add(const std::string& name, const Tensor& tensor) {
@@ -326,6 +337,9 @@ void CheckpointWriter::add(const std::string& name, const Tensor& tensor) {
 }
 
 void CheckpointWriter::snapshot() {
+  for (const auto& p : pieces_)
+    TESSEL_CHECK(!p.produce, InvalidArgumentError,
+                 "piece {} of '{}' is streamed: it cannot be snapshotted", p.box.str(), p.name);
   // From the caching host allocator: periodic saves of the same state reuse one block, so after
   // the first save a snapshot is a plain memcpy with no page faults (and big blocks get huge
   // pages).
@@ -357,6 +371,8 @@ std::string CheckpointWriter::write_rank_file() {
   fs::create_directories(staging_, ec);
   TESSEL_CHECK(fs::is_directory(staging_), IoError,
                "cannot create checkpoint staging directory '{}': {}", staging_, ec.message());
+  if (std::any_of(pieces_.begin(), pieces_.end(), [](const Piece& p) { return bool(p.produce); }))
+    return write_streamed_rank_file((fs::path(staging_) / rank_file_name(rank_)).string());
   std::vector<SafetensorsTensor> tensors;
   json pieces = json::array();
   const uint64_t chunk = options_.chunk_bytes;
@@ -392,6 +408,67 @@ std::string CheckpointWriter::write_rank_file() {
   entry_ = nullptr;
   write_safetensors(path, tensors, metadata);
   // From the file as written, so that the entry and the file cannot disagree.
+  entry_ = read_rank_file_entry(path, options_.save_id);
+  stage("rank_file");
+  return path;
+}
+
+// The rank file with streamed pieces: their bytes go to the file as they are produced, one chunk
+// at a time, hashed on the way; the header is written first with placeholder checksums of the
+// same width and rewritten once they are known.
+std::string CheckpointWriter::write_streamed_rank_file(const std::string& path) {
+  const uint64_t chunk = options_.chunk_bytes;
+  std::vector<SafetensorsTensor> tensors;
+  std::vector<std::string> whole(pieces_.size(), checksum_hex(0));
+  std::vector<std::vector<std::string>> chunks(pieces_.size());
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const auto& p = pieces_[i];
+    chunks[i].assign(size_t((p.nbytes + chunk - 1) / chunk), checksum_hex(0));
+    const bool whole_box = p.box == Box::of(p.global_shape);
+    tensors.push_back(
+        {whole_box ? p.name : p.name + box_suffix(p.box), p.dtype, p.box.shape(), nullptr});
+  }
+  auto metadata = [&] {
+    json pieces = json::array();
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      const auto& p = pieces_[i];
+      json e = {{"tensor", p.name},
+                {"name", tensors[i].name},
+                {"dtype", std::string(dtype_name(p.dtype))},
+                {"shape", p.global_shape.dims()},
+                {"box", box_to_json(p.box)},
+                {"bytes", p.nbytes},
+                {"xxh3", whole[i]},
+                {"chunk_bytes", chunk}};
+      if (chunks[i].size() > 1) e["chunks"] = chunks[i];
+      pieces.push_back(std::move(e));
+    }
+    return std::map<std::string, std::string>{{kFormatKey, std::string(kRankFileFormat)},
+                                              {kSaveIdKey, options_.save_id},
+                                              {kPiecesKey, pieces.dump()}};
+  };
+  std::vector<char> buf;
+  SafetensorsStream stream;
+  stream.produce = [&](size_t i, const SafetensorsStream::Write& write) {
+    const auto& p = pieces_[i];
+    Xxh3Stream whole_hash;
+    for (uint64_t off = 0, k = 0; off < p.nbytes; off += chunk, ++k) {
+      const uint64_t n = std::min(chunk, p.nbytes - off);
+      const char* bytes = static_cast<const char*>(p.data) + off;
+      if (p.produce) {
+        buf.resize(size_t(n));
+        p.produce(off, n, buf.data());
+        bytes = buf.data();
+      }
+      chunks[i][size_t(k)] = checksum_hex(xxh3(bytes, n));
+      whole_hash.update(bytes, n);
+      write(bytes, size_t(n));
+    }
+    whole[i] = checksum_hex(whole_hash.digest());
+  };
+  stream.final_metadata = metadata;
+  entry_ = nullptr;
+  write_safetensors(path, tensors, metadata(), stream);
   entry_ = read_rank_file_entry(path, options_.save_id);
   stage("rank_file");
   return path;

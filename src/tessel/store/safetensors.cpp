@@ -68,25 +68,36 @@ uint64_t checked_nbytes(const Shape& shape, DType dtype, bool* overflow) {
 
 }  // namespace
 
-uint64_t write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
-                           const std::map<std::string, std::string>& metadata) {
-  std::vector<size_t> order(tensors.size());
-  std::iota(order.begin(), order.end(), size_t(0));
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+namespace {
+
+// The header text (padded to a multiple of 8) and the tensors' sizes and file order.
+struct Header {
+  std::string text;
+  std::vector<size_t> order;
+  std::vector<uint64_t> sizes;
+};
+
+Header make_header(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                   const std::map<std::string, std::string>& metadata, bool need_data) {
+  Header h;
+  h.order.resize(tensors.size());
+  std::iota(h.order.begin(), h.order.end(), size_t(0));
+  std::sort(h.order.begin(), h.order.end(), [&](size_t a, size_t b) {
     int oa = hf_dtype_order(tensors[a].dtype), ob = hf_dtype_order(tensors[b].dtype);
     if (oa != ob) return oa > ob;
     return tensors[a].name < tensors[b].name;
   });
   // The header is assembled as text: keys in data order like Hugging Face's writer, in linear
   // time (ordered_json looks keys up linearly).
-  std::string text = "{";
-  std::vector<uint64_t> sizes(tensors.size());
+  std::string& text = h.text;
+  text = "{";
+  h.sizes.resize(tensors.size());
   try {
     if (!metadata.empty()) text += "\"__metadata__\":" + nlohmann::json(metadata).dump();
     std::set<std::string_view> names;
     uint64_t offset = 0;
-    for (size_t k = 0; k < order.size(); ++k) {
-      const auto& t = tensors[order[k]];
+    for (size_t k = 0; k < h.order.size(); ++k) {
+      const auto& t = tensors[h.order[k]];
       TESSEL_CHECK(!t.name.empty() && t.name != "__metadata__", InvalidArgumentError,
                    "safetensors '{}': invalid tensor name '{}'", path, t.name);
       TESSEL_CHECK(names.insert(t.name).second, InvalidArgumentError,
@@ -95,9 +106,9 @@ uint64_t write_safetensors(const std::string& path, const std::vector<Safetensor
       uint64_t n = checked_nbytes(t.shape, t.dtype, &overflow);
       TESSEL_CHECK(!overflow, InvalidArgumentError,
                    "safetensors '{}': tensor '{}' shape {} invalid", path, t.name, t.shape.str());
-      TESSEL_CHECK(t.data != nullptr || n == 0, InvalidArgumentError,
+      TESSEL_CHECK(!need_data || t.data != nullptr || n == 0, InvalidArgumentError,
                    "safetensors '{}': tensor '{}' has no data", path, t.name);
-      sizes[order[k]] = n;
+      h.sizes[h.order[k]] = n;
       nlohmann::ordered_json entry = {{"dtype", std::string(dtype_safetensors_name(t.dtype))},
                                       {"shape", t.shape.dims()},
                                       {"data_offsets", {offset, offset + n}}};
@@ -111,12 +122,58 @@ uint64_t write_safetensors(const std::string& path, const std::vector<Safetensor
                  e.what());
   }
   text.append((8 - text.size() % 8) % 8, ' ');
+  return h;
+}
+
+void write_length(AtomicFileWriter& out, uint64_t n) {
   uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(text.size()) >> (8 * i));
-  AtomicFileWriter out(path);
+  for (int i = 0; i < 8; ++i) len[i] = uint8_t(n >> (8 * i));
   out.write(len, 8);
-  out.write(text.data(), text.size());
-  for (size_t i : order) out.write(tensors[i].data, sizes[i]);
+}
+
+}  // namespace
+
+uint64_t write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
+  const Header h = make_header(path, tensors, metadata, true);
+  AtomicFileWriter out(path);
+  write_length(out, h.text.size());
+  out.write(h.text.data(), h.text.size());
+  for (size_t i : h.order) out.write(tensors[i].data, h.sizes[i]);
+  const uint64_t total = out.size();
+  out.commit();
+  return total;
+}
+
+uint64_t write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata,
+                           const SafetensorsStream& stream) {
+  const Header h = make_header(path, tensors, metadata, false);
+  AtomicFileWriter out(path);
+  write_length(out, h.text.size());
+  out.write(h.text.data(), h.text.size());
+  for (size_t i : h.order) {
+    uint64_t written = 0;
+    const uint64_t want = h.sizes[i];
+    stream.produce(i, [&](const void* data, size_t n) {
+      TESSEL_CHECK(written + n <= want, IoError,
+                   "safetensors '{}': tensor '{}' was given more than its {} bytes", path,
+                   tensors[i].name, want);
+      out.write(data, n);
+      written += n;
+    });
+    TESSEL_CHECK(written == want, IoError,
+                 "safetensors '{}': tensor '{}' was given {} of its {} bytes", path,
+                 tensors[i].name, written, want);
+  }
+  if (stream.final_metadata) {
+    const Header final = make_header(path, tensors, stream.final_metadata(), false);
+    TESSEL_CHECK(final.text.size() == h.text.size(), InvalidArgumentError,
+                 "safetensors '{}': the final metadata changes the header's length ({} -> {} "
+                 "bytes)",
+                 path, h.text.size(), final.text.size());
+    out.write_at(8, final.text.data(), final.text.size());
+  }
   const uint64_t total = out.size();
   out.commit();
   return total;

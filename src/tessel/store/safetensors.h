@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,6 +44,23 @@ struct SafetensorsTensor {
 // or reserved ("__metadata__") name or missing data, IoError when the file cannot be written.
 uint64_t write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                            const std::map<std::string, std::string>& metadata = {});
+
+// Streaming: the same file, its tensors' bytes produced one at a time, so that a file larger
+// than memory can be written from something read piece by piece (a conversion). `tensors` give
+// names, dtypes and shapes (their data is not read). `produce(i, write)` is called once per tensor,
+// in the file's order, and must pass exactly tensor i's bytes, in order, to `write` (in pieces of
+// any size; IoError otherwise). `final_metadata`, when set, is called after the last tensor and
+// replaces `metadata` in the header, which is then rewritten in place: it must encode to the same
+// length (e.g. checksums of fixed width, computed while producing; InvalidArgumentError
+// otherwise). Atomic like write_safetensors.
+struct SafetensorsStream {
+  using Write = std::function<void(const void* data, size_t n)>;
+  std::function<void(size_t index, const Write& write)> produce;
+  std::function<std::map<std::string, std::string>()> final_metadata;
+};
+uint64_t write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata,
+                           const SafetensorsStream& stream);
 
 struct SafetensorsEntry {
   std::string name;

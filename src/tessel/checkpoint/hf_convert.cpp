@@ -285,14 +285,15 @@ void write_imported(const std::string& out_checkpoint_dir, const std::string& hf
                     const HfWeights& weights, const std::vector<TensorMap>& maps,
                     const std::vector<std::string>& hf_names) {
   store::CheckpointWriter writer(out_checkpoint_dir, 0);
+  // One scratch buffer for all parameters (produced one after another; see initialised_checkpoint).
+  std::vector<float> buf;
   for (size_t i = 0; i < maps.size(); ++i) {
     const TensorMap& m = maps[i];
     const Shape& shape = m.spec->shape;
     const int64_t row = shape.rank() == 0 ? 1 : shape.numel() / std::max<int64_t>(1, shape[0]);
     writer.add_streamed(
         m.spec->name, DType::f32, shape, Box::of(shape),
-        [&weights, &m, &name = hf_names[i], row, buf = std::vector<float>()](
-            uint64_t offset, uint64_t n, void* out) mutable {
+        [&weights, &m, &name = hf_names[i], row, &buf](uint64_t offset, uint64_t n, void* out) {
           // The rows holding elements [e0, e1), read whole, then the range copied out.
           const int64_t e0 = int64_t(offset / sizeof(float)), e1 = e0 + int64_t(n / sizeof(float));
           const int64_t r0 = e0 / row, r1 = (e1 + row - 1) / row;

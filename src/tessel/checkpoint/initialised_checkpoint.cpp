@@ -15,13 +15,15 @@ uint64_t write_initialised_checkpoint(const model::ModelConfig& model, uint64_t 
   const model::ModelSpec spec = model::ModelSpec::from(model);
   store::CheckpointWriter writer(out_dir, 0);
   uint64_t bytes = 0;
+  // One scratch buffer for every parameter (the writer produces them one after another): a
+  // buffer per producer would live as long as the writer, one chunk per parameter in all.
+  std::vector<float> buf;
   for (const auto& p : spec) {
     const int64_t rows = p.shape.rank() == 0 ? 1 : p.shape[0];
     const int64_t row = p.numel() / std::max<int64_t>(1, rows);
     writer.add_streamed(
         p.name, DType::f32, p.shape, Box::of(p.shape),
-        [&p, seed, row, buf = std::vector<float>()](uint64_t offset, uint64_t n,
-                                                    void* out) mutable {
+        [&p, seed, row, &buf](uint64_t offset, uint64_t n, void* out) {
           // Whole rows around elements [e0, e1): init_box generates any box alone, bit-exactly.
           const int64_t e0 = int64_t(offset / sizeof(float)), e1 = e0 + int64_t(n / sizeof(float));
           const int64_t r0 = e0 / row, r1 = (e1 + row - 1) / row;

@@ -1,7 +1,7 @@
 // A Hugging Face config.json as `tessel convert` reads it (core/json_file.h, then
-// checkpoint::model_config_from_hf), and the config.json export writes from it as a base.
+// config::model_config_from_hf), and the config.json export writes from it as a base.
 #include "fuzz_util.h"
-#include "tessel/checkpoint/hf_convert.h"
+#include "tessel/config/hf_model_config.h"
 #include "tessel/core/json_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -9,8 +9,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto path = fuzz::ScratchDir::get().write("config.json", fuzz::as_text(data, size));
   fuzz::expect_only_tessel_errors([&] {
     const nlohmann::json config = read_json_file(path);
-    const auto model = checkpoint::model_config_from_hf(config, "fuzz");
-    checkpoint::hf_config_from_model(model, DType::bf16, config);
+    const auto model = config::model_config_from_hf(config, "fuzz");
+    config::hf_config_from_model(model, DType::bf16, config);
   });
   return 0;
 }

@@ -117,6 +117,7 @@ TEST(FineTune, FromAHuggingFaceDirectoryUnderAnyLayoutGivesTheSameSteps) {
                              .get<double>();
       TrainConfig one = cfg;
       one.training.eval_batches = 3;
+      one.checkpoint.resume = false;  // the weights, not the single run's newest checkpoint
       ReferenceTrainer ref(one);
       const double want = ref.evaluate();
       const double tol = model::test_util::step_tolerance(

@@ -80,6 +80,7 @@ TrainSummary ParallelTrainer::run() {
         s.world->plan.world() == 1 ? "" : "s", s.world->plan.describe(), cfg.training.steps,
         tokens_per_step, s.world->backend->name());
   }
+  bool described = false;
   RunTracker tracker(s.world ? s.world->step : 0, cfg.training.steps, cfg.training.log_every,
                      tokens_per_step, s.lead());
   // In an elastic job a failed peer (PeerLostError, TimeoutError) is not the end: the process
@@ -208,6 +209,13 @@ TrainSummary ParallelTrainer::run() {
         double grad_norm = 0;
         double loss = w.train_step(&grad_norm);
         nlohmann::json record = tracker.end_step(w.step, loss, lr, grad_norm, w.cursor);
+        // The run's first record (of this launch) says what is trained, for readers of the file
+        // alone (`tessel report`).
+        if (!described) {
+          record["model"] = cfg.model.name;
+          record["params"] = cfg.model.num_params();
+          described = true;
+        }
         if (w.plan.pp > 1) record["pipeline_idle"] = w.pipeline_idle;
         if (s.generation > 0) record["generation"] = s.generation;
         record["workers"] = w.plan.world();

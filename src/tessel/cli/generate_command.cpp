@@ -40,6 +40,7 @@ struct GenerateArgs {
   double top_p = 0.95;
   std::string seed = "1";  // read by parse_integer: CLI11 would wrap -1 into an unsigned seed
   bool stop_at_eot = true;
+  bool slide = true;
   CLI::Option* prompt_option = nullptr;
   CLI::Option* prompt_file_option = nullptr;
 };
@@ -174,7 +175,8 @@ int run_generate(const GenerateArgs& a) {
                "prompt",
                P, model.name, model.max_seq_len);
 
-  // The cache holds what this run can reach: the prompt and all but the last new token.
+  // The cache holds what this run can reach: the prompt and all but the last new token (at most
+  // the model's context: past it, the window slides).
   const int64_t needed = std::max<int64_t>(P, P + a.max_new_tokens - 1);
   model::Decoder decoder(model, "cpu",
                          {.max_len = int(std::min<int64_t>(needed, model.max_seq_len))});
@@ -198,8 +200,12 @@ int run_generate(const GenerateArgs& a) {
   std::span<const float> logits = decoder.prefill(prompt_ids);
   const double prefill_s = seconds_since(prefill_start);
   const auto decode_start = Clock::now();
-  int64_t generated = 0;
+  int64_t generated = 0, slides = 0;
   std::string stop = fmt::format("{} new tokens", a.max_new_tokens);
+  // Every token so far: a full context slides to its newest half, read again from position 0
+  // (as nanoGPT crops its context; positions are absolute, so the cache cannot just shift). One
+  // prefill of max_len / 2 tokens every max_len / 2 steps: about one token's extra work a step.
+  std::vector<int32_t> all(ids.begin(), ids.end());
   while (true) {
     const int32_t id = sampler.sample(logits.first(vocab));
     if (a.stop_at_eot && tokenizer->eot() && uint32_t(id) == *tokenizer->eot()) {
@@ -208,14 +214,25 @@ int run_generate(const GenerateArgs& a) {
     }
     ++generated;
     stream.add(uint32_t(id));
+    all.push_back(id);
     if (generated == a.max_new_tokens) break;
     if (decoder.position() == decoder.max_len()) {
-      stop = fmt::format("the context limit (max_seq_len {} of model '{}')", model.max_seq_len,
-                         model.name);
-      break;
+      if (!a.slide) {
+        stop = fmt::format("the context limit (max_seq_len {} of model '{}')", model.max_seq_len,
+                           model.name);
+        break;
+      }
+      const size_t keep = size_t(std::max(1, decoder.max_len() / 2));
+      logits = decoder.prefill(std::span<const int32_t>(all).last(keep));
+      ++slides;
+      continue;
     }
     logits = decoder.step(id);
   }
+  if (slides > 0)
+    stop += fmt::format(
+        " (the context of {} tokens slid {} time{}: later tokens saw the newest {})",
+        decoder.max_len(), slides, slides == 1 ? "" : "s", std::max(1, decoder.max_len() / 2));
   stream.finish();
   fmt::print("\n");
   std::fflush(stdout);
@@ -259,6 +276,9 @@ void add_generate_command(CLI::App& app, std::function<int()>& action) {
                   "directory's, else tessel's byte-level tokenizer)");
   cmd->add_flag("--stop-at-eot,!--no-stop-at-eot", args->stop_at_eot,
                 "stop at the tokenizer's end-of-text id (default on)");
+  cmd->add_flag("--slide,!--no-slide", args->slide,
+                "past the model's context (max_seq_len), go on from its newest half (default "
+                "on); --no-slide stops there");
   cmd->callback([&action, args] { action = [args] { return run_generate(*args); }; });
 }
 

@@ -163,18 +163,38 @@ TEST_F(GenerateCommand, TheModelDirectorysTokenizer) {
   EXPECT_THAT(r.out, HasSubstr("has 272 ids but model 'hf257' has vocab_size 257"));
 }
 
-// Generation that reaches max_seq_len (64) stops there and says so: a 40-byte prompt leaves
-// room for 24 tokens in the context, plus the one its last position predicts.
+// With --no-slide, generation that reaches max_seq_len (64) stops there and says so: a 40-byte
+// prompt leaves room for 24 tokens in the context, plus the one its last position predicts.
 TEST_F(GenerateCommand, StopsAtTheContextLimit) {
   std::string err;
   const std::string prompt(40, 'x');
-  const Result r = generate(
-      ckpt_ + " --prompt " + prompt + " --max-new-tokens 100 --temperature 0 --no-stop-at-eot",
-      &err);
+  const Result r = generate(ckpt_ + " --prompt " + prompt +
+                                " --max-new-tokens 100 --temperature 0 --no-stop-at-eot --no-slide",
+                            &err);
   ASSERT_EQ(r.status, 0) << r.out << err;
   EXPECT_THAT(r.out, StartsWith(prompt));
   EXPECT_THAT(err, HasSubstr("25 tokens in"));
   EXPECT_THAT(err, HasSubstr("stopped at the context limit (max_seq_len 64 of model 'gpt2-tiny')"));
+}
+
+// By default the context slides: all 100 tokens come, the window (64) moving to its newest 32
+// each time it fills -- after the first 25 tokens, then every 32: 3 times. The text up to the
+// first slide is the --no-slide text.
+TEST_F(GenerateCommand, SlidesPastTheContext) {
+  std::string err;
+  const std::string prompt(40, 'x');
+  const std::string flags =
+      ckpt_ + " --prompt " + prompt + " --max-new-tokens 100 --temperature 0 --no-stop-at-eot";
+  const Result r = generate(flags, &err);
+  ASSERT_EQ(r.status, 0) << r.out << err;
+  EXPECT_THAT(err, HasSubstr("100 tokens in"));
+  EXPECT_THAT(err, HasSubstr("slid 3 times"));
+  const Result stopped = generate(flags + " --no-slide", &err);
+  ASSERT_EQ(stopped.status, 0) << err;
+  // Byte-level tokens: the text is bytes; the no-slide text (minus its newline) is a prefix.
+  ASSERT_GT(stopped.out.size(), 1u);
+  EXPECT_THAT(r.out, StartsWith(stopped.out.substr(0, stopped.out.size() - 1)));
+  EXPECT_GT(r.out.size(), stopped.out.size() + 60);
 }
 
 TEST_F(GenerateCommand, BadInputsNameTheFlag) {

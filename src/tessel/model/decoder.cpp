@@ -13,7 +13,6 @@ using kernels::Op;
 
 namespace {
 
-constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
 
 // Below this many multiply-adds an attention call runs on the calling thread: a parallel region
 // costs more than it saves (a step of a tiny model).
@@ -91,25 +90,12 @@ void Decoder::build(const DecoderOptions& options) {
     offsets_.push_back(num_params_);
     num_params_ += ps.numel();
   }
-  auto offset_of = [&](const std::string& name) -> int64_t {
-    if (name.empty()) return -1;
-    const int i = spec_.index_of(name);
-    return i < 0 ? -1 : offsets_[size_t(i)];
-  };
-  for (int l = 0; l < config_.n_layer; ++l) {
-    std::vector<int64_t> off(kNumLayerParams);
-    for (int k = 0; k < kNumLayerParams; ++k) {
-      off[size_t(k)] = offset_of(layer_param_name(config_.family, l, LayerParam(k)));
-    }
-    layer_off_.push_back(std::move(off));
+  {
+    ParamOffsets o = param_offsets(spec_, 0, config_.n_layer, offsets_);
+    layer_off_ = std::move(o.layer);
+    wte_off_ = o.wte, wpe_off_ = o.wpe, lnf_w_off_ = o.lnf_w, lnf_b_off_ = o.lnf_b;
+    head_off_ = o.head;
   }
-  const Family f = config_.family;
-  wte_off_ = offset_of(global_param_name(f, GlobalParam::token_embedding));
-  wpe_off_ = offset_of(global_param_name(f, GlobalParam::position_embedding));
-  lnf_w_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_weight));
-  lnf_b_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_bias));
-  head_off_ =
-      config_.tie_embeddings ? wte_off_ : offset_of(global_param_name(f, GlobalParam::lm_head));
 
   const int64_t C = config_.n_embd, D = config_.head_dim(), F = config_.ffn_hidden;
   const int64_t Hq = config_.n_head, Hkv = config_.n_kv_head, rows = chunk_;

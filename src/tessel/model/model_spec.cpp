@@ -258,4 +258,27 @@ int64_t ModelSpec::numel() const {
   return n;
 }
 
+ParamOffsets param_offsets(const ModelSpec& spec, int layer_begin, int layer_end,
+                           const std::vector<int64_t>& offsets) {
+  const ModelConfig& c = spec.config();
+  auto offset_of = [&](const std::string& name) -> int64_t {
+    if (name.empty()) return -1;
+    const int i = spec.index_of(name);
+    return i < 0 ? -1 : offsets[size_t(i)];
+  };
+  ParamOffsets o;
+  for (int l = layer_begin; l < layer_end; ++l) {
+    std::vector<int64_t> off(kNumLayerParams);
+    for (int k = 0; k < kNumLayerParams; ++k)
+      off[size_t(k)] = offset_of(layer_param_name(c.family, l, LayerParam(k)));
+    o.layer.push_back(std::move(off));
+  }
+  o.wte = offset_of(global_param_name(c.family, GlobalParam::token_embedding));
+  o.wpe = offset_of(global_param_name(c.family, GlobalParam::position_embedding));
+  o.lnf_w = offset_of(global_param_name(c.family, GlobalParam::final_norm_weight));
+  o.lnf_b = offset_of(global_param_name(c.family, GlobalParam::final_norm_bias));
+  o.head = c.tie_embeddings ? o.wte : offset_of(global_param_name(c.family, GlobalParam::lm_head));
+  return o;
+}
+
 }  // namespace tessel::model

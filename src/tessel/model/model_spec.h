@@ -91,6 +91,7 @@ enum class LayerParam {
   mlp_out_weight,   // gpt2 mlp.c_proj / llama down_proj
   mlp_out_bias,     // gpt2 only
 };
+inline constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
 enum class GlobalParam {
   token_embedding,
   position_embedding,  // gpt2 only
@@ -136,5 +137,16 @@ class ModelSpec {
   std::vector<ParamSpec> params_;
   std::unordered_map<std::string, int> index_;
 };
+
+// Where the parameters a forward pass reads sit in a flat buffer holding `spec`'s parameters in
+// its order, spec[i] at offsets[i] (floats); -1 for what the spec lacks (another stage's, a
+// family's absent bias). The head is the token embedding when the model ties them. Shared by
+// the training model and the inference decoder, which lay their buffers out the same way.
+struct ParamOffsets {
+  std::vector<std::vector<int64_t>> layer;  // [l - layer_begin][LayerParam]
+  int64_t wte = -1, wpe = -1, lnf_w = -1, lnf_b = -1, head = -1;
+};
+ParamOffsets param_offsets(const ModelSpec& spec, int layer_begin, int layer_end,
+                           const std::vector<int64_t>& offsets);
 
 }  // namespace tessel::model

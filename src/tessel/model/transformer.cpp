@@ -26,7 +26,6 @@ struct Carver {
   }
 };
 
-constexpr int kNumLayerParams = int(LayerParam::mlp_out_bias) + 1;
 
 }  // namespace
 
@@ -83,25 +82,14 @@ Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, i
                                tp_is_primary(ps, config_, tp_rank(), tp_size())});
     num_params_ += local.numel();
   }
-  auto offset_of = [&](const std::string& name) -> int64_t {
-    if (name.empty()) return -1;
-    const int i = spec_.index_of(name);
-    return i < 0 ? -1 : views_[size_t(i)].offset;
-  };
-  for (int l = stage_.layer_begin; l < stage_.layer_end; ++l) {
-    std::vector<int64_t> off(kNumLayerParams);
-    for (int k = 0; k < kNumLayerParams; ++k) {
-      off[size_t(k)] = offset_of(layer_param_name(config_.family, l, LayerParam(k)));
-    }
-    layer_off_.push_back(std::move(off));
+  std::vector<int64_t> offsets;
+  for (const ParamView& v : views_) offsets.push_back(v.offset);
+  {
+    ParamOffsets o = param_offsets(spec_, stage_.layer_begin, stage_.layer_end, offsets);
+    layer_off_ = std::move(o.layer);
+    wte_off_ = o.wte, wpe_off_ = o.wpe, lnf_w_off_ = o.lnf_w, lnf_b_off_ = o.lnf_b;
+    head_off_ = o.head;
   }
-  const Family f = config_.family;
-  wte_off_ = offset_of(global_param_name(f, GlobalParam::token_embedding));
-  wpe_off_ = offset_of(global_param_name(f, GlobalParam::position_embedding));
-  lnf_w_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_weight));
-  lnf_b_off_ = offset_of(global_param_name(f, GlobalParam::final_norm_bias));
-  head_off_ =
-      config_.tie_embeddings ? wte_off_ : offset_of(global_param_name(f, GlobalParam::lm_head));
 
   const size_t param_bytes = size_t(std::max<int64_t>(num_params_, 1)) * sizeof(float);
   params_ = static_cast<float*>(allocate(param_bytes, owned_));

@@ -323,6 +323,52 @@ def small_seeds():
         put('signed_envelope', f'value{i}', v)
 
 
+# ---- tokenizer_json ---------------------------------------------------------------------------
+def gpt2_bytes():
+    """GPT-2's bytes_to_unicode order (data/bpe_test_data.h): printable bytes, then the others."""
+    bs = list(range(ord('!'), ord('~') + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = [chr(b) for b in bs]
+    n = 0x100
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            chars.append(chr(n))
+            n += 1
+    return chars
+
+
+def tokenizer_json(model_type='BPE', merges=None, pre=None, added=True, extra_vocab=None):
+    vocab = {c: i for i, c in enumerate(gpt2_bytes())}
+    merged = ['he', 'll', 'hell', 'hello', '\u0120w', 'or', '\u0120wor', 'ld', '\u0120world']
+    for i, t in enumerate(merged):
+        vocab[t.encode().decode('unicode_escape')] = 256 + i
+    vocab.update(extra_vocab or {})
+    if merges is None:
+        merges = ['h e', 'l l', 'he ll', 'hell o', '\u0120 w', 'o r', '\u0120w or', 'l d',
+                  '\u0120wor ld']
+        merges = [m.encode().decode('unicode_escape') for m in merges]
+    vocab['<|endoftext|>'] = 265
+    j = {'version': '1.0',
+         'added_tokens': [{'id': 265, 'content': '<|endoftext|>', 'special': True}] if added else [],
+         'normalizer': None,
+         'pre_tokenizer': pre if pre is not None else
+         {'type': 'ByteLevel', 'add_prefix_space': False, 'use_regex': True},
+         'model': {'type': model_type, 'vocab': vocab, 'merges': merges, 'byte_fallback': False}}
+    return json.dumps(j, ensure_ascii=False)
+
+
+def tokenizer_seeds():
+    put('tokenizer_json', 'gpt2.json', tokenizer_json())
+    put('tokenizer_json', 'llama3.json', tokenizer_json(pre={'type': 'Sequence', 'pretokenizers': [
+        {'type': 'Split', 'pattern': {'Regex': "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+         'behavior': 'Isolated', 'invert': False},
+        {'type': 'ByteLevel', 'add_prefix_space': False, 'use_regex': False}]}))
+    put('tokenizer_json', 'wordpiece.json', tokenizer_json(model_type='WordPiece'))
+    put('tokenizer_json', 'bad_merge.json', tokenizer_json(merges=['h zz']))
+    put('tokenizer_json', 'no_added.json', tokenizer_json(added=False))
+    put('tokenizer_json', 'cut.json', tokenizer_json()[:300])
+
+
 def main():
     yaml_config()
     safetensors_seeds()
@@ -330,6 +376,7 @@ def main():
     checkpoint_seeds()
     megatron_seeds()
     token_seeds()
+    tokenizer_seeds()
     small_seeds()
 
 

@@ -72,8 +72,9 @@ void check_config(const char* what, int p, int v, const SimConfig& c) {
 // Sizes, durations and the result being filled, shared by both runners.
 class Model {
  public:
-  Model(const char* what, std::string name, int p, int m, int v, const SimConfig& config)
-      : p_(p), m_(m), v_(v), c_(config) {
+  Model(const char* what, std::string name, int p, int m, int v, const SimConfig& config,
+        schedule::Placement placement = schedule::Placement::interleaved)
+      : p_(p), m_(m), v_(v), placement_(placement), c_(config) {
     check_config(what, p, v, config);
     r_.name = std::move(name);
     r_.stages = p;
@@ -91,10 +92,15 @@ class Model {
   int m() const { return m_; }
   int v() const { return v_; }
   int last() const { return p_ * v_ - 1; }
-  int vs(int stage, int chunk) const { return chunk * p_ + stage; }
-  // Whether the previous / next virtual stage lives on another rank (every one does when p > 1).
-  bool remote_prev(int vs) const { return vs > 0 && p_ > 1; }
-  bool remote_next(int vs) const { return vs < last() && p_ > 1; }
+  int vs(int stage, int chunk) const {
+    return schedule::virtual_stage(p_, stage, chunk, placement_);
+  }
+  int rank(int vs) const { return schedule::stage_of(p_, vs, placement_); }
+  int chunk(int vs) const { return schedule::chunk_of(p_, vs, placement_); }
+  // Whether the previous / next virtual stage lives on another rank (interleaved: every one does
+  // when p > 1; V-shaped: all but the turn at rank p - 1).
+  bool remote_prev(int vs) const { return vs > 0 && rank(vs - 1) != rank(vs); }
+  bool remote_next(int vs) const { return vs < last() && rank(vs + 1) != rank(vs); }
   // Flat index of (virtual stage, micro_batch).
   size_t index(int vs, int mb) const { return size_t(vs) * size_t(m_) + size_t(mb); }
   size_t table_size() const { return size_t(p_) * size_t(v_) * size_t(m_); }
@@ -152,6 +158,7 @@ class Model {
 
  private:
   int p_, m_, v_;
+  schedule::Placement placement_;
   const SimConfig& c_;
   SimResult r_;
   std::vector<int> in_flight_;
@@ -167,7 +174,7 @@ class ListRun {
  public:
   ListRun(const schedule::Schedule& s, const SimConfig& config)
       : s_(checked(s)),
-        model_("simulate", s.name, s.stages, s.micro_batches, s.chunks, config),
+        model_("simulate", s.name, s.stages, s.micro_batches, s.chunks, config, s.placement),
         pc_(size_t(s.stages), 0),
         clock_(size_t(s.stages), 0.0),
         blocked_(size_t(s.stages), -1) {
@@ -274,14 +281,14 @@ class ListRun {
       case Op::send_activation: {
         require(forward_done_[here] && model_.remote_next(vs), stage,
                 "the F that produces it (or has no remote next stage)");
-        int to = schedule::stage_of(model_.p(), vs + 1);
+        int to = model_.rank(vs + 1);
         send(act_slot(vs + 1, mb), to, model_.arrival(stage, to, vs, clock), work);
         return true;
       }
       case Op::send_grad: {
         require(input_grad_done_[here] && model_.remote_prev(vs), stage,
                 "the B or Bi that produces it (or has no remote previous stage)");
-        int to = schedule::stage_of(model_.p(), vs - 1);
+        int to = model_.rank(vs - 1);
         send(grad_slot(vs - 1, mb), to, model_.arrival(stage, to, vs - 1, clock), work);
         return true;
       }
@@ -453,18 +460,18 @@ class GreedyRun {
     st.busy = false;
     const Task t = st.running;
     if (t.op == Op::optimizer_step) return;
-    const int p = o_.stages, vs = model_.vs(e.stage, t.chunk);
+    const int vs = model_.vs(e.stage, t.chunk);
     if (t.op == Op::forward) {
       if (vs == model_.last()) {
         st.backward.push(backward_key(t.mb, t.chunk));
       } else {
-        int to = schedule::stage_of(p, vs + 1), chunk = schedule::chunk_of(p, vs + 1);
+        int to = model_.rank(vs + 1), chunk = model_.chunk(vs + 1);
         double at = model_.remote_next(vs) ? model_.arrival(e.stage, to, vs, now) : now;
         post(at, to, kForwardReady, forward_key(t.mb, chunk));
       }
     } else if (t.op == Op::backward || t.op == Op::backward_input) {
       if (vs > 0) {
-        int to = schedule::stage_of(p, vs - 1), chunk = schedule::chunk_of(p, vs - 1);
+        int to = model_.rank(vs - 1), chunk = model_.chunk(vs - 1);
         double at = model_.remote_prev(vs) ? model_.arrival(e.stage, to, vs - 1, now) : now;
         post(at, to, kBackwardReady, backward_key(t.mb, chunk));
       }

@@ -57,9 +57,15 @@ std::string error_of(const SimulateRequest& rq) {
 TEST(SimulateStep, EqualStagesRunEachScheduleAtItsAnalyticBubble) {
   for (std::string_view name : schedule::schedule_names()) {
     const bool chunked = name == "interleaved-1f1b";
-    SimulateRequest rq = chunked ? request(3, 2, 6, {2, 1, 1, 1, 1, 2},
-                                           layout::ScheduleKind::interleaved_one_f_one_b)
-                                 : request(2, 1, 4, {4, 4}, layout::ScheduleKind::one_f_one_b);
+    // ZB-V: two chunks per rank as a V, 6 equal virtual stages (the embedding and head cost
+    // nothing in the flat profile); p = 3, m = 6 is a shape where its scheduler reaches the bound
+    // (schedule/zero_bubble.h).
+    SimulateRequest rq =
+        chunked
+            ? request(3, 2, 6, {2, 1, 1, 1, 1, 2}, layout::ScheduleKind::interleaved_one_f_one_b)
+        : name == "zb-v"
+            ? request(3, 2, 6, {2, 1, 1, 1, 1, 2}, layout::ScheduleKind::interleaved_one_f_one_b)
+            : request(2, 1, 4, {4, 4}, layout::ScheduleKind::one_f_one_b);
     rq.schedule = std::string(name);
     const SimulatedStep r = simulate_step(rq);
     const int p = rq.plan.pp, m = int(rq.plan.micro_batches), v = rq.plan.virtual_stages;
@@ -119,7 +125,7 @@ TEST(SimulateStep, RejectsWhatItCannotSimulate) {
   SimulateRequest rq = request(2, 1, 4, {4, 4}, layout::ScheduleKind::one_f_one_b);
   rq.schedule = "pipedream";
   EXPECT_THAT(error_of(rq), HasSubstr("simulate: unknown schedule 'pipedream' (known: gpipe, "
-                                      "1f1b, interleaved-1f1b, zb-h1, greedy)"));
+                                      "1f1b, interleaved-1f1b, zb-h1, zb-v, greedy)"));
   SimulateRequest chunks =
       request(3, 2, 6, {2, 1, 1, 1, 1, 2}, layout::ScheduleKind::interleaved_one_f_one_b);
   for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {

@@ -94,8 +94,9 @@ std::string to_string(const Instruction& in) {
 }
 
 std::string to_string(const Schedule& schedule) {
-  std::string s = fmt::format("schedule {} stages={} micro_batches={} chunks={}\n", schedule.name,
-                              schedule.stages, schedule.micro_batches, schedule.chunks);
+  std::string s = fmt::format("schedule {} stages={} micro_batches={} chunks={}{}\n", schedule.name,
+                              schedule.stages, schedule.micro_batches, schedule.chunks,
+                              schedule.placement == Placement::v_shape ? " placement=v" : "");
   for (size_t stage = 0; stage < schedule.per_stage.size(); ++stage) {
     s += fmt::format("stage {}:", stage);
     for (const Instruction& in : schedule.per_stage[stage]) s += " " + to_string(in);
@@ -116,12 +117,17 @@ Schedule parse_schedule(std::string_view text) {
     std::string word;
     if (!(words >> word)) continue;  // blank line
     if (!have_header) {
-      std::string stages, micro_batches, chunks, extra;
-      if (word != "schedule" || !(words >> schedule.name >> stages >> micro_batches >> chunks) ||
-          (words >> extra))
+      std::string stages, micro_batches, chunks, placement, extra;
+      if (words >> schedule.name >> stages >> micro_batches >> chunks && (words >> placement)) {
+        if (placement == "placement=v")
+          schedule.placement = Placement::v_shape;
+        else if (placement != "placement=interleaved")
+          extra = placement;
+      }
+      if (word != "schedule" || chunks.empty() || !extra.empty() || (words >> extra))
         TESSEL_THROW(InvalidArgumentError,
                      "schedule text line {}: expected 'schedule <name> stages=<p> "
-                     "micro_batches=<m> chunks=<v>', got '{}'",
+                     "micro_batches=<m> chunks=<v> [placement=v]', got '{}'",
                      line_no, line);
       schedule.stages = header_int(stages, "stages", line_no);
       schedule.micro_batches = header_int(micro_batches, "micro_batches", line_no);

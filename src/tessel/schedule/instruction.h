@@ -5,11 +5,17 @@
 //
 // Conventions (used by every generator, the validator, the executor and the simulator):
 //
-//   p = stages, m = micro_batches, v = chunks (model chunks per stage, 1 unless interleaved).
-//   The model's layers are cut into p * v consecutive *virtual stages*. Virtual stage
-//       vs = chunk * p + stage
-//   lives on rank `stage` as its local model chunk `chunk`. Data flows vs -> vs + 1 forward and
-//   vs + 1 -> vs backward, so rank p-1's chunk c feeds rank 0's chunk c+1.
+//   p = stages, m = micro_batches, v = chunks (model chunks per stage, 1 unless interleaved or
+//   V-shaped). The model's layers are cut into p * v consecutive *virtual stages*, placed on the
+//   ranks in one of two ways:
+//     interleaved (Megatron's):  vs = chunk * p + stage, so rank p-1's chunk c feeds rank 0's
+//                                chunk c+1;
+//     v_shape (ZB-V's, v = 2):   chunk 0 is vs = stage, chunk 1 is vs = 2p - 1 - stage: the model
+//                                goes down the ranks and back up, so rank p-1 holds vs p-1 and p
+//                                (its chunk 0 feeds its chunk 1 locally) and rank 0 holds both
+//                                the first and the last virtual stage (embedding and loss).
+//   Virtual stage vs lives on rank stage_of(vs) as its local chunk chunk_of(vs). Data flows
+//   vs -> vs + 1 forward and vs + 1 -> vs backward.
 //
 //   Every instruction names the *local* (micro_batch, chunk) its data belongs to:
 //     forward          F  runs virtual stage vs on micro_batch; vs = 0 reads the batch itself.
@@ -40,6 +46,8 @@
 
 namespace tessel::schedule {
 
+enum class Placement { interleaved, v_shape };
+
 enum class Op {
   forward,
   backward,
@@ -67,16 +75,23 @@ struct Schedule {
   int micro_batches = 0;
   int chunks = 1;
   std::vector<std::vector<Instruction>> per_stage;  // per_stage[stage]
+  Placement placement = Placement::interleaved;
   bool operator==(const Schedule&) const = default;
 };
 
-inline int virtual_stage(int stages, int stage, int chunk) {
+// The placement's map between (rank, local chunk) and virtual stage (v_shape: 2 chunks).
+inline int virtual_stage(int stages, int stage, int chunk,
+                         Placement placement = Placement::interleaved) {
+  if (placement == Placement::v_shape) return chunk == 0 ? stage : 2 * stages - 1 - stage;
   return chunk * stages + stage;
 }
-inline int stage_of(int stages, int virtual_stage) {
+inline int stage_of(int stages, int virtual_stage, Placement placement = Placement::interleaved) {
+  if (placement == Placement::v_shape)
+    return virtual_stage < stages ? virtual_stage : 2 * stages - 1 - virtual_stage;
   return virtual_stage % stages;
 }
-inline int chunk_of(int stages, int virtual_stage) {
+inline int chunk_of(int stages, int virtual_stage, Placement placement = Placement::interleaved) {
+  if (placement == Placement::v_shape) return virtual_stage < stages ? 0 : 1;
   return virtual_stage / stages;
 }
 
@@ -85,7 +100,7 @@ bool is_send(Op op);
 bool is_recv(Op op);
 
 // Text form, one line per stage, for debugging and for writing schedules by hand in tests:
-//   schedule 1f1b stages=2 micro_batches=1 chunks=1
+//   schedule 1f1b stages=2 micro_batches=1 chunks=1     (a V-shaped one adds placement=v)
 //   stage 0: F0.0 sendA0.0>1 recvG0.0<1 B0.0 step
 //   stage 1: recvA0.0<0 F0.0 B0.0 sendG0.0>0 step
 // A token is the op code (F B Bi Bw sendA recvA sendG recvG step), then micro_batch.chunk,

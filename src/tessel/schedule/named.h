@@ -8,8 +8,10 @@
 //   1f1b               one_f_one_b(p, m)                      1        bubble_fraction(p, m)
 //   interleaved-1f1b   interleaved_one_f_one_b(p, m, v)       v        bubble_fraction(p, m, v)
 //   zb-h1              zb_h1(p, m)                            1        zb_h1_bubble_fraction(p, m)
+//   zb-v               zb_v(p, m), V-shaped placement         2        zb_v_bubble_fraction(p, m)
 //
-// (generators.h, zero_bubble.h and bubble.h describe them; the runtime does not run zb-h1 yet.)
+// (generators.h, zero_bubble.h and bubble.h describe them; the runtime does not run the
+// zero-bubble ones yet: their split backward needs the model's Bi/Bw.)
 #pragma once
 
 #include <span>

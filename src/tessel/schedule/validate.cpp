@@ -16,11 +16,14 @@ constexpr int kOps = int(Op::optimizer_step) + 1;
 // tables as vs * m + mb.
 struct Shape {
   int p, m, v;
-  int vs(int stage, int chunk) const { return virtual_stage(p, stage, chunk); }
+  Placement placement = Placement::interleaved;
+  int vs(int stage, int chunk) const { return virtual_stage(p, stage, chunk, placement); }
+  int rank(int vs) const { return stage_of(p, vs, placement); }
+  int chunk(int vs) const { return chunk_of(p, vs, placement); }
   int last() const { return p * v - 1; }
   // Whether the previous / next virtual stage exists and lives on another rank.
-  bool remote_prev(int vs) const { return vs > 0 && stage_of(p, vs - 1) != stage_of(p, vs); }
-  bool remote_next(int vs) const { return vs < last() && stage_of(p, vs + 1) != stage_of(p, vs); }
+  bool remote_prev(int vs) const { return vs > 0 && rank(vs - 1) != rank(vs); }
+  bool remote_next(int vs) const { return vs < last() && rank(vs + 1) != rank(vs); }
   int index(int vs, int mb) const { return vs * m + mb; }
   size_t table_size() const { return size_t(p) * v * m; }
 };
@@ -51,16 +54,16 @@ void check_fields(const Schedule& s, const Shape& sh, int stage, size_t i) {
     TESSEL_CHECK(sh.remote_next(vs), InvalidArgumentError,
                  "{}: virtual stage {} has no next virtual stage on another rank to talk to",
                  at(s, stage, i), vs);
-    TESSEL_CHECK(in.peer == stage_of(sh.p, vs + 1), InvalidArgumentError,
+    TESSEL_CHECK(in.peer == sh.rank(vs + 1), InvalidArgumentError,
                  "{}: peer must be {}, the rank of virtual stage {}", at(s, stage, i),
-                 stage_of(sh.p, vs + 1), vs + 1);
+                 sh.rank(vs + 1), vs + 1);
   } else {
     TESSEL_CHECK(sh.remote_prev(vs), InvalidArgumentError,
                  "{}: virtual stage {} has no previous virtual stage on another rank to talk to",
                  at(s, stage, i), vs);
-    TESSEL_CHECK(in.peer == stage_of(sh.p, vs - 1), InvalidArgumentError,
+    TESSEL_CHECK(in.peer == sh.rank(vs - 1), InvalidArgumentError,
                  "{}: peer must be {}, the rank of virtual stage {}", at(s, stage, i),
-                 stage_of(sh.p, vs - 1), vs - 1);
+                 sh.rank(vs - 1), vs - 1);
   }
 }
 
@@ -217,8 +220,8 @@ class DryRunner {
       const Instruction& in = list[pc_[stage]];
       bool act = in.op == Op::recv_activation;
       int from = sh_.vs(stage, in.chunk) + (act ? -1 : 1);
-      Instruction send{act ? Op::send_activation : Op::send_grad, in.micro_batch,
-                       chunk_of(sh_.p, from), stage};
+      Instruction send{act ? Op::send_activation : Op::send_grad, in.micro_batch, sh_.chunk(from),
+                       stage};
       waits += fmt::format("{}stage {} waits at instruction {} ({}) for {} on stage {}",
                            waits.empty() ? "" : "; ", stage, pc_[stage], to_string(in),
                            to_string(send), in.peer);
@@ -253,7 +256,10 @@ DryRun validate(const Schedule& s, const DryRunCosts& costs) {
   TESSEL_CHECK(s.per_stage.size() == size_t(s.stages), InvalidArgumentError,
                "schedule '{}': has {} instruction lists for {} stages", s.name, s.per_stage.size(),
                s.stages);
-  const Shape sh{s.stages, s.micro_batches, s.chunks};
+  TESSEL_CHECK(s.placement != Placement::v_shape || s.chunks == 2, InvalidArgumentError,
+               "schedule '{}': a V-shaped placement has 2 chunks per stage, not {}", s.name,
+               s.chunks);
+  const Shape sh{s.stages, s.micro_batches, s.chunks, s.placement};
   for (int stage = 0; stage < sh.p; ++stage)
     for (size_t i = 0; i < s.per_stage[stage].size(); ++i) check_fields(s, sh, stage, i);
   for (int stage = 0; stage < sh.p; ++stage) check_counts(s, sh, stage);

@@ -34,6 +34,32 @@ namespace tessel::schedule {
 // p == 1 it is F Bi Bw per micro-batch.
 Schedule zb_h1(int stages, int micro_batches);
 
+// ZB-V, the paper's V-shaped schedule: two model chunks per stage placed as a V (instruction.h,
+// Placement::v_shape: rank s holds virtual stages s and 2p - 1 - s, so rank 0 computes both the
+// embedding and the loss and rank p - 1 passes its chunk 0's output to its own chunk 1), the
+// backward split into Bi and Bw. The lists come from a list scheduler run with unit times
+// (T_F = T_Bi = T_Bw = 1 per chunk, free communication) that, whenever a stage is free, runs
+//   the ready Bi of the lowest micro-batch (its stage before it waits for it), else
+//   the ready F of the lowest micro-batch, chunk 1 first (it leads to the loss), if the
+//     activation budget allows, else
+//   the oldest pending Bw (it only frees memory: it fills what would be idle time), else waits.
+// The budget is 1F1B's: at most 2p chunk activations per stage (p micro-batches of a whole
+// stage; an F takes one, its Bw returns it), with a chunk-0 forward admitted only when room is
+// left for the chunk-1 forward of every micro-batch started on the stage (counting what the
+// pending Bws will free), which keeps the scheduler from deadlocking.
+//
+// Bubble with unit times: every stage computes 6m units, and the last stage's first forward
+// cannot start before p - 1 (the chain's first p - 1 chunk-0 forwards), so
+//   makespan >= 6m + p - 1,   bubble >= (p - 1) / (6m + p - 1)   (zb_v_bubble_fraction)
+// -- half of ZB-H1's (p - 1) / (3m + p - 1) in the same units, as the chunks are half-stages.
+// The scheduler reaches that bound for most (p, m) with m >= p and stays within p - 1 units of
+// it for all (zero_bubble_test checks p <= 8, m <= 32).
+Schedule zb_v(int stages, int micro_batches);
+
+// The lower bound above, the ZB-V bubble the bench compares with. Throws ConfigError when a size
+// is below 1.
+double zb_v_bubble_fraction(int stages, int micro_batches);
+
 // The bubble of zb_h1 under the unit costs above (formula above). Throws ConfigError when a size
 // is below 1.
 double zb_h1_bubble_fraction(int stages, int micro_batches);

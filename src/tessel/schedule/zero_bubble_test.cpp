@@ -101,3 +101,60 @@ TEST(ZbH1, RejectsSizesBelowOne) {
 
 }  // namespace
 }  // namespace tessel::schedule
+
+namespace tessel::schedule {
+namespace {
+
+// ZB-V for every p <= 8 and m <= 32: valid (every F, Bi, Bw, send and receive, no deadlock, the
+// V placement's peers: rank p-1 passes chunk 0 to chunk 1 locally, rank 0 holds the loss), within
+// 1F1B's memory (2p chunk activations, p micro-batches of a whole stage), and with unit times
+// never more than p - 1 units above its lower bound 6m + p - 1 when m >= p, where it also beats
+// ZB-H1's bubble (the same work in chunks half as long).
+TEST(ZbV, ValidWithinOneFOneBsMemoryAndNearItsBound) {
+  for (int p = 1; p <= 8; ++p)
+    for (int m : {1, 2, 3, 4, 5, 8, 13, 16, 32}) {
+      SCOPED_TRACE(testing::Message() << "p=" << p << " m=" << m);
+      const Schedule s = zb_v(p, m);
+      EXPECT_EQ(s.placement, Placement::v_shape);
+      EXPECT_EQ(s.chunks, 2);
+      const DryRun r = validate(s, {1, 2, 1, 1});
+      for (int peak : r.peak_in_flight) EXPECT_LE(peak, 2 * p);
+      for (double busy : r.busy) EXPECT_EQ(busy, 6.0 * m);
+      const double bound = 6.0 * m + p - 1;
+      EXPECT_GE(r.makespan, bound);
+      EXPECT_NEAR(zb_v_bubble_fraction(p, m), 1 - 6.0 * m / bound, 1e-12);
+      if (m >= p) {
+        EXPECT_LE(r.makespan, bound + p - 1);
+        if (p > 1) {
+          EXPECT_LT(r.bubble_fraction(),
+                    validate(zb_h1(p, m), {1, 2, 1, 1}).bubble_fraction() + 1e-12);
+        }
+      }
+      // The text form keeps the placement.
+      EXPECT_EQ(parse_schedule(to_string(s)), s);
+    }
+}
+
+// Where the bound is reached: p = 2, m = 8 and p = 8, m = 8 (makespans 49 and 55); p = 4, m = 8
+// is one unit above it (52 against 51).
+TEST(ZbV, ReachesItsBoundOnSomeShapes) {
+  EXPECT_EQ(validate(zb_v(2, 8), {1, 2, 1, 1}).makespan, 49);
+  EXPECT_EQ(validate(zb_v(8, 8), {1, 2, 1, 1}).makespan, 55);
+  EXPECT_EQ(validate(zb_v(4, 8), {1, 2, 1, 1}).makespan, 52);
+}
+
+// The V placement's map: rank s holds virtual stages s and 2p - 1 - s.
+TEST(ZbV, VShapedPlacement) {
+  constexpr auto V = Placement::v_shape;
+  EXPECT_EQ(virtual_stage(4, 0, 0, V), 0);
+  EXPECT_EQ(virtual_stage(4, 0, 1, V), 7);
+  EXPECT_EQ(virtual_stage(4, 3, 0, V), 3);
+  EXPECT_EQ(virtual_stage(4, 3, 1, V), 4);
+  for (int vs = 0; vs < 8; ++vs)
+    EXPECT_EQ(virtual_stage(4, stage_of(4, vs, V), chunk_of(4, vs, V), V), vs);
+  EXPECT_THROW(zb_v(0, 4), ConfigError);
+  EXPECT_THROW(zb_v(4, 0), ConfigError);
+}
+
+}  // namespace
+}  // namespace tessel::schedule

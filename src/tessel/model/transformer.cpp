@@ -26,12 +26,11 @@ struct Carver {
   }
 };
 
-
 }  // namespace
 
 Transformer::Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-                         StageRange stage, TpGroup* tp, int activation_slots)
-    : config_(config), backend_(backend), B_(B), T_(T) {
+                         StageRange stage, TpGroup* tp, int activation_slots, Recompute recompute)
+    : config_(config), backend_(backend), B_(B), T_(T), recompute_(recompute) {
   config_.validate();
   TESSEL_CHECK(activation_slots >= 1, ConfigError,
                "activation_slots is {}; a model needs at least one activation slot",
@@ -118,13 +117,21 @@ void Transformer::build_activations() {
 }
 
 void Transformer::reshape(int B, int activation_slots) {
+  reshape(B, activation_slots, recompute_);
+}
+
+void Transformer::set_recompute(Recompute recompute) {
+  reshape(B_, activation_slots(), recompute);
+}
+
+void Transformer::reshape(int B, int activation_slots, Recompute recompute) {
   TESSEL_CHECK(!released_, InvalidArgumentError,
                "reshape of a model whose training buffers were released");
   TESSEL_CHECK(B > 0, ConfigError, "micro-batch size B is {}; it must be positive", B);
   TESSEL_CHECK(activation_slots >= 1, ConfigError,
                "activation_slots is {}; a model needs at least one activation slot",
                activation_slots);
-  if (B == B_ && activation_slots == this->activation_slots()) {
+  if (B == B_ && activation_slots == this->activation_slots() && recompute == recompute_) {
     for (Slot& sl : slots_) sl.forward_ready = sl.dlogits_ready = false;
     return;
   }
@@ -133,6 +140,7 @@ void Transformer::reshape(int B, int activation_slots) {
   act_base_ = nullptr;
   targets_ = nullptr;
   B_ = B;
+  recompute_ = recompute;
   slots_.assign(size_t(activation_slots), Slot{});
   build_activations();
 }
@@ -189,25 +197,37 @@ int64_t Transformer::plan_activations(float* base) {
     if (!gpt2) shared.df2 = c.take(N * F);
     if (local_.kv_replicated) shared.kv_stage = c.take(2 * int64_t(config_.n_kv_head) * D * C);
   }
+  // A block's activations but its output (res3, the next block's input), with or without the
+  // attention probabilities.
+  auto take_block = [&](LayerActs& la, bool probs) {
+    la.ln1 = c.take(N * C);
+    if (gpt2) la.ln1_mean = c.take(N);
+    la.ln1_rstd = c.take(N);
+    la.qkv = c.take(N * qkv);
+    la.atty = c.take(N * Hq * D);
+    if (probs) la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
+    la.res2 = c.take(N * C);
+    la.ln2 = c.take(N * C);
+    if (gpt2) la.ln2_mean = c.take(N);
+    la.ln2_rstd = c.take(N);
+    la.fc = c.take(N * F);
+    if (!gpt2) la.up = c.take(N * F);
+    la.act = c.take(N * F);
+  };
+  // What recomputation refills in backward exists once, shared by all blocks and slots: the
+  // whole block but its output (full) or the attention probabilities (selective).
+  LayerActs recomputed{};
+  if (stage_.num_layers() > 0 && recompute_ == Recompute::full) take_block(recomputed, true);
+  if (stage_.num_layers() > 0 && recompute_ == Recompute::selective) {
+    recomputed.probs = c.take(int64_t(B_) * Hq * T_ * T_);
+  }
   for (Slot& sl : slots_) {
     Globals& g = sl.g;
     g = shared;
     g.x0 = c.take(N * C);
-    sl.acts.assign(size_t(stage_.num_layers()), LayerActs{});
+    sl.acts.assign(size_t(stage_.num_layers()), recomputed);
     for (LayerActs& la : sl.acts) {
-      la.ln1 = c.take(N * C);
-      if (gpt2) la.ln1_mean = c.take(N);
-      la.ln1_rstd = c.take(N);
-      la.qkv = c.take(N * qkv);
-      la.atty = c.take(N * Hq * D);
-      la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
-      la.res2 = c.take(N * C);
-      la.ln2 = c.take(N * C);
-      if (gpt2) la.ln2_mean = c.take(N);
-      la.ln2_rstd = c.take(N);
-      la.fc = c.take(N * F);
-      if (!gpt2) la.up = c.take(N * F);
-      la.act = c.take(N * F);
+      if (recompute_ != Recompute::full) take_block(la, recompute_ == Recompute::none);
       la.res3 = c.take(N * C);
     }
     if (stage_.has_head) {
@@ -410,7 +430,20 @@ void Transformer::block_forward(int l, const float* x) {
 
 void Transformer::block_backward(int l, const float* x) {
   if (layer_hook_) layer_hook_();
-  if (config_.family == Family::gpt2) {
+  const bool gpt2 = config_.family == Family::gpt2;
+  // Full recomputation: the block's activations were not kept (their buffers are shared by all
+  // blocks and slots); the forward again from the saved input refills them with the same kernels
+  // on the same inputs, hence the same bits, collectives included (every tp rank runs the same
+  // backward, so every rank recomputes in the same order). It rewrites the block's saved output
+  // with identical values.
+  if (recompute_ == Recompute::full) {
+    if (gpt2) {
+      gpt2_block_forward(l, x);
+    } else {
+      llama_block_forward(l, x);
+    }
+  }
+  if (gpt2) {
     gpt2_block_backward(l, x);
   } else {
     llama_block_backward(l, x);
@@ -567,7 +600,13 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
   backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C, F);
   backend_.layernorm_backward(a_.dres, dw(LP::norm2_weight), dw(LP::norm2_bias), a_.dln, a.res2,
                               w(LP::norm2_weight), a.ln2_mean, a.ln2_rstd, N, C);
-  // attention
+  // attention. Selective recomputation: the probabilities (one buffer shared by all blocks and
+  // slots) come again from the saved q and k by the forward's kernel; its output goes to datty,
+  // overwritten right after.
+  if (recompute_ == Recompute::selective) {
+    backend_.attention_forward(a_.datty, a.probs, a.qkv, a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H,
+                               D, 3 * CH, 3 * CH);
+  }
   backend_.memset_zero(a_.datty, size_t(N) * size_t(CH) * sizeof(float));
   backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
   backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), a_.dres, a.atty,
@@ -663,7 +702,10 @@ void Transformer::llama_block_backward(int l, const float* x) {
   backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
   backend_.rmsnorm_backward(a_.dres, dw(LP::norm2_weight), a_.dln, a.res2, w(LP::norm2_weight),
                             a.ln2_rstd, N, C);
-  // attention
+  // attention (selective recomputation as in gpt2_block_backward)
+  if (recompute_ == Recompute::selective) {
+    backend_.attention_forward(a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+  }
   backend_.memset_zero(a_.datty, size_t(N) * size_t(QD) * sizeof(float));
   backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
   backend_.linear_backward_weight(dw(LP::attn_out_weight), nullptr, a_.dres, a.atty, N, QD, C);

@@ -16,8 +16,19 @@
 //   times: slot s holds the saved activations of one micro-batch, so a pipeline schedule can run
 //   forwards of several micro-batches before their backwards without recomputation.
 // - ONE set of activation-gradient scratch buffers shared by all blocks during backward.
-// Per block that is about N (8C + 2F) floats for gpt2, N (6C + 2 Hkv D + 3F) for llama (N = B T),
-// plus B Hq T^2 attention probabilities (with tensor parallelism: Hq, Hkv, F per rank).
+// - Activation recomputation (recompute.h, chosen at construction) keeps less per slot. In floats
+//   (N = B T; with tensor parallelism Hq, Hkv, F are per rank), a block's activations are its
+//   output O = N C (the next block's input), its attention probabilities P = B Hq T^2, and the
+//   rest A = N (3C + (Hq + 2 Hkv) D + Hq D + 2F + 4) for gpt2, N (3C + (Hq + 2 Hkv) D + Hq D +
+//   3F + 2) for llama (at tp = 1: N (7C + 2F + 4) and N (5C + 2 Hkv D + 3F + 2)). Per block and
+//   slot the model keeps
+//     none: O + A + P;   selective: O + A, and P once;   full: O, and A + P once
+//   (once: one buffer shared by every block and slot). Each buffer is rounded up to 64 bytes.
+//   On top of that every slot holds the stage input x0 (N C) and, on the head stage, the final
+//   norm (N C + 2N for gpt2, N C + N for llama), the logits (N Vp / tp), the losses (N) and, with
+//   tp > 1, the loss statistics (3N); the scratch is proj, dres, dln (3 N C) plus, with blocks,
+//   datty (N Hq D), dqkv (N (Hq + 2 Hkv) D), 2F N (gpt2) or 3F N (llama), and 2 n_kv_head D C
+//   for replicated kv heads. activation_bytes() is exactly that sum.
 //
 // Numerics follow the kernels: the loss is summed per valid token; forward_backward seeds
 // dlogits with (softmax - onehot) * grad_scale, so passing 1 / (valid tokens in the global batch)
@@ -63,6 +74,7 @@
 #include "tessel/kernels/backend.h"
 #include "tessel/model/model_config.h"
 #include "tessel/model/model_spec.h"
+#include "tessel/model/recompute.h"
 #include "tessel/model/stage_range.h"
 #include "tessel/model/tp_group.h"
 #include "tessel/tensor/tensor.h"
@@ -95,8 +107,11 @@ class Transformer {
   // the model. Throws ConfigError when the model cannot be split tp ways (validate_tp).
   // `activation_slots` (>= 1, else ConfigError) is the number of micro-batches whose activations
   // can be held at once (see forward_stage / backward_stage).
+  // `recompute` chooses which block activations are kept and which are recomputed in backward
+  // (recompute.h); the results are bit-identical whichever it is.
   Transformer(const ModelConfig& config, kernels::Backend& backend, int B, int T,
-              StageRange stage = {}, TpGroup* tp = nullptr, int activation_slots = 1);
+              StageRange stage = {}, TpGroup* tp = nullptr, int activation_slots = 1,
+              Recompute recompute = Recompute::none);
   ~Transformer() = default;
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -109,6 +124,7 @@ class Transformer {
   int batch_size() const { return B_; }
   int seq_len() const { return T_; }
   int activation_slots() const { return int(slots_.size()); }
+  Recompute recompute() const { return recompute_; }
   // The tensor-parallel group (null without tensor parallelism), this rank in it and its size.
   TpGroup* tp_group() const { return tp_; }
   // Moves the model to another tensor-parallel group with this rank's place in a group of the
@@ -126,6 +142,10 @@ class Transformer {
   // saved activations are dropped. Throws ConfigError for B or activation_slots below 1, and
   // InvalidArgumentError after release_training_buffers().
   void reshape(int B, int activation_slots);
+  // The same, also changing the recompute mode (one re-allocation for both).
+  void reshape(int B, int activation_slots, Recompute recompute);
+  // Changes the recompute mode only: reshape(batch_size(), activation_slots(), recompute).
+  void set_recompute(Recompute recompute);
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
@@ -190,10 +210,12 @@ class Transformer {
   Tensor input_grad(int slot = 0) const;
 
   // Called before each block's forward and backward and before the head's (the layers of a
-  // pass, where it may stop). It may throw to abandon the pass: an elastic worker stops computing
-  // a step whose world is being replaced (runtime/rank_trainer.h) instead of finishing work that
-  // will be redone. After such a throw the slot holds no saved activations (its forward must run
-  // again) and the gradients hold partial sums (zero_grad() before the next step).
+  // pass, where it may stop); once per block and pass whatever the recompute mode (a block's
+  // recomputation belongs to its backward and is not announced separately). It may throw to abandon
+  // the pass: an elastic worker stops computing a step whose world is being replaced
+  // (runtime/rank_trainer.h) instead of finishing work that will be redone. After such a throw the
+  // slot holds no saved activations (its forward must run again) and the gradients hold partial
+  // sums (zero_grad() before the next step).
   using LayerHook = std::function<void()>;
   void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
 
@@ -202,6 +224,7 @@ class Transformer {
 
  private:
   // Saved activations of one block, [N = B*T rows]. Pointers the family does not use are null.
+  // With recomputation some of them point into a buffer shared by all blocks and slots.
   struct LayerActs {
     float* ln1 = nullptr;  // [N, C] norm1 output, and its statistics [N] (mean: LayerNorm only)
     float* ln1_mean = nullptr;
@@ -250,6 +273,7 @@ class Transformer {
   ModelConfig config_;
   kernels::Backend& backend_;
   int B_, T_;
+  Recompute recompute_ = Recompute::none;
   TpGroup* tp_ = nullptr;  // null unless tensor-parallel with size > 1
   // This rank's share of the split dimensions (the whole model's without tensor parallelism).
   struct Local {

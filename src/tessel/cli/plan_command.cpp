@@ -13,6 +13,7 @@
 #include "tessel/config/train_config.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
+#include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/search.h"
 
@@ -44,10 +45,6 @@ nlohmann::json read_json_file(const std::string& path) {
   }
 }
 
-std::string yes_no(bool b) {
-  return b ? "yes" : "no";
-}
-
 std::string gib(double bytes) {
   return fmt::format("{:.1f}", bytes / (1024.0 * 1024.0 * 1024.0));
 }
@@ -75,8 +72,8 @@ std::string table(const planner::SearchRequest& req, const planner::SearchResult
         "{:>9}\n",
         ++i, p.dp, p.tp, p.pp, p.virtual_stages,
         fmt::format("{} x {}", p.micro_batch, p.micro_batches), layout::schedule_name(p.schedule),
-        p.zero_stage, yes_no(p.recompute), cand.step_s, cand.tokens_per_s, 100 * cand.mfu,
-        gib(cand.memory_bytes));
+        p.zero_stage, model::recompute_name(p.recompute), cand.step_s, cand.tokens_per_s,
+        100 * cand.mfu, gib(cand.memory_bytes));
   }
   const auto& b = res.ranked.front();
   s += fmt::format("\nbest: {}\n", b.plan.describe());

@@ -10,6 +10,7 @@
 #include "tessel/config/init_from.h"
 #include "tessel/config/yaml_reader.h"
 #include "tessel/core/log.h"
+#include "tessel/model/recompute.h"
 #include "tessel/planner/local_plan.h"
 
 namespace tessel::config {
@@ -89,6 +90,16 @@ void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) 
   std::string order = std::string(layout::rank_order_name(p.order));
   s.read("rank_order", order);
   p.order = layout::parse_rank_order(order);
+  // none | selective | full (model/recompute.h); true and false say full and none.
+  std::string recompute = std::string(model::recompute_name(p.recompute));
+  s.read("recompute", recompute);
+  if (recompute == "true") recompute = "full";
+  if (recompute == "false") recompute = "none";
+  try {
+    p.recompute = model::parse_recompute(recompute);
+  } catch (const ConfigError& e) {
+    TESSEL_THROW(ConfigError, "{}: {}", s.where("recompute"), e.what());
+  }
   TESSEL_CHECK(p.dp >= 1, ConfigError, "{}: must be >= 1, got {}", s.where("dp"), p.dp);
   const int64_t G = training.global_batch;
   const int64_t per_replica = G % p.dp == 0 ? G / p.dp : 0;
@@ -116,7 +127,7 @@ void read_parallel(YamlSection s, TrainConfig& c, const std::filesystem::path& b
     s.read("plan_file", file);
     file = resolve(file, base);
     for (const char* key : {"dp", "tp", "pp", "virtual_stages", "micro_batch", "schedule",
-                            "zero_stage", "layers_per_stage", "rank_order"})
+                            "zero_stage", "layers_per_stage", "rank_order", "recompute"})
       TESSEL_CHECK(!s.has(key), ConfigError,
                    "{}: 'plan_file' gives the whole layout; remove '{}' or the plan file",
                    s.where(key), key);
@@ -134,11 +145,6 @@ void read_parallel(YamlSection s, TrainConfig& c, const std::filesystem::path& b
     } catch (const Error& e) {
       TESSEL_THROW(ConfigError, "{}: plan file '{}': {}", s.where("plan_file"), file, e.what());
     }
-    if (c.plan.recompute)
-      spdlog::warn(
-          "{}: the plan asks for activation recompute, which the runtime does not do yet: "
-          "activations are kept (same results, more memory)",
-          file);
   } else {
     read_plan(s, c.training, c.plan);
   }

@@ -10,7 +10,8 @@
 //   checkpoint: {dir, every, resume, keep, copies, async, on_error}
 //   output:     {metrics, events, data_order, rank_params}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
-//                rank_order, timeout_s, bucket_mb}   (optional; default: one worker)
+//                rank_order, recompute: none|selective|full, timeout_s, bucket_mb}
+//               (optional; default: one worker)
 //               or {plan_file: plan.json, timeout_s, bucket_mb}: the layout from `tessel plan
 //               --out`
 //   timeline:   [{at_step: S, parallel: {dp, tp, pp, ...}} or {at_step: S, workers: N}, ...]

@@ -259,7 +259,8 @@ std::string Plan::describe() const {
   std::string s =
       fmt::format("dp={} tp={} pp={} v={} mb={}x{} {} zero{}", dp, tp, pp, virtual_stages,
                   micro_batch, micro_batches, schedule_name(schedule), zero_stage);
-  if (recompute) s += " recompute";
+  if (recompute != model::Recompute::none)
+    s += recompute == model::Recompute::full ? " recompute" : " recompute=selective";
   if (order != RankOrder::tp_dp_pp) s += fmt::format(" order={}", rank_order_name(order));
   if (layers_per_stage.size() > 1) s += fmt::format(" units={}", fmt::join(layers_per_stage, ","));
   return s;
@@ -275,7 +276,7 @@ nlohmann::json to_json(const Plan& p) {
       {"micro_batches", p.micro_batches},
       {"schedule", schedule_name(p.schedule)},
       {"zero_stage", p.zero_stage},
-      {"recompute", p.recompute},
+      {"recompute", std::string(model::recompute_name(p.recompute))},
       {"layers_per_stage", p.layers_per_stage},
       {"rank_order", rank_order_name(p.order)},
   };
@@ -338,10 +339,17 @@ Plan plan_from_json(const nlohmann::json& doc) {
   p.micro_batches = int_field<int64_t>(doc, "micro_batches");
   p.schedule = parse_stored(parse_schedule, string_field(doc, "schedule"));
   p.zero_stage = int_field<int>(doc, "zero_stage");
+  // "none" / "selective" / "full"; plans written before selective existed say false / true.
   const auto& recompute = field(doc, "recompute");
-  TESSEL_CHECK(recompute.is_boolean(), CorruptDataError,
-               "plan document: 'recompute' is {}, not true or false", recompute.dump());
-  p.recompute = recompute.get<bool>();
+  TESSEL_CHECK(recompute.is_boolean() ||
+                   (recompute.is_string() &&
+                    (recompute == "none" || recompute == "selective" || recompute == "full")),
+               CorruptDataError,
+               "plan document: 'recompute' is {}, not \"none\", \"selective\" or \"full\"",
+               recompute.dump());
+  p.recompute = recompute.is_boolean()
+                    ? (recompute.get<bool>() ? model::Recompute::full : model::Recompute::none)
+                    : model::parse_recompute(recompute.get<std::string>());
   const auto& lps = field(doc, "layers_per_stage");
   TESSEL_CHECK(lps.is_array(), CorruptDataError,
                "plan document: 'layers_per_stage' is {}, not an array", lps.dump());

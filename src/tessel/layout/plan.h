@@ -31,6 +31,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "tessel/model/model_config.h"
+#include "tessel/model/recompute.h"
 #include "tessel/model/stage_range.h"
 
 namespace tessel::layout {
@@ -66,7 +67,9 @@ struct Plan {
   int64_t micro_batches = 1;  // micro-batches per optimizer step on one dp replica
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   int zero_stage = 0;      // 0: replicated optimizer state; 1: state sharded over dp
-  bool recompute = false;  // recompute block activations in the backward pass
+  // Activation recomputation (model/recompute.h): full re-runs each block's forward in its
+  // backward, selective only the attention probabilities. The planner chooses none or full.
+  model::Recompute recompute = model::Recompute::none;
   // Units (see above) per pipeline stage, num_stages() entries; empty means "the default split"
   // (with_defaults fills it in).
   std::vector<int> layers_per_stage;

@@ -280,7 +280,7 @@ TEST(Plan, JsonRoundTrip) {
   p.micro_batches = int64_t(1) << 40;
   p.schedule = ScheduleKind::interleaved_one_f_one_b;
   p.zero_stage = 1;
-  p.recompute = true;
+  p.recompute = model::Recompute::full;
   p.layers_per_stage = {1, 2, 3, 4, 5, 6};
   EXPECT_EQ(plan_from_json(to_json(p)), p);
   EXPECT_EQ(plan_from_json(nlohmann::json::parse(to_json(p).dump())), p);
@@ -313,7 +313,7 @@ TEST(Plan, BadJsonIsCorruptData) {
   d["rank_order"] = "pp-tp-dp";
   EXPECT_THAT(corrupt(d), HasSubstr("unknown rank order 'pp-tp-dp'"));
   d = good;
-  d["recompute"] = 1;
+  d["recompute"] = "sometimes";
   EXPECT_THAT(corrupt(d), HasSubstr("'recompute'"));
   d = good;
   d["layers_per_stage"] = {4, 2.5};

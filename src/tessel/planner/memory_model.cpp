@@ -149,8 +149,8 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
   const double p_block = double(block_params(m, t)), p_emb = double(embedding_params(m, t)),
                p_head = double(head_params(m, t));
   const double emb_copy = m.tie_embeddings ? double(int64_t(m.padded_vocab()) * m.n_embd / t) : 0;
-  const double a_block =
-      block_activation_bytes(m, plan.micro_batch, seq, t, bytes, plan.recompute, options);
+  const double a_block = block_activation_bytes(m, plan.micro_batch, seq, t, bytes,
+                                                plan.recompute == model::Recompute::full, options);
   const double a_block_full =
       block_activation_bytes(m, plan.micro_batch, seq, t, bytes, false, options);
   const double a_head = head_activation_bytes(m, plan.micro_batch, seq, t, bytes);
@@ -171,7 +171,8 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
     const int blocks = std::min(end, L + 1) - std::max(begin, 1);
     params[r] += blocks * p_block + (emb ? p_emb : 0) + (head ? p_head : 0);
     chunk_acts[size_t(r) * v + c] += blocks * a_block + (emb ? a_emb : 0) + (head ? a_head : 0);
-    double biggest = blocks > 0 ? a_block_full * (plan.recompute ? 2 : 1) : 0;
+    double biggest =
+        blocks > 0 ? a_block_full * (plan.recompute == model::Recompute::full ? 2 : 1) : 0;
     if (head) biggest = std::max(biggest, a_head);
     transient[r] = std::max(transient[r], biggest);
     has_emb[r] |= emb;

@@ -140,7 +140,7 @@ TEST(MemoryModel, HandCountedTwoStagePlan) {
   EXPECT_DOUBLE_EQ(z1.ranks[0].activations, 2 * (128.0 + 34816 * 2));
   // Recompute: inputs kept, the block's activations re-made (and their gradients) in workspace.
   auto plan = two_stage_plan(0);
-  plan.recompute = true;
+  plan.recompute = model::Recompute::full;
   const auto rc = estimate_memory(m, plan, 16, Precision::fp32, device(1));
   EXPECT_DOUBLE_EQ(rc.ranks[0].activations, 2 * (128.0 + 32 * 64 * 4));
   EXPECT_DOUBLE_EQ(rc.ranks[0].workspace, 2 * 139264.0);

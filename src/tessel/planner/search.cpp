@@ -203,7 +203,7 @@ bool Searcher::evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, Sch
   plan.micro_batches = m;
   plan.schedule = s;
   plan.zero_stage = zero;
-  plan.recompute = rc;
+  plan.recompute = rc ? model::Recompute::full : model::Recompute::none;
   plan.layers_per_stage = sp.units_per_stage;
   MemoryEstimate mem;
   Record rec = score(plan, sp.max_cost, mem);
@@ -228,7 +228,7 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
   const int tp = plan.tp, pp = plan.pp, dp = plan.dp, v = plan.virtual_stages,
             zero = plan.zero_stage;
   const int64_t b = plan.micro_batch, m = plan.micro_batches;
-  const bool rc = plan.recompute;
+  const bool rc = plan.recompute == model::Recompute::full;
   const int S = plan.num_stages(), seq = req_.seq;
   mem = estimate_memory(m_, plan, seq, req_.precision, req_.cluster.device, req_.memory);
 
@@ -314,7 +314,7 @@ Candidate Searcher::candidate(const Record& r, const std::vector<int>& units) co
   c.plan.micro_batches = r.m;
   c.plan.schedule = r.schedule;
   c.plan.zero_stage = r.zero;
-  c.plan.recompute = r.recompute;
+  c.plan.recompute = r.recompute ? model::Recompute::full : model::Recompute::none;
   c.plan.layers_per_stage = units;
   c.step_s = r.step;
   c.pipeline_s = r.pipeline;
@@ -332,7 +332,8 @@ Candidate Searcher::candidate(const Record& r, const std::vector<int>& units) co
 Candidate Searcher::predict(const layout::Plan& given) {
   given.validate(m_, req_.global_batch, N_);
   layout::Plan plan = given;
-  const std::vector<double> costs = unit_costs(plan.tp, plan.micro_batch, plan.recompute);
+  const std::vector<double> costs =
+      unit_costs(plan.tp, plan.micro_batch, plan.recompute == model::Recompute::full);
   if (plan.layers_per_stage.empty())
     plan.layers_per_stage = balance_stages(costs, plan.num_stages()).units_per_stage;
   double max_cost = 0;
@@ -365,7 +366,7 @@ double Searcher::frugal_memory(int tp, int pp, int dp, bool record_smallest) {
   plan.micro_batches = std::max<int64_t>(pp, 1);  // 1f1b holds at most p micro-batches anyway
   plan.schedule = ScheduleKind::one_f_one_b;
   plan.zero_stage = zero;
-  plan.recompute = rc;
+  plan.recompute = rc ? model::Recompute::full : model::Recompute::none;
   plan.layers_per_stage = sp.units_per_stage;
   const MemoryEstimate mem =
       estimate_memory(m_, plan, req_.seq, req_.precision, req_.cluster.device, req_.memory);

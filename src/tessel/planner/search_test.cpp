@@ -190,7 +190,7 @@ TEST(Search, OptionsRestrictTheSpace) {
   for (const auto& c : res.ranked) {
     EXPECT_EQ(c.plan.schedule, ScheduleKind::gpipe);
     EXPECT_EQ(c.plan.zero_stage, 0);
-    EXPECT_TRUE(c.plan.recompute);
+    EXPECT_EQ(c.plan.recompute, model::Recompute::full);
     EXPECT_LE(c.plan.micro_batch, 2);
   }
 }

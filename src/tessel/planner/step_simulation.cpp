@@ -110,7 +110,8 @@ std::vector<int> units_per_stage(const model::ModelConfig& model, const layout::
   if (!plan.layers_per_stage.empty()) return plan.layers_per_stage;
   std::vector<double> unit_cost(unit.size());
   for (size_t u = 0; u < unit.size(); ++u)
-    unit_cost[u] = unit[u].step(plan.recompute && is_block(model, int(u)));
+    unit_cost[u] =
+        unit[u].step(plan.recompute == model::Recompute::full && is_block(model, int(u)));
   return balance_stages(unit_cost, plan.num_stages()).units_per_stage;
 }
 
@@ -139,13 +140,14 @@ std::vector<StageCosts> stage_costs(const SimulateRequest& rq, const layout::Pla
     for (int u = begin; u < end; ++u) {
       const PassTimes& t = unit[size_t(u)];
       const bool block = is_block(model, u);
-      const double rc = plan.recompute && block ? t.recompute : 0;
+      const double rc = plan.recompute == model::Recompute::full && block ? t.recompute : 0;
       c.forward += t.forward;
       c.backward += t.backward() + rc;
       c.backward_input += t.backward_input + rc;
       c.backward_weight += t.backward_weight;
-      c.activation_bytes += unit_activation_bytes(model, u, b, rq.seq, plan.tp, rq.precision,
-                                                  plan.recompute && block);
+      c.activation_bytes +=
+          unit_activation_bytes(model, u, b, rq.seq, plan.tp, rq.precision,
+                                plan.recompute == model::Recompute::full && block);
     }
     c.output_bytes = boundary_bytes;
     costs.push_back(c);

@@ -50,9 +50,10 @@ PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int
   out.adam_v.resize(n_chunks);
   for (size_t c = 0; c < n_chunks; ++c) {
     if (c < skip.size() && skip[c]) continue;
-    auto m = std::make_unique<model::Transformer>(
-        cfg.model, *out.backend, int(plan.micro_batch), int(cfg.data.seq_len),
-        ranges[size_t(plan.stage_of(coord.pp, int(c)))], out.unbound_tp.get(), peaks[c]);
+    auto m = std::make_unique<model::Transformer>(cfg.model, *out.backend, int(plan.micro_batch),
+                                                  int(cfg.data.seq_len),
+                                                  ranges[size_t(plan.stage_of(coord.pp, int(c)))],
+                                                  out.unbound_tp.get(), peaks[c], plan.recompute);
     int64_t n = m->num_params();
     if (plan.zero_stage == 1) n = layout::zero_split(n, plan.dp, coord.dp).n_own;
     out.adam_m[c] = Tensor::zeros({std::max<int64_t>(n, 1)});

@@ -19,16 +19,21 @@ std::string_view schedule_name(ScheduleKind s) {
       return "1f1b";
     case ScheduleKind::interleaved_one_f_one_b:
       return "interleaved-1f1b";
+    case ScheduleKind::zb_h1:
+      return "zb-h1";
+    case ScheduleKind::zb_v:
+      return "zb-v";
   }
   return "?";
 }
 
 ScheduleKind parse_schedule(std::string_view name) {
-  for (auto s :
-       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_one_f_one_b}) {
+  for (auto s : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
+                 ScheduleKind::interleaved_one_f_one_b, ScheduleKind::zb_h1, ScheduleKind::zb_v}) {
     if (schedule_name(s) == name) return s;
   }
-  TESSEL_THROW(ConfigError, "unknown schedule '{}' (known: gpipe, 1f1b, interleaved-1f1b)", name);
+  TESSEL_THROW(ConfigError,
+               "unknown schedule '{}' (known: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v)", name);
 }
 
 std::string_view rank_order_name(RankOrder o) {
@@ -222,10 +227,24 @@ void Plan::validate(const model::ModelConfig& config, int64_t global_batch, int 
                  "of pp ({}); use micro_batches {} or {}",
                  micro_batches, pp, std::max<int64_t>(pp, micro_batches / pp * pp),
                  (micro_batches / pp + 1) * pp);
+  } else if (schedule == ScheduleKind::zb_v) {
+    TESSEL_CHECK(virtual_stages == 2, ConfigError,
+                 "plan: the zb-v schedule places two model chunks per pipeline rank as a V; set "
+                 "virtual_stages to 2 (have {})",
+                 virtual_stages);
+    // Rank 0 holds the embedding (virtual stage 0) and the head (the last): tied, it would hold
+    // the embedding twice.
+    TESSEL_CHECK(
+        !config.tie_embeddings, ConfigError,
+        "plan: the zb-v schedule puts the embedding and the head of model '{}' on pipeline "
+        "rank 0, and its head is tied to the embedding, which the runtime does not share "
+        "within a rank yet; use schedule zb-h1 or 1f1b, or a model with tie_embeddings: "
+        "false",
+        name);
   } else {
     TESSEL_CHECK(virtual_stages == 1, ConfigError,
-                 "plan: virtual_stages is {} but only the interleaved-1f1b schedule runs more than "
-                 "one stage per pipeline rank; set virtual_stages to 1 or schedule to "
+                 "plan: virtual_stages is {} but only the interleaved-1f1b and zb-v schedules run "
+                 "more than one stage per pipeline rank; set virtual_stages to 1 or schedule to "
                  "interleaved-1f1b",
                  virtual_stages);
   }

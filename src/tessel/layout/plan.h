@@ -36,8 +36,10 @@
 
 namespace tessel::layout {
 
-enum class ScheduleKind { gpipe, one_f_one_b, interleaved_one_f_one_b };
-// "gpipe" / "1f1b" / "interleaved-1f1b".
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved_one_f_one_b, zb_h1, zb_v };
+// "gpipe" / "1f1b" / "interleaved-1f1b" / "zb-h1" / "zb-v" (schedule/named.h). zb-v places its
+// two chunks per rank as a V (schedule/instruction.h): rank r holds virtual stages r and
+// 2 pp - 1 - r, so rank 0 holds the embedding and the head.
 std::string_view schedule_name(ScheduleKind s);
 // Throws ConfigError listing the known names.
 ScheduleKind parse_schedule(std::string_view name);
@@ -66,7 +68,7 @@ struct Plan {
   int64_t micro_batch = 1;    // samples per forward/backward on one dp replica
   int64_t micro_batches = 1;  // micro-batches per optimizer step on one dp replica
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
-  int zero_stage = 0;      // 0: replicated optimizer state; 1: state sharded over dp
+  int zero_stage = 0;  // 0: replicated optimizer state; 1: state sharded over dp
   // Activation recomputation (model/recompute.h): full re-runs each block's forward in its
   // backward, selective only the attention probabilities. The planner chooses none or full.
   model::Recompute recompute = model::Recompute::none;
@@ -86,9 +88,16 @@ struct Plan {
 
   // Interleaving: the pipeline rank holding virtual stage s, its chunk index on that rank, and
   // the stage a (pipeline rank, chunk) pair holds.
-  int pp_rank_of_stage(int stage) const { return stage % pp; }
-  int chunk_of_stage(int stage) const { return stage / pp; }
-  int stage_of(int pp_rank, int chunk) const { return chunk * pp + pp_rank; }
+  // The map between virtual stages and (pipeline rank, local chunk): interleaved, or a V for
+  // zb-v (see ScheduleKind).
+  bool v_shaped() const { return schedule == ScheduleKind::zb_v; }
+  int pp_rank_of_stage(int stage) const {
+    return v_shaped() && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
+  }
+  int chunk_of_stage(int stage) const { return v_shaped() ? (stage >= pp ? 1 : 0) : stage / pp; }
+  int stage_of(int pp_rank, int chunk) const {
+    return v_shaped() && chunk == 1 ? 2 * pp - 1 - pp_rank : chunk * pp + pp_rank;
+  }
 
   // This plan with layers_per_stage filled by default_layers_per_stage when it is empty.
   Plan with_defaults(const model::ModelConfig& config) const;

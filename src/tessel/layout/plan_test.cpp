@@ -247,7 +247,7 @@ TEST(Plan, ScheduleConstraints) {
   p.micro_batches = 4;
   p.virtual_stages = 2;
   EXPECT_THAT(config_error([&] { p.validate(c, 4, 2); }),
-              HasSubstr("virtual_stages is 2 but only the interleaved-1f1b schedule"));
+              HasSubstr("virtual_stages is 2 but only the interleaved-1f1b and zb-v schedules"));
 
   p.schedule = ScheduleKind::interleaved_one_f_one_b;
   p.virtual_stages = 1;
@@ -258,6 +258,36 @@ TEST(Plan, ScheduleConstraints) {
   p.micro_batches = 3;
   EXPECT_THAT(config_error([&] { p.validate(c, 3, 2); }),
               HasSubstr("needs micro_batches (3) to be a multiple of pp (2)"));
+
+  // zb-v: two chunks as a V, an untied model (rank 0 holds the embedding and the head).
+  p.schedule = ScheduleKind::zb_v;
+  p.micro_batches = 4;
+  p.virtual_stages = 1;
+  ModelConfig untied = ModelConfig::preset("llama-tiny");
+  untied.tie_embeddings = false;
+  EXPECT_THAT(config_error([&] { p.validate(untied, 4, 2); }),
+              HasSubstr("zb-v schedule places two model chunks per pipeline rank as a V"));
+  p.virtual_stages = 2;
+  EXPECT_NO_THROW(p.validate(untied, 4, 2));
+  EXPECT_THAT(config_error([&] { p.validate(c, 4, 2); }), HasSubstr("tied to the embedding"));
+}
+
+// The V placement of zb-v: rank r holds virtual stages r and 2 pp - 1 - r.
+TEST(Plan, ZbVPlacesItsChunksAsAV) {
+  Plan p = make_plan(1, 1, 3);
+  p.schedule = ScheduleKind::zb_v;
+  p.virtual_stages = 2;
+  EXPECT_EQ(p.stage_of(0, 0), 0);
+  EXPECT_EQ(p.stage_of(0, 1), 5);
+  EXPECT_EQ(p.stage_of(2, 0), 2);
+  EXPECT_EQ(p.stage_of(2, 1), 3);
+  for (int vs = 0; vs < 6; ++vs)
+    EXPECT_EQ(p.stage_of(p.pp_rank_of_stage(vs), p.chunk_of_stage(vs)), vs) << vs;
+  p.schedule = ScheduleKind::interleaved_one_f_one_b;
+  EXPECT_EQ(p.stage_of(0, 1), 3);
+  EXPECT_EQ(p.pp_rank_of_stage(5), 2);
+  EXPECT_EQ(parse_schedule("zb-v"), ScheduleKind::zb_v);
+  EXPECT_EQ(parse_schedule("zb-h1"), ScheduleKind::zb_h1);
 }
 
 TEST(Plan, ZeroStageAndPositiveDegrees) {

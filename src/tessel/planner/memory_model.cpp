@@ -89,6 +89,13 @@ std::vector<int64_t> in_flight_micro_batches(layout::ScheduleKind schedule, int 
     case layout::ScheduleKind::one_f_one_b:
       std::fill(per_chunk.begin(), per_chunk.end(), std::min<int64_t>(micro_batches, pp - rank));
       break;
+    // ZB-H1 defers stage s's first s weight gradients, which holds their activations: every
+    // stage up to min(p, m) (schedule/zero_bubble.h). ZB-V's budget is 2p chunk activations a
+    // stage, at most p of either chunk.
+    case layout::ScheduleKind::zb_h1:
+    case layout::ScheduleKind::zb_v:
+      std::fill(per_chunk.begin(), per_chunk.end(), std::min<int64_t>(micro_batches, pp));
+      break;
     case layout::ScheduleKind::interleaved_one_f_one_b: {
       const int64_t warmup = 2 * int64_t(pp - rank - 1) + int64_t(v - 1) * pp;
       const int64_t alive = std::min<int64_t>(int64_t(v) * micro_batches, warmup + 1);

@@ -16,6 +16,7 @@
 
 #include "tessel/core/check.h"
 #include "tessel/schedule/bubble.h"
+#include "tessel/schedule/named.h"
 
 namespace tessel::planner {
 
@@ -232,10 +233,15 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
   const int S = plan.num_stages(), seq = req_.seq;
   mem = estimate_memory(m_, plan, seq, req_.precision, req_.cluster.device, req_.memory);
 
-  // Pipeline: the slowest stage's slot, (v*m + p - 1) times.
+  // Pipeline: v m slots of the slowest virtual stage, stretched by the schedule's bubble with
+  // equal stages (schedule/named.h): (v m + p - 1) slots for gpipe, 1F1B and interleaved 1F1B;
+  // a third of 1F1B's fill and drain for ZB-H1 and a sixth for ZB-V, whose split backward fills
+  // them with weight gradients.
   const double p2p = pp > 1 ? cost_.p2p(b, seq, N_) : 0;
   const double slot = max_stage_cost + 2 * p2p;
-  const double pipeline = double(int64_t(v) * m + pp - 1) * slot;
+  const double bubble =
+      schedule::analytic_bubble(layout::schedule_name(plan.schedule), pp, int(m), v);
+  const double pipeline = double(int64_t(v) * m) * slot / (1.0 - bubble);
 
   // Per pipeline rank: parameters (for the dp sync and optimizer) and one micro-batch's backward.
   const PassTimes emb = cost_.embedding(b, seq, tp), blk = cost_.block(b, seq, tp),
@@ -248,7 +254,7 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
   int begin = 0;
   for (int st = 0; st < S; ++st) {
     const int end = begin + plan.layers_per_stage[st];
-    const int r = st % pp;
+    const int r = plan.pp_rank_of_stage(st);
     const bool has_emb = begin == 0, has_head = end == U_;
     const int blocks = std::min(end, U_ - 1) - std::max(begin, 1);
     params[r] += blocks * p_block + (has_emb ? p_emb : 0) + (has_head ? p_head : 0);
@@ -259,7 +265,7 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
     begin = end;
   }
   // The head's rank also holds (and syncs) its copy of a tied embedding.
-  const int head_rank = (S - 1) % pp;
+  const int head_rank = plan.pp_rank_of_stage(S - 1);
   if (m_.tie_embeddings && head_rank != 0)
     params[head_rank] += double(int64_t(m_.padded_vocab()) * m_.n_embd / tp);
   double tail = 0, dp_part = 0, opt_part = 0;
@@ -427,11 +433,17 @@ SearchResult Searcher::run() {
           for (ScheduleKind s : o.schedules) {
             // Without a pipeline, gpipe is 1f1b holding more activations: not an alternative.
             if (s == ScheduleKind::gpipe && pp == 1 && has_1f1b) continue;
+            // Zero-bubble schedules only help a pipeline.
+            if ((s == ScheduleKind::zb_h1 || s == ScheduleKind::zb_v) && pp == 1) continue;
             int v_lo = 1, v_hi = 1;
             if (s == ScheduleKind::interleaved_one_f_one_b) {
               if (pp < 2 || m % pp != 0) continue;
               v_lo = 2;
               v_hi = std::min(o.max_virtual_stages, U_ / pp);
+            } else if (s == ScheduleKind::zb_v) {
+              // Two chunks as a V; rank 0 would hold a tied embedding twice (layout/plan.h).
+              if (m_.tie_embeddings || U_ < 2 * pp) continue;
+              v_lo = v_hi = 2;
             }
             for (int v = v_lo; v <= v_hi; ++v) {
               for (int zero : o.zero_stages) {

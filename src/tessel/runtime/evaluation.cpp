@@ -49,7 +49,10 @@ EvalSums evaluate_stage(Stage& stage, comm::Communicator& pp, const layout::Plan
       const int vs = plan.stage_of(pp_rank, c);
       // Tags: (micro-batch, receiving stage); no training transfer is pending between steps.
       const auto tag = uint32_t(j * stages + vs);
-      if (vs > 0)
+      // The turn of zb-v's V: the previous virtual stage is this rank's other chunk, whose
+      // output was copied in below.
+      const bool local_prev = vs > 0 && plan.pp_rank_of_stage(vs - 1) == pp_rank;
+      if (vs > 0 && !local_prev)
         pp.recv(m.input_hidden(0).data<float>(), boundary * sizeof(float),
                 plan.pp_rank_of_stage(vs - 1), tag)
             .wait();
@@ -59,7 +62,11 @@ EvalSums evaluate_stage(Stage& stage, comm::Communicator& pp, const layout::Plan
         sums.loss_sum += r.loss_sum;
         sums.valid += r.valid;
       }
-      if (vs + 1 < stages) {
+      if (vs + 1 < stages && plan.pp_rank_of_stage(vs + 1) == pp_rank) {
+        const float* out = m.output_hidden(0).data<float>();
+        Chunk& next = stage.chunks()[size_t(plan.chunk_of_stage(vs + 1))];
+        std::copy(out, out + boundary, next.model->input_hidden(0).data<float>());
+      } else if (vs + 1 < stages) {
         const float* out = m.output_hidden(0).data<float>();
         send_buffers.emplace_back(out, out + boundary);
         sends.push_back(pp.send(send_buffers.back().data(), boundary * sizeof(float),

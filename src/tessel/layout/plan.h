@@ -91,6 +91,10 @@ struct Plan {
   // The map between virtual stages and (pipeline rank, local chunk): interleaved, or a V for
   // zb-v (see ScheduleKind).
   bool v_shaped() const { return schedule == ScheduleKind::zb_v; }
+  // Whether the schedule splits each backward into its input and weight gradients (zero-bubble).
+  bool split_backward() const {
+    return schedule == ScheduleKind::zb_h1 || schedule == ScheduleKind::zb_v;
+  }
   int pp_rank_of_stage(int stage) const {
     return v_shaped() && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
   }

@@ -113,26 +113,39 @@ void Transformer::build_activations() {
   // Targets are read by the forward's loss only, so one buffer serves every slot.
   targets_ = static_cast<int32_t*>(allocate(id_bytes, act_owned_));
   backend_.memset_zero(targets_, id_bytes);
+  copy_staging_.clear();
+  if (split_ && backend_.device() != kernels::DeviceKind::cpu) {
+    copy_staging_.resize(size_t(B_) * size_t(T_) * size_t(config_.n_embd));
+  }
   select_slot(0);
 }
 
 void Transformer::reshape(int B, int activation_slots) {
-  reshape(B, activation_slots, recompute_);
-}
-
-void Transformer::set_recompute(Recompute recompute) {
-  reshape(B_, activation_slots(), recompute);
+  reshape(B, activation_slots, recompute_, split_);
 }
 
 void Transformer::reshape(int B, int activation_slots, Recompute recompute) {
+  reshape(B, activation_slots, recompute, split_);
+}
+
+void Transformer::set_recompute(Recompute recompute) {
+  reshape(B_, activation_slots(), recompute, split_);
+}
+
+void Transformer::set_split_backward(bool split) {
+  reshape(B_, activation_slots(), recompute_, split);
+}
+
+void Transformer::reshape(int B, int activation_slots, Recompute recompute, bool split_backward) {
   TESSEL_CHECK(!released_, InvalidArgumentError,
                "reshape of a model whose training buffers were released");
   TESSEL_CHECK(B > 0, ConfigError, "micro-batch size B is {}; it must be positive", B);
   TESSEL_CHECK(activation_slots >= 1, ConfigError,
                "activation_slots is {}; a model needs at least one activation slot",
                activation_slots);
-  if (B == B_ && activation_slots == this->activation_slots() && recompute == recompute_) {
-    for (Slot& sl : slots_) sl.forward_ready = sl.dlogits_ready = false;
+  if (B == B_ && activation_slots == this->activation_slots() && recompute == recompute_ &&
+      split_backward == split_) {
+    for (Slot& sl : slots_) sl.forward_ready = sl.dlogits_ready = sl.weight_pending = false;
     return;
   }
   // The old activations go back to the allocator before the new ones are taken from it.
@@ -141,6 +154,7 @@ void Transformer::reshape(int B, int activation_slots, Recompute recompute) {
   targets_ = nullptr;
   B_ = B;
   recompute_ = recompute;
+  split_ = split_backward;
   slots_.assign(size_t(activation_slots), Slot{});
   build_activations();
 }
@@ -184,51 +198,86 @@ int64_t Transformer::plan_activations(float* base) {
   const int64_t D = config_.head_dim(), Hq = local_.Hq, Hkv = local_.Hkv;
   const int64_t qkv = (Hq + 2 * Hkv) * D;
   const bool gpt2 = config_.family == Family::gpt2;
-  // Scratch shared by all slots: the projection output and the backward's gradients.
+  const bool blocks = stage_.num_layers() > 0;
+  // Scratch shared by all slots: the projection output and the backward's gradients. With split
+  // backward the gradients the weight pass reads live in the slots instead (LayerGrads); only
+  // d(activation) stays here.
   Globals shared{};
   shared.proj = c.take(N * C);
   shared.dres = c.take(N * C);
   shared.dln = c.take(N * C);
-  if (stage_.num_layers() > 0) {
+  if (blocks) {
     shared.datty = c.take(N * Hq * D);
-    shared.dqkv = c.take(N * qkv);
-    shared.df0 = c.take(N * F);
-    shared.df1 = c.take(N * F);
-    if (!gpt2) shared.df2 = c.take(N * F);
+    if (!split_) shared.dqkv = c.take(N * qkv);
+    if (!split_) shared.df0 = c.take(N * F);
+    if (!split_ || gpt2) shared.df1 = c.take(N * F);  // gpt2's d(activation)
+    if (!gpt2) shared.df2 = c.take(N * F);            // llama's
     if (local_.kv_replicated) shared.kv_stage = c.take(2 * int64_t(config_.n_kv_head) * D * C);
   }
-  // A block's activations but its output (res3, the next block's input), with or without the
-  // attention probabilities.
-  auto take_block = [&](LayerActs& la, bool probs) {
+  // A block's activations but its output (res3, the next block's input), in two parts: the
+  // inputs of its linears (what a split backward's weight pass reads) and the rest, with or
+  // without the attention probabilities.
+  auto take_inputs = [&](LayerActs& la) {
     la.ln1 = c.take(N * C);
+    la.atty = c.take(N * Hq * D);
+    la.ln2 = c.take(N * C);
+    la.act = c.take(N * F);
+  };
+  auto take_rest = [&](LayerActs& la, bool probs) {
     if (gpt2) la.ln1_mean = c.take(N);
     la.ln1_rstd = c.take(N);
     la.qkv = c.take(N * qkv);
-    la.atty = c.take(N * Hq * D);
     if (probs) la.probs = c.take(int64_t(B_) * Hq * T_ * T_);
     la.res2 = c.take(N * C);
-    la.ln2 = c.take(N * C);
     if (gpt2) la.ln2_mean = c.take(N);
     la.ln2_rstd = c.take(N);
     la.fc = c.take(N * F);
     if (!gpt2) la.up = c.take(N * F);
-    la.act = c.take(N * F);
   };
   // What recomputation refills in backward exists once, shared by all blocks and slots: the
-  // whole block but its output (full) or the attention probabilities (selective).
+  // whole block but its output (full) or the attention probabilities (selective). A split
+  // backward's weight pass runs after other blocks' recomputations, so under full recomputation
+  // the inputs of the linears stay per block and slot.
+  const bool full = recompute_ == Recompute::full;
   LayerActs recomputed{};
-  if (stage_.num_layers() > 0 && recompute_ == Recompute::full) take_block(recomputed, true);
-  if (stage_.num_layers() > 0 && recompute_ == Recompute::selective) {
+  if (blocks && full) {
+    if (!split_) take_inputs(recomputed);
+    take_rest(recomputed, true);
+  }
+  if (blocks && recompute_ == Recompute::selective) {
     recomputed.probs = c.take(int64_t(B_) * Hq * T_ * T_);
   }
+  // Floats of the norms' parameters of a block and of the final norm.
+  int64_t block_norm = 0;
+  if (blocks) {
+    for (LayerParam k : {LayerParam::norm1_weight, LayerParam::norm1_bias, LayerParam::norm2_weight,
+                         LayerParam::norm2_bias}) {
+      if (layer_off_[0][size_t(k)] >= 0) block_norm += C;
+    }
+  }
+  const int64_t final_norm = lnf_b_off_ >= 0 ? 2 * C : C;
   for (Slot& sl : slots_) {
     Globals& g = sl.g;
     g = shared;
     g.x0 = c.take(N * C);
     sl.acts.assign(size_t(stage_.num_layers()), recomputed);
     for (LayerActs& la : sl.acts) {
-      if (recompute_ != Recompute::full) take_block(la, recompute_ == Recompute::none);
+      if (!full || split_) take_inputs(la);
+      if (!full) take_rest(la, recompute_ == Recompute::none);
       la.res3 = c.take(N * C);
+    }
+    if (split_) {
+      sl.grads.assign(size_t(stage_.num_layers()), LayerGrads{});
+      for (LayerGrads& lg : sl.grads) {
+        lg.dout = c.take(N * C);
+        lg.dmid = c.take(N * C);
+        lg.d0 = c.take(N * F);
+        if (!gpt2) lg.d1 = c.take(N * F);
+        lg.dqkv = c.take(N * qkv);
+        lg.dnorm = c.take(block_norm);
+      }
+      if (stage_.has_embedding) g.demb = c.take(N * C);
+      if (stage_.has_head) g.dlnf = c.take(final_norm);
     }
     if (stage_.has_head) {
       g.lnf = c.take(N * C);
@@ -346,6 +395,10 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
   const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const bool gpt2 = config_.family == Family::gpt2;
   select_slot(slot);
+  TESSEL_CHECK(!slots_[size_t(cur_)].weight_pending, InvalidArgumentError,
+               "forward_stage() on activation slot {}, whose backward_weight_stage() has not run: "
+               "the slot holds what that weight pass reads and is free again after it",
+               slot);
   slots_[size_t(cur_)].forward_ready = slots_[size_t(cur_)].dlogits_ready = false;
   // Validate every input before running anything.
   const bool loss = stage_.has_head && targets != nullptr;
@@ -428,15 +481,16 @@ void Transformer::block_forward(int l, const float* x) {
   }
 }
 
-void Transformer::block_backward(int l, const float* x) {
+void Transformer::block_backward(int l, const float* x, Pass pass) {
   if (layer_hook_) layer_hook_();
   const bool gpt2 = config_.family == Family::gpt2;
   // Full recomputation: the block's activations were not kept (their buffers are shared by all
   // blocks and slots); the forward again from the saved input refills them with the same kernels
   // on the same inputs, hence the same bits, collectives included (every tp rank runs the same
   // backward, so every rank recomputes in the same order). It rewrites the block's saved output
-  // with identical values.
-  if (recompute_ == Recompute::full) {
+  // (and, with split backward, the inputs of its linears, kept per slot) with identical values.
+  // A weight pass reads only what is kept per slot, so it recomputes nothing.
+  if (recompute_ == Recompute::full && pass != Pass::weight) {
     if (gpt2) {
       gpt2_block_forward(l, x);
     } else {
@@ -444,9 +498,9 @@ void Transformer::block_backward(int l, const float* x) {
     }
   }
   if (gpt2) {
-    gpt2_block_backward(l, x);
+    gpt2_block_backward(l, x, pass);
   } else {
-    llama_block_backward(l, x);
+    llama_block_backward(l, x, pass);
   }
 }
 
@@ -473,23 +527,94 @@ CrossEntropyResult Transformer::forward_backward(const int32_t* tokens, const in
 
 // ---- backward -----------------------------------------------------------------------------------
 
-void Transformer::head_backward() {
+// The halves of a backward (Pass) interleave as backward_stage runs them, so that Pass::both is
+// exactly the fused backward; a weight-gradient kernel reads the same operands in either case.
+void Transformer::head_backward(Pass pass) {
   if (layer_hook_) layer_hook_();
   const int N = B_ * T_, C = config_.n_embd, Vp = local_.Vp;
   const size_t nc_bytes = size_t(N) * size_t(C) * sizeof(float);
-  backend_.memset_zero(a_.dln, nc_bytes);
-  // The head is column-parallel over the vocabulary: its input gradient is summed over ranks.
-  backend_.linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
-  tp_sum(a_.dln, int64_t(N) * C);
-  backend_.linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
-  backend_.memset_zero(a_.dres, nc_bytes);
-  if (config_.family == Family::gpt2) {
-    backend_.layernorm_backward(a_.dres, g(lnf_w_off_), g(lnf_b_off_), a_.dln, stage_output(),
-                                p(lnf_w_off_), a_.lnf_mean, a_.lnf_rstd, N, C);
-  } else {
-    backend_.rmsnorm_backward(a_.dres, g(lnf_w_off_), a_.dln, stage_output(), p(lnf_w_off_),
-                              a_.lnf_rstd, N, C);
+  const bool input = pass != Pass::weight, weight = pass != Pass::input;
+  // The final norm's weight gradients: into the gradients, or (split) kept in the slot.
+  float* dnorm_w = pass == Pass::both ? g(lnf_w_off_) : a_.dlnf;
+  float* dnorm_b = lnf_b_off_ < 0 ? nullptr : pass == Pass::both ? g(lnf_b_off_) : a_.dlnf + C;
+  if (input) {
+    if (pass == Pass::input) {
+      backend_.memset_zero(a_.dlnf, size_t(lnf_b_off_ < 0 ? C : 2 * C) * sizeof(float));
+    }
+    backend_.memset_zero(a_.dln, nc_bytes);
+    // The head is column-parallel over the vocabulary: its input gradient is summed over ranks.
+    backend_.linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
+    tp_sum(a_.dln, int64_t(N) * C);
   }
+  // dlogits stay in the slot's logits buffer until the slot's next forward.
+  if (weight) backend_.linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
+  if (input) {
+    backend_.memset_zero(a_.dres, nc_bytes);
+    if (config_.family == Family::gpt2) {
+      backend_.layernorm_backward(a_.dres, dnorm_w, dnorm_b, a_.dln, stage_output(), p(lnf_w_off_),
+                                  a_.lnf_mean, a_.lnf_rstd, N, C);
+    } else {
+      backend_.rmsnorm_backward(a_.dres, dnorm_w, a_.dln, stage_output(), p(lnf_w_off_),
+                                a_.lnf_rstd, N, C);
+    }
+  }
+  if (pass == Pass::weight) {
+    add_norm_grad(lnf_w_off_, a_.dlnf);
+    if (lnf_b_off_ >= 0) add_norm_grad(lnf_b_off_, a_.dlnf + C);
+  }
+}
+
+// A norm kernel adds its weight gradient, one complete sum per element, to what dweight holds:
+// the gradient itself (backward_stage: g + s) or a zeroed buffer of the slot (Bi: 0 + s, which
+// is s), which Bw adds to the gradient (g + s again). The two differ only when s is -0 and g is
+// -0, and g never is: it starts at +0 (zero_grad) and a sum is -0 only when both terms are.
+void Transformer::add_norm_grad(int64_t off, const float* partial) {
+  if (off < 0) return;
+  backend_.residual_forward(g(off), g(off), partial, config_.n_embd);
+}
+
+void Transformer::copy_floats(float* dst, const float* src, int64_t n) {
+  const size_t bytes = size_t(n) * sizeof(float);
+  if (backend_.device() == kernels::DeviceKind::cpu) {
+    // Backend memory is host memory.
+    backend_.copy_from_host(dst, src, bytes);
+    return;
+  }
+  // A device backend has no device-to-device copy yet: through the host (copy_staging_ is sized
+  // for the largest copy, [N, C]).
+  TESSEL_CHECK(size_t(n) <= copy_staging_.size(), Error,
+               "internal: a copy of {} floats exceeds the staging buffer of {}", n,
+               copy_staging_.size());
+  backend_.copy_to_host(copy_staging_.data(), src, bytes);
+  backend_.copy_from_host(dst, copy_staging_.data(), bytes);
+}
+
+Transformer::BlockGrads Transformer::block_grads(int l, Pass pass) const {
+  const std::vector<int64_t>& o = layer_off_[size_t(l)];
+  constexpr LayerParam kNorms[4] = {LayerParam::norm1_weight, LayerParam::norm1_bias,
+                                    LayerParam::norm2_weight, LayerParam::norm2_bias};
+  BlockGrads b;
+  if (pass == Pass::both) {
+    b.dout = b.dmid = a_.dres;
+    b.d0 = a_.df0;
+    b.d1 = a_.df1;
+    b.dqkv = a_.dqkv;
+    for (int i = 0; i < 4; ++i) b.norm[i] = g(o[size_t(kNorms[i])]);
+    return b;
+  }
+  const LayerGrads& lg = slots_[size_t(cur_)].grads[size_t(l)];
+  b.dout = lg.dout;
+  b.dmid = lg.dmid;
+  b.d0 = lg.d0;
+  b.d1 = lg.d1;
+  b.dqkv = lg.dqkv;
+  int64_t at = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (o[size_t(kNorms[i])] < 0) continue;
+    b.norm[i] = lg.dnorm + at;
+    at += config_.n_embd;
+  }
+  return b;
 }
 
 void Transformer::rebind_tp_group(TpGroup* tp) {
@@ -501,13 +626,56 @@ void Transformer::rebind_tp_group(TpGroup* tp) {
   tp_ = size > 1 ? tp : nullptr;
 }
 
-void Transformer::backward_stage(int slot, const GradsReady& grads_ready) {
-  select_slot(slot);
-  TESSEL_CHECK(slots_[size_t(cur_)].forward_ready, InvalidArgumentError,
-               "backward_stage() needs a forward_stage() first (one backward per forward)");
-  TESSEL_CHECK(!stage_.has_head || slots_[size_t(cur_)].dlogits_ready, InvalidArgumentError,
+void Transformer::check_backward_ready(const char* what) {
+  Slot& sl = slots_[size_t(cur_)];
+  TESSEL_CHECK(sl.forward_ready, InvalidArgumentError,
+               "{}() needs a forward_stage() first (one backward per forward)", what);
+  TESSEL_CHECK(!stage_.has_head || sl.dlogits_ready, InvalidArgumentError,
                "the head stage's backward needs forward_stage() with targets and a grad_scale");
-  slots_[size_t(cur_)].forward_ready = slots_[size_t(cur_)].dlogits_ready = false;
+  sl.forward_ready = sl.dlogits_ready = false;
+}
+
+void Transformer::backward_stage(int slot, const GradsReady& grads_ready) {
+  if (split_) {
+    backward_input_stage(slot);
+    backward_weight_stage(slot, grads_ready);
+    return;
+  }
+  select_slot(slot);
+  check_backward_ready("backward_stage");
+  stage_backward(Pass::both, grads_ready);
+}
+
+void Transformer::backward_input_stage(int slot) {
+  TESSEL_CHECK(split_, InvalidArgumentError,
+               "backward_input_stage() needs a model built for split backward: call "
+               "set_split_backward(true) first");
+  select_slot(slot);
+  check_backward_ready("backward_input_stage");
+  stage_backward(Pass::input, {});
+  slots_[size_t(cur_)].weight_pending = true;
+}
+
+void Transformer::backward_weight_stage(int slot, const GradsReady& grads_ready) {
+  TESSEL_CHECK(split_, InvalidArgumentError,
+               "backward_weight_stage() needs a model built for split backward: call "
+               "set_split_backward(true) first");
+  select_slot(slot);
+  Slot& sl = slots_[size_t(cur_)];
+  TESSEL_CHECK(sl.weight_pending, InvalidArgumentError,
+               "backward_weight_stage() on activation slot {} needs its backward_input_stage() "
+               "first (one weight pass per input pass)",
+               slot);
+  sl.weight_pending = false;
+  stage_backward(Pass::weight, grads_ready);
+}
+
+bool Transformer::weight_pass_pending(int slot) const {
+  check_slot(slot);
+  return slots_[size_t(slot)].weight_pending;
+}
+
+void Transformer::stage_backward(Pass pass, const GradsReady& grads_ready) {
   // The first parameter of block l (parameters are in forward order, so block l's are
   // [block_begin(l), block_begin(l + 1))).
   auto block_begin = [&](int l) {
@@ -516,23 +684,30 @@ void Transformer::backward_stage(int slot, const GradsReady& grads_ready) {
       if (off >= 0) lo = std::min(lo, off);
     return lo;
   };
+  // Gradients are complete only after the weight half.
+  const GradsReady* ready = pass != Pass::input && grads_ready ? &grads_ready : nullptr;
   if (stage_.has_head) {
-    head_backward();
+    head_backward(pass);
     // The final norm and an untied head are the last parameters; a tied head's gradient goes
     // into the token embedding at offset 0, which is only reported at the end.
-    if (grads_ready) grads_ready(lnf_w_off_);
+    if (ready) (*ready)(lnf_w_off_);
   }
-  // dres now holds d(stage output); each block turns it into d(block input) in place.
+  // dres now holds d(stage output); each block's input half turns it into d(block input) in
+  // place (a weight half reads the slot's copies instead).
   for (int l = stage_.num_layers() - 1; l >= 0; --l) {
-    block_backward(l, l == 0 ? a_.x0 : (*acts_)[size_t(l - 1)].res3);
-    if (grads_ready && l > 0) grads_ready(block_begin(l));
+    block_backward(l, l == 0 ? a_.x0 : (*acts_)[size_t(l - 1)].res3, pass);
+    if (ready && l > 0) (*ready)(block_begin(l));
   }
   if (stage_.has_embedding) {
+    // Split: d(x0) is kept for the weight pass (dres is scratch the next backward overwrites).
+    if (pass == Pass::input) copy_floats(a_.demb, a_.dres, int64_t(B_) * T_ * config_.n_embd);
     // d(x0) is the same on every rank, so every rank's position gradient is the full one.
-    backend_.embedding_backward(g(wte_off_), g(wpe_off_), a_.dres, tokens_, B_, T_, config_.n_embd,
-                                local_.vocab_start, local_.Vp);
+    if (pass != Pass::input) {
+      backend_.embedding_backward(g(wte_off_), g(wpe_off_), pass == Pass::both ? a_.dres : a_.demb,
+                                  tokens_, B_, T_, config_.n_embd, local_.vocab_start, local_.Vp);
+    }
   }
-  if (grads_ready) grads_ready(0);
+  if (ready) (*ready)(0);
 }
 
 // ---- GPT-2 block --------------------------------------------------------------------------------
@@ -574,7 +749,9 @@ void Transformer::gpt2_block_forward(int l, const float* x) {
 // the branch gradients are accumulated into dres directly (the norms' dinp), leaving
 // d(block input) there. dres is the same on every tp rank; the input gradients of the
 // column-parallel linears are partial per rank and summed before each norm's backward.
-void Transformer::gpt2_block_backward(int l, const float* x) {
+// Split backward: the input pass copies d(block output) and d(res2) out of dres and writes the
+// other output gradients straight into the slot (block_grads), where the weight pass reads them.
+void Transformer::gpt2_block_backward(int l, const float* x, Pass pass) {
   const int N = B_ * T_, C = config_.n_embd, F = local_.F, H = local_.Hq;
   const int D = config_.head_dim(), CH = H * D;
   const std::vector<int64_t>& o = layer_off_[size_t(l)];
@@ -584,43 +761,77 @@ void Transformer::gpt2_block_backward(int l, const float* x) {
   using LP = LayerParam;
   const size_t nc = size_t(N) * size_t(C) * sizeof(float);
   const size_t nf = size_t(N) * size_t(F) * sizeof(float);
+  const bool input = pass != Pass::weight, weight = pass != Pass::input;
+  const BlockGrads bg = block_grads(l, pass);
   float* dact = a_.df1;
-  float* dfc = a_.df0;
+  float* dfc = bg.d0;
+  float* dqkv = bg.dqkv;
 
   // MLP. A row-parallel bias's gradient is computed on every rank (dres is replicated).
-  backend_.memset_zero(dact, nf);
-  backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
-  backend_.linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), a_.dres, a.act, N,
-                                  F, C);
-  backend_.memset_zero(dfc, nf);
-  backend_.gelu_backward(dfc, a.fc, dact, int64_t(N) * F);
-  backend_.memset_zero(a_.dln, nc);
-  backend_.linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
-  tp_sum(a_.dln, int64_t(N) * C);
-  backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C, F);
-  backend_.layernorm_backward(a_.dres, dw(LP::norm2_weight), dw(LP::norm2_bias), a_.dln, a.res2,
-                              w(LP::norm2_weight), a.ln2_mean, a.ln2_rstd, N, C);
-  // attention. Selective recomputation: the probabilities (one buffer shared by all blocks and
-  // slots) come again from the saved q and k by the forward's kernel; its output goes to datty,
-  // overwritten right after.
-  if (recompute_ == Recompute::selective) {
-    backend_.attention_forward(a_.datty, a.probs, a.qkv, a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H,
-                               D, 3 * CH, 3 * CH);
+  if (input) {
+    if (pass == Pass::input) {
+      copy_floats(bg.dout, a_.dres, int64_t(N) * C);
+      const LayerGrads& lg = slots_[size_t(cur_)].grads[size_t(l)];
+      backend_.memset_zero(lg.dnorm, size_t(bg.norm[1] ? 4 : 2) * size_t(C) * sizeof(float));
+    }
+    backend_.memset_zero(dact, nf);
+    backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
   }
-  backend_.memset_zero(a_.datty, size_t(N) * size_t(CH) * sizeof(float));
-  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
-  backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), a_.dres, a.atty,
-                                  N, CH, C);
-  backend_.memset_zero(a_.dqkv, size_t(N) * 3 * size_t(CH) * sizeof(float));
-  backend_.attention_backward(a_.dqkv, a_.dqkv + CH, a_.dqkv + 2 * CH, a_.datty, a.probs, a.qkv,
-                              a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D, 3 * CH, 3 * CH);
-  backend_.memset_zero(a_.dln, nc);
-  backend_.linear_backward_input(a_.dln, a_.dqkv, w(LP::qkv_weight), N, C, 3 * CH);
-  tp_sum(a_.dln, int64_t(N) * C);
-  backend_.linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), a_.dqkv, a.ln1, N, C,
-                                  3 * CH);
-  backend_.layernorm_backward(a_.dres, dw(LP::norm1_weight), dw(LP::norm1_bias), a_.dln, x,
-                              w(LP::norm1_weight), a.ln1_mean, a.ln1_rstd, N, C);
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), bg.dout, a.act, N,
+                                    F, C);
+  }
+  if (input) {
+    backend_.memset_zero(dfc, nf);
+    backend_.gelu_backward(dfc, a.fc, dact, int64_t(N) * F);
+    backend_.memset_zero(a_.dln, nc);
+    backend_.linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
+    tp_sum(a_.dln, int64_t(N) * C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C,
+                                    F);
+  }
+  if (input) {
+    backend_.layernorm_backward(a_.dres, bg.norm[2], bg.norm[3], a_.dln, a.res2,
+                                w(LP::norm2_weight), a.ln2_mean, a.ln2_rstd, N, C);
+    if (pass == Pass::input) copy_floats(bg.dmid, a_.dres, int64_t(N) * C);
+    // attention. Selective recomputation: the probabilities (one buffer shared by all blocks and
+    // slots) come again from the saved q and k by the forward's kernel; its output goes to datty,
+    // overwritten right after.
+    if (recompute_ == Recompute::selective) {
+      backend_.attention_forward(a_.datty, a.probs, a.qkv, a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H,
+                                 D, 3 * CH, 3 * CH);
+    }
+    backend_.memset_zero(a_.datty, size_t(N) * size_t(CH) * sizeof(float));
+    backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), bg.dmid, a.atty,
+                                    N, CH, C);
+  }
+  if (input) {
+    backend_.memset_zero(dqkv, size_t(N) * 3 * size_t(CH) * sizeof(float));
+    backend_.attention_backward(dqkv, dqkv + CH, dqkv + 2 * CH, a_.datty, a.probs, a.qkv,
+                                a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D, 3 * CH, 3 * CH);
+    backend_.memset_zero(a_.dln, nc);
+    backend_.linear_backward_input(a_.dln, dqkv, w(LP::qkv_weight), N, C, 3 * CH);
+    tp_sum(a_.dln, int64_t(N) * C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), dqkv, a.ln1, N, C,
+                                    3 * CH);
+  }
+  if (input) {
+    backend_.layernorm_backward(a_.dres, bg.norm[0], bg.norm[1], a_.dln, x, w(LP::norm1_weight),
+                                a.ln1_mean, a.ln1_rstd, N, C);
+  }
+  if (pass == Pass::weight) {
+    add_norm_grad(o[size_t(LP::norm1_weight)], bg.norm[0]);
+    add_norm_grad(o[size_t(LP::norm1_bias)], bg.norm[1]);
+    add_norm_grad(o[size_t(LP::norm2_weight)], bg.norm[2]);
+    add_norm_grad(o[size_t(LP::norm2_bias)], bg.norm[3]);
+  }
 }
 
 // ---- LLaMA block --------------------------------------------------------------------------------
@@ -665,7 +876,7 @@ void Transformer::llama_block_forward(int l, const float* x) {
   backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
 }
 
-void Transformer::llama_block_backward(int l, const float* x) {
+void Transformer::llama_block_backward(int l, const float* x, Pass pass) {
   const int N = B_ * T_, C = config_.n_embd, F = local_.F;
   const int Hq = local_.Hq, Hkv = local_.Hkv, D = config_.head_dim();
   const int QD = Hq * D, KD = Hkv * D;
@@ -677,74 +888,107 @@ void Transformer::llama_block_backward(int l, const float* x) {
   using LP = LayerParam;
   const size_t nc = size_t(N) * size_t(C) * sizeof(float);
   const size_t nf = size_t(N) * size_t(F) * sizeof(float);
+  const bool input = pass != Pass::weight, weight = pass != Pass::input;
+  const BlockGrads bg = block_grads(l, pass);
   const float* q = a.qkv;
   const float* k = q + int64_t(N) * QD;
   const float* v = k + int64_t(N) * KD;
-  float* dq = a_.dqkv;
+  float* dq = bg.dqkv;
   float* dk = dq + int64_t(N) * QD;
   float* dv = dk + int64_t(N) * KD;
   float* dact = a_.df2;
-  float* dgate = a_.df0;
-  float* dup = a_.df1;
+  float* dgate = bg.d0;
+  float* dup = bg.d1;
 
-  // MLP
-  backend_.memset_zero(dact, nf);
-  backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
-  backend_.linear_backward_weight(dw(LP::mlp_out_weight), nullptr, a_.dres, a.act, N, F, C);
-  backend_.memset_zero(dgate, nf);
-  backend_.memset_zero(dup, nf);
-  backend_.swiglu_backward(dgate, dup, dact, a.fc, a.up, int64_t(N) * F);
-  backend_.memset_zero(a_.dln, nc);
-  backend_.linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
-  backend_.linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
-  tp_sum(a_.dln, int64_t(N) * C);
-  backend_.linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
-  backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
-  backend_.rmsnorm_backward(a_.dres, dw(LP::norm2_weight), a_.dln, a.res2, w(LP::norm2_weight),
-                            a.ln2_rstd, N, C);
-  // attention (selective recomputation as in gpt2_block_backward)
-  if (recompute_ == Recompute::selective) {
-    backend_.attention_forward(a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+  // MLP (split backward as in gpt2_block_backward)
+  if (input) {
+    if (pass == Pass::input) {
+      copy_floats(bg.dout, a_.dres, int64_t(N) * C);
+      const LayerGrads& lg = slots_[size_t(cur_)].grads[size_t(l)];
+      backend_.memset_zero(lg.dnorm, 2 * size_t(C) * sizeof(float));
+    }
+    backend_.memset_zero(dact, nf);
+    backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
   }
-  backend_.memset_zero(a_.datty, size_t(N) * size_t(QD) * sizeof(float));
-  backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
-  backend_.linear_backward_weight(dw(LP::attn_out_weight), nullptr, a_.dres, a.atty, N, QD, C);
-  backend_.memset_zero(a_.dqkv, size_t(N) * size_t(QD + 2 * KD) * sizeof(float));
-  backend_.attention_backward(dq, dk, dv, a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
-  backend_.rope_backward(dq, B_, T_, Hq, D, QD, theta);
-  backend_.rope_backward(dk, B_, T_, Hkv, D, KD, theta);
-  // dk and dv hold this rank's query heads' share of its kv heads' gradients; that is all of it
-  // when kv heads are split, and a part when a kv head is replicated -- in both cases the input
-  // gradient through k and v is then a per-rank partial sum like the one through q.
-  backend_.memset_zero(a_.dln, nc);
-  backend_.linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
-  backend_.linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
-  backend_.linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
-  tp_sum(a_.dln, int64_t(N) * C);
-  backend_.linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
-  if (local_.kv_replicated) {
-    // A replicated kv head's weight gradient is the sum of the shares of the ranks holding it.
-    // Each rank writes its share into its head's rows of a zeroed [Hkv D, C] staging buffer (one
-    // for k, one for v) and one all-reduce over the whole group sums every head's shares (rows
-    // of heads a rank does not hold stay zero there). Every holder then adds the same full
-    // gradient, so the copies stay identical. Staged per backward, not accumulated: summing the
-    // accumulated gradient buffer itself would count earlier micro-batches tp times.
-    const int64_t head_rows = int64_t(config_.n_kv_head) * D * C;
-    float* stage_k = a_.kv_stage;
-    float* stage_v = a_.kv_stage + head_rows;
-    const int64_t mine = int64_t(local_.kv_begin) * D * C;
-    backend_.memset_zero(a_.kv_stage, 2 * size_t(head_rows) * sizeof(float));
-    backend_.linear_backward_weight(stage_k + mine, nullptr, dk, a.ln1, N, C, KD);
-    backend_.linear_backward_weight(stage_v + mine, nullptr, dv, a.ln1, N, C, KD);
-    tp_sum(a_.kv_stage, 2 * head_rows);
-    backend_.residual_forward(dw(LP::k_weight), dw(LP::k_weight), stage_k + mine, int64_t(KD) * C);
-    backend_.residual_forward(dw(LP::v_weight), dw(LP::v_weight), stage_v + mine, int64_t(KD) * C);
-  } else {
-    backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
-    backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::mlp_out_weight), nullptr, bg.dout, a.act, N, F, C);
   }
-  backend_.rmsnorm_backward(a_.dres, dw(LP::norm1_weight), a_.dln, x, w(LP::norm1_weight),
-                            a.ln1_rstd, N, C);
+  if (input) {
+    backend_.memset_zero(dgate, nf);
+    backend_.memset_zero(dup, nf);
+    backend_.swiglu_backward(dgate, dup, dact, a.fc, a.up, int64_t(N) * F);
+    backend_.memset_zero(a_.dln, nc);
+    backend_.linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
+    backend_.linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
+    tp_sum(a_.dln, int64_t(N) * C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
+    backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
+  }
+  if (input) {
+    backend_.rmsnorm_backward(a_.dres, bg.norm[2], a_.dln, a.res2, w(LP::norm2_weight), a.ln2_rstd,
+                              N, C);
+    if (pass == Pass::input) copy_floats(bg.dmid, a_.dres, int64_t(N) * C);
+    // attention (selective recomputation as in gpt2_block_backward)
+    if (recompute_ == Recompute::selective) {
+      backend_.attention_forward(a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+    }
+    backend_.memset_zero(a_.datty, size_t(N) * size_t(QD) * sizeof(float));
+    backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::attn_out_weight), nullptr, bg.dmid, a.atty, N, QD, C);
+  }
+  if (input) {
+    backend_.memset_zero(dq, size_t(N) * size_t(QD + 2 * KD) * sizeof(float));
+    backend_.attention_backward(dq, dk, dv, a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
+    backend_.rope_backward(dq, B_, T_, Hq, D, QD, theta);
+    backend_.rope_backward(dk, B_, T_, Hkv, D, KD, theta);
+    // dk and dv hold this rank's query heads' share of its kv heads' gradients; that is all of it
+    // when kv heads are split, and a part when a kv head is replicated -- in both cases the input
+    // gradient through k and v is then a per-rank partial sum like the one through q.
+    backend_.memset_zero(a_.dln, nc);
+    backend_.linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
+    backend_.linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
+    backend_.linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
+    tp_sum(a_.dln, int64_t(N) * C);
+  }
+  if (weight) {
+    backend_.linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
+    if (local_.kv_replicated) {
+      // A replicated kv head's weight gradient is the sum of the shares of the ranks holding it.
+      // Each rank writes its share into its head's rows of a zeroed [Hkv D, C] staging buffer
+      // (one for k, one for v) and one all-reduce over the whole group sums every head's shares
+      // (rows of heads a rank does not hold stay zero there). Every holder then adds the same
+      // full gradient, so the copies stay identical. Staged per backward, not accumulated:
+      // summing the accumulated gradient buffer itself would count earlier micro-batches tp
+      // times.
+      const int64_t head_rows = int64_t(config_.n_kv_head) * D * C;
+      float* stage_k = a_.kv_stage;
+      float* stage_v = a_.kv_stage + head_rows;
+      const int64_t mine = int64_t(local_.kv_begin) * D * C;
+      backend_.memset_zero(a_.kv_stage, 2 * size_t(head_rows) * sizeof(float));
+      backend_.linear_backward_weight(stage_k + mine, nullptr, dk, a.ln1, N, C, KD);
+      backend_.linear_backward_weight(stage_v + mine, nullptr, dv, a.ln1, N, C, KD);
+      tp_sum(a_.kv_stage, 2 * head_rows);
+      backend_.residual_forward(dw(LP::k_weight), dw(LP::k_weight), stage_k + mine,
+                                int64_t(KD) * C);
+      backend_.residual_forward(dw(LP::v_weight), dw(LP::v_weight), stage_v + mine,
+                                int64_t(KD) * C);
+    } else {
+      backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
+      backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+    }
+  }
+  if (input) {
+    backend_.rmsnorm_backward(a_.dres, bg.norm[0], a_.dln, x, w(LP::norm1_weight), a.ln1_rstd, N,
+                              C);
+  }
+  if (pass == Pass::weight) {
+    add_norm_grad(o[size_t(LP::norm1_weight)], bg.norm[0]);
+    add_norm_grad(o[size_t(LP::norm2_weight)], bg.norm[2]);
+  }
 }
 
 }  // namespace tessel::model

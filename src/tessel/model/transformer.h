@@ -28,7 +28,22 @@
 //   norm (N C + 2N for gpt2, N C + N for llama), the logits (N Vp / tp), the losses (N) and, with
 //   tp > 1, the loss statistics (3N); the scratch is proj, dres, dln (3 N C) plus, with blocks,
 //   datty (N Hq D), dqkv (N (Hq + 2 Hkv) D), 2F N (gpt2) or 3F N (llama), and 2 n_kv_head D C
-//   for replicated kv heads. activation_bytes() is exactly that sum.
+//   for replicated kv heads.
+// - Split backward (set_split_backward(true); zero-bubble schedules run backward_input_stage and
+//   backward_weight_stage instead of backward_stage) also keeps, per block and slot, what the
+//   weight pass reads after the input pass returned: the output gradients of the block's linears
+//   -- d(block output) and d(residual after attention) (N C each), dqkv (N (Hq + 2 Hkv) D), and
+//   d(c_fc) (N F, gpt2) or d(gate), d(up) (2 N F, llama) -- and the block's norms' weight
+//   gradients (one buffer, one float per norm parameter: 4C for gpt2 with biases, else 2C):
+//     G = N (2C + (Hq + 2 Hkv) D + F) + 4C (gpt2),  N (2C + (Hq + 2 Hkv) D + 2F) + 2C (llama).
+//   Under full recomputation the inputs of the block's linears, X = N (2C + Hq D + F) (both norm
+//   outputs, the attention output, the MLP activation), leave the shared buffer and are kept per
+//   block and slot: full keeps O + X + G per block and slot, and A - X + P once. Per slot the head
+//   stage adds the final norm's weight gradients (2C for gpt2 with biases, else C) and the first
+//   stage d(x0) (N C, the embedding's weight pass input). The scratch then holds no dqkv and, of
+//   the MLP gradients, only d(activation) (N F). Per block and slot at tp = 1: G = N (5C + F) + 4C
+//   for gpt2, N (3C + 2 Hkv D + 2F) + 2C for llama.
+//   activation_bytes() is exactly the sum of all of the above.
 //
 // Numerics follow the kernels: the loss is summed per valid token; forward_backward seeds
 // dlogits with (softmax - onehot) * grad_scale, so passing 1 / (valid tokens in the global batch)
@@ -142,10 +157,18 @@ class Transformer {
   // saved activations are dropped. Throws ConfigError for B or activation_slots below 1, and
   // InvalidArgumentError after release_training_buffers().
   void reshape(int B, int activation_slots);
-  // The same, also changing the recompute mode (one re-allocation for both).
+  // The same, also changing the recompute mode (one re-allocation for both), and the split
+  // backward.
   void reshape(int B, int activation_slots, Recompute recompute);
+  void reshape(int B, int activation_slots, Recompute recompute, bool split_backward);
   // Changes the recompute mode only: reshape(batch_size(), activation_slots(), recompute).
   void set_recompute(Recompute recompute);
+  // Builds the activation memory for split backward (backward_input_stage and
+  // backward_weight_stage; see there) or back for backward_stage only: reshape(batch_size(),
+  // activation_slots(), recompute(), split). Every slot's saved activations are dropped. A model
+  // starts without it.
+  void set_split_backward(bool split);
+  bool split_backward() const { return split_; }
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
@@ -197,13 +220,44 @@ class Transformer {
   // complete for this backward -- after the head, after each block, after the embedding. The
   // parameter buffer is in forward order and backward runs in reverse, so a caller can start
   // reducing the tail of the gradients while the rest of the backward still runs.
+  // With split backward (set_split_backward) it runs backward_input_stage, then
+  // backward_weight_stage (the layer hook is then called twice per block and head).
   using GradsReady = std::function<void(int64_t from)>;
   void backward_stage(int slot = 0, const GradsReady& grads_ready = {});
+
+  // Split backward for zero-bubble schedules (needs set_split_backward(true), else
+  // InvalidArgumentError). backward_stage(slot) == backward_input_stage(slot) followed, at any
+  // later time, by backward_weight_stage(slot): the same gradients bit for bit (memcmp), given
+  // the weight passes run in the order the backward_stage calls would (gradients accumulate, and
+  // float addition is not associative).
+  // - backward_input_stage (Bi) takes the place of backward_stage in the slot's life (after its
+  //   forward_stage, output_grad filled first on a non-head stage) and leaves in input_grad()
+  //   exactly what backward_stage leaves; it does not touch the parameter gradients. It keeps in
+  //   the slot what the weight pass reads (the output gradients of every linear, the norms'
+  //   weight gradients, d(x0) on the first stage; see Memory above). With tensor parallelism it
+  //   makes the input-gradient all-reduces (and, under full recomputation, the recomputed
+  //   forward's).
+  // - backward_weight_stage (Bw) then accumulates the slot's parameter gradients, reading only the
+  //   slot's memory: other slots' forwards and Bi / Bw may run in between, and output_grad /
+  //   input_grad are neither read nor written (read a Bi's input_grad before or after any Bw).
+  //   `grads_ready` is reported from here as by backward_stage. With tensor parallelism it makes
+  //   the replicated-kv-head gradient all-reduce.
+  // The slot is free for its next forward_stage only after its Bw: forward_stage on a slot whose
+  // Bw is pending throws InvalidArgumentError (reshape / set_* drop a pending Bw, e.g. after an
+  // abandoned step). Bi without a forward, Bw without a Bi, and a second Bw throw
+  // InvalidArgumentError. The layer hook is called before each block's (and the head's) Bi and
+  // Bw; after it throws the slot is free (its forward must run again) and the gradients hold
+  // partial sums, as for backward_stage.
+  void backward_input_stage(int slot = 0);
+  void backward_weight_stage(int slot = 0, const GradsReady& grads_ready = {});
+  // True between a slot's backward_input_stage and its backward_weight_stage.
+  bool weight_pass_pending(int slot) const;
 
   // [B, T, C] stage-boundary buffers of a slot. input_grad() and output_grad() are the same
   // memory, and it is SHARED by all slots (gradient scratch): the residual-stream gradient runs
   // backward through it, so fill output_grad right before, and read input_grad right after, the
-  // backward_stage concerned. The slot argument of the gradient accessors is only checked.
+  // backward_stage (or backward_input_stage) concerned. The slot argument of the gradient
+  // accessors is only checked.
   Tensor input_hidden(int slot = 0) const;
   Tensor output_hidden(int slot = 0) const;
   Tensor output_grad(int slot = 0) const;
@@ -211,7 +265,8 @@ class Transformer {
 
   // Called before each block's forward and backward and before the head's (the layers of a
   // pass, where it may stop); once per block and pass whatever the recompute mode (a block's
-  // recomputation belongs to its backward and is not announced separately). It may throw to abandon
+  // recomputation belongs to its backward and is not announced separately); a split backward's
+  // input and weight passes are passes of their own. It may throw to abandon
   // the pass: an elastic worker stops computing a step whose world is being replaced
   // (runtime/rank_trainer.h) instead of finishing work that will be redone. After such a throw the
   // slot holds no saved activations (its forward must run again) and the gradients hold partial
@@ -259,13 +314,33 @@ class Transformer {
   // Points acts_ / the per-slot fields of a_ / tokens_ at slot s (checked).
   void select_slot(int s);
   void check_slot(int s) const;
+  // A backward runs both halves (backward_stage without split backward) or one of them.
+  enum class Pass { both, input, weight };
+  // Where a block's backward keeps the gradients its weight-gradient kernels read: the shared
+  // scratch and the parameter gradients themselves (Pass::both), or the slot's LayerGrads.
+  struct BlockGrads {
+    float* dout = nullptr;  // d(block output): the MLP output linear's dY
+    float* dmid = nullptr;  // d(residual after attention): the attention output linear's dY
+    float* d0 = nullptr;    // gpt2 d(c_fc output) / llama d(gate output)
+    float* d1 = nullptr;    // llama d(up output)
+    float* dqkv = nullptr;
+    float* norm[4] = {};  // d norm1 weight, bias, norm2 weight, bias (null when absent)
+  };
+  BlockGrads block_grads(int l, Pass pass) const;
+  // Bw: adds a norm's weight (or bias) gradient that Bi left in the slot (null: none) to the
+  // gradient at `off`.
+  void add_norm_grad(int64_t off, const float* partial);
+  // An exact device-to-device copy of n floats.
+  void copy_floats(float* dst, const float* src, int64_t n);
+  void check_backward_ready(const char* what);
   void block_forward(int l, const float* x);
-  void block_backward(int l, const float* x);
+  void block_backward(int l, const float* x, Pass pass);
   void gpt2_block_forward(int l, const float* x);
-  void gpt2_block_backward(int l, const float* x);
+  void gpt2_block_backward(int l, const float* x, Pass pass);
   void llama_block_forward(int l, const float* x);
-  void llama_block_backward(int l, const float* x);
-  void head_backward();
+  void llama_block_backward(int l, const float* x, Pass pass);
+  void head_backward(Pass pass);
+  void stage_backward(Pass pass, const GradsReady& grads_ready);
   kernels::CrossEntropyResult vocab_parallel_loss(float* dlogits, float grad_scale);
   // The Megatron all-reduce (no-op without tensor parallelism).
   void tp_sum(float* data, int64_t n);
@@ -274,6 +349,7 @@ class Transformer {
   kernels::Backend& backend_;
   int B_, T_;
   Recompute recompute_ = Recompute::none;
+  bool split_ = false;     // split backward
   TpGroup* tp_ = nullptr;  // null unless tensor-parallel with size > 1
   // This rank's share of the split dimensions (the whole model's without tensor parallelism).
   struct Local {
@@ -318,17 +394,31 @@ class Transformer {
     float* df1 = nullptr;
     float* df2 = nullptr;
     float* kv_stage = nullptr;  // [2, Hkv D, C] replicated kv heads' gradients (tp only)
+    // split backward, per slot
+    float* demb = nullptr;  // [N, C] d(x0), the embedding's weight pass input (first stage)
+    float* dlnf = nullptr;  // [C] or [2C] the final norm's weight (and bias) gradient (head)
   } a_;
   int32_t* tokens_ = nullptr;  // [N] in backend memory, the selected slot's
   int32_t* targets_ = nullptr;
+  // Split backward: what a block's Bi keeps for its Bw (BlockGrads' fields).
+  struct LayerGrads {
+    float* dout = nullptr;   // [N, C]
+    float* dmid = nullptr;   // [N, C]
+    float* d0 = nullptr;     // [N, F]
+    float* d1 = nullptr;     // [N, F] llama
+    float* dqkv = nullptr;   // [N, (Hq + 2 Hkv) D]
+    float* dnorm = nullptr;  // [C] per norm parameter of the block, in LayerParam order
+  };
   // One activation slot: its per-layer activations, its copy of the per-slot fields of Globals
-  // (x0, lnf*, logits, losses, ce_*; the scratch fields are shared) and its token ids.
+  // (x0, lnf*, logits, losses, ce_*, demb, dlnf; the scratch fields are shared) and its token ids.
   struct Slot {
     std::vector<LayerActs> acts;
+    std::vector<LayerGrads> grads;  // split backward only
     Globals g;
     int32_t* tokens = nullptr;
-    bool forward_ready = false;  // forward_stage ran since the last backward_stage
-    bool dlogits_ready = false;  // ... and seeded dlogits (head stage)
+    bool forward_ready = false;   // forward_stage ran since the last backward (input) pass
+    bool dlogits_ready = false;   // ... and seeded dlogits (head stage)
+    bool weight_pending = false;  // backward_input_stage ran, backward_weight_stage has not
   };
   std::vector<Slot> slots_;
   int cur_ = 0;                   // selected slot
@@ -336,6 +426,7 @@ class Transformer {
   std::vector<Owned> act_owned_;  // activations, token ids, targets (reshape() replaces them)
   bool released_ = false;         // release_training_buffers()
   LayerHook layer_hook_;
+  std::vector<float> copy_staging_;  // copy_floats() on a device backend
 };
 
 }  // namespace tessel::model

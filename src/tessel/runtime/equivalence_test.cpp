@@ -1,6 +1,7 @@
 // The equivalence matrix of 3D-parallel training: for both model families, every (dp, tp, pp)
 // layout of the acceptance list, with ZeRO-1 on and off where there is data parallelism and with
-// each pipeline schedule where there is pipeline parallelism, 6 steps on real worker processes
+// each pipeline schedule where there is pipeline parallelism (zero-bubble ones included: ZB-H1,
+// and ZB-V for the untied model), 6 steps on real worker processes
 // (`tessel train CONFIG --nproc N`; plus dp 3 x pp 2 with ZeRO-1 on 6):
 //   * every step equals one single-process step from the state the run saved before it: the
 //     logged loss, the parameters and the Adam moments, within bounds derived from the float32
@@ -107,13 +108,18 @@ std::vector<Case> all_cases() {
                .pp = p.pp,
                .micro_batch = mb,
                .zero_stage = z};
-        for (std::string s : {"gpipe", "1f1b"}) {
+        for (std::string s : {"gpipe", "1f1b", "zb-h1"}) {
           c.schedule = s;
           out.push_back(c);
         }
         c.schedule = "interleaved-1f1b";
         c.virtual_stages = 2;
         out.push_back(c);
+        // ZB-V's V puts the embedding and the head on rank 0: untied models only (llama-tiny).
+        if (preset == "llama-tiny") {
+          c.schedule = "zb-v";
+          out.push_back(c);
+        }
       }
     }
   }

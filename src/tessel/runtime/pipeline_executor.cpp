@@ -32,8 +32,8 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
     if (ins.op == schedule::Op::forward) {
       int& n = live[size_t(ins.chunk)];
       peak[size_t(ins.chunk)] = std::max(peak[size_t(ins.chunk)], ++n);
-    } else if (ins.op == schedule::Op::backward) {
-      --live[size_t(ins.chunk)];
+    } else if (ins.op == schedule::Op::backward || ins.op == schedule::Op::backward_weight) {
+      --live[size_t(ins.chunk)];  // a Bw still reads the stored activations; it frees them
     }
   }
   return peak;
@@ -47,7 +47,12 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
       B_(plan.micro_batch),
       T_(seq_len),
       C_(hidden),
-      M_(plan.micro_batches) {
+      M_(plan.micro_batches),
+      pp_(pp) {
+  for (int vs = 0; vs < num_vs_; ++vs) {
+    rank_of_vs_.push_back(plan.pp_rank_of_stage(vs));
+    chunk_of_vs_.push_back(plan.chunk_of_stage(vs));
+  }
   act_in_.assign(size_t(plan.virtual_stages * M_), std::vector<float>(size_t(B_ * T_ * C_)));
   grad_in_.assign(act_in_.size(), std::vector<float>(size_t(B_ * T_ * C_)));
 }
@@ -80,7 +85,55 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
   const int32_t* first = ch.range.has_embedding ? tok : nullptr;
   if (ch.range.has_head) return m.forward_stage(first, tgt, grad_scale, slot).loss_sum;
   m.forward_stage(first, nullptr, std::nullopt, slot);
+  // The next virtual stage on this rank (the turn of a V) reads the output here, not from a
+  // message.
+  if (local_next(ch.vs)) {
+    const float* out = m.output_hidden(slot).data<float>();
+    auto& in = act_in_[size_t(chunk_of_vs(ch.vs + 1) * M_ + mb)];
+    std::copy(out, out + in.size(), in.begin());
+  }
   return 0;
+}
+
+// The input gradient a backward (or Bi) left, for the previous virtual stage when it is on this
+// rank: input_grad() is scratch the next backward overwrites.
+void PipelineExecutor::keep_input_grad(Chunk& ch, int mb) {
+  if (!local_prev(ch.vs)) return;
+  const float* g = ch.model->input_grad().data<float>();
+  auto& out = grad_in_[size_t(chunk_of_vs(ch.vs - 1) * M_ + mb)];
+  std::copy(g, g + out.size(), out.begin());
+}
+
+void PipelineExecutor::backward_input(Stage& stage, int c, int mb) {
+  Chunk& ch = stage.chunks()[size_t(c)];
+  const int slot = ch.slot_of[size_t(mb)];
+  TESSEL_CHECK(slot >= 0, Error,
+               "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
+               ch.vs);
+  auto& m = *ch.model;
+  if (!ch.range.has_head) {
+    const auto& g = grad_in_[size_t(c * M_ + mb)];
+    std::copy(g.begin(), g.end(), m.output_grad(slot).data<float>());
+  }
+  m.backward_input_stage(slot);
+  keep_input_grad(ch, mb);
+}
+
+void PipelineExecutor::backward_weight(Stage& stage, int c, int mb,
+                                       const LastBackwardHook& last_backward) {
+  Chunk& ch = stage.chunks()[size_t(c)];
+  const int slot = ch.slot_of[size_t(mb)];
+  TESSEL_CHECK(slot >= 0, Error,
+               "internal: weight gradient of micro-batch {} on virtual stage {} without its "
+               "forward",
+               mb, ch.vs);
+  auto& m = *ch.model;
+  if (++ch.backwards_done == M_ && last_backward)
+    m.backward_weight_stage(slot, last_backward(c));
+  else
+    m.backward_weight_stage(slot);
+  ch.slot_of[size_t(mb)] = -1;
+  ch.free_slots.push_back(slot);
 }
 
 void PipelineExecutor::backward(Stage& stage, int c, int mb,
@@ -99,6 +152,7 @@ void PipelineExecutor::backward(Stage& stage, int c, int mb,
     m.backward_stage(slot, last_backward(c));
   else
     m.backward_stage(slot);
+  keep_input_grad(ch, mb);
   ch.slot_of[size_t(mb)] = -1;
   ch.free_slots.push_back(slot);
 }
@@ -145,6 +199,12 @@ PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
         break;
       case schedule::Op::backward:
         backward(stage, c, mb, last_backward);
+        break;
+      case schedule::Op::backward_input:
+        backward_input(stage, c, mb);
+        break;
+      case schedule::Op::backward_weight:
+        backward_weight(stage, c, mb, last_backward);
         break;
       case schedule::Op::send_activation: {
         const int slot = ch.slot_of[size_t(mb)];

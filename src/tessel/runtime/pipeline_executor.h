@@ -62,11 +62,20 @@ class PipelineExecutor {
   double forward(Stage& stage, int c, int mb, const int32_t* inputs, const int32_t* targets,
                  float grad_scale);
   void backward(Stage& stage, int c, int mb, const LastBackwardHook& last_backward);
+  void backward_input(Stage& stage, int c, int mb);
+  void backward_weight(Stage& stage, int c, int mb, const LastBackwardHook& last_backward);
+  void keep_input_grad(Chunk& ch, int mb);
+  // Neighbouring virtual stages on this rank (the turn of zb-v's V) pass data by copy.
+  bool local_next(int vs) const { return vs + 1 < num_vs_ && rank_of_vs_[size_t(vs + 1)] == pp_; }
+  bool local_prev(int vs) const { return vs > 0 && rank_of_vs_[size_t(vs - 1)] == pp_; }
+  int chunk_of_vs(int vs) const { return chunk_of_vs_[size_t(vs)]; }
 
   std::vector<schedule::Instruction> program_;
   std::vector<int> slots_;
   int num_vs_ = 1;
-  int64_t B_ = 1, T_ = 1, C_ = 1, M_ = 1;             // micro-batch, seq_len, hidden, micro-batches
+  int64_t B_ = 1, T_ = 1, C_ = 1, M_ = 1;  // micro-batch, seq_len, hidden, micro-batches
+  int pp_ = 0;                             // this rank's pipeline coordinate
+  std::vector<int> rank_of_vs_, chunk_of_vs_;
   std::vector<std::vector<float>> act_in_, grad_in_;  // [chunk * M + mb] received boundary data
   // The step's transfers. Members, not locals: when a step fails they must outlive the unwinding
   // until the communicators are broken, or destroying them would wait for peers that are

@@ -54,6 +54,7 @@ PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int
                                                   int(cfg.data.seq_len),
                                                   ranges[size_t(plan.stage_of(coord.pp, int(c)))],
                                                   out.unbound_tp.get(), peaks[c], plan.recompute);
+    if (plan.split_backward()) m->set_split_backward(true);
     int64_t n = m->num_params();
     if (plan.zero_stage == 1) n = layout::zero_split(n, plan.dp, coord.dp).n_own;
     out.adam_m[c] = Tensor::zeros({std::max<int64_t>(n, 1)});

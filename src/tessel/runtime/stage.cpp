@@ -53,7 +53,7 @@ Stage::Stage(const config::TrainConfig& cfg, std::shared_ptr<const layout::State
       if (old && !old->training_buffers_released()) {
         old->rebind_tp_group(tp);
         // Only the activations depend on the micro-batching: the parameters stay in place.
-        old->reshape(micro_batch, peak, plan.recompute);
+        old->reshape(micro_batch, peak, plan.recompute, plan.split_backward());
         // A step that failed half-way (a recovery) left partial sums in the gradients.
         old->zero_grad();
         ch.model = std::move(old);
@@ -64,10 +64,12 @@ Stage::Stage(const config::TrainConfig& cfg, std::shared_ptr<const layout::State
       ch.model = std::move(sources.prepared->models[size_t(c)]);
       ch.model->rebind_tp_group(tp);
     }
-    if (!ch.model)
+    if (!ch.model) {
       ch.model = std::make_unique<model::Transformer>(cfg.model, backend, micro_batch,
                                                       int(cfg.data.seq_len), ch.range, tp, peak,
                                                       plan.recompute);
+      if (plan.split_backward()) ch.model->set_split_backward(true);
+    }
     ch.slots = peak;
     ch.slot_of.assign(size_t(plan.micro_batches), -1);
     for (int i = peak - 1; i >= 0; --i) ch.free_slots.push_back(i);
@@ -125,7 +127,9 @@ void Stage::give_back(Stage& donor, model::TpGroup* donor_tp) {
     if (t.kind == StateKind::param) {
       theirs.model = std::move(mine.model);
       theirs.model->rebind_tp_group(donor_tp);
-      theirs.model->reshape(donor.micro_batch_, theirs.slots, donor.layout_->plan().recompute);
+      const layout::Plan& theirs_plan = donor.layout_->plan();
+      theirs.model->reshape(donor.micro_batch_, theirs.slots, theirs_plan.recompute,
+                            theirs_plan.split_backward());
     } else if (t.kind == StateKind::adam_m) {
       theirs.adam_m = std::move(mine.adam_m);
     } else {

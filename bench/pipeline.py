@@ -3,7 +3,9 @@
 theory, on real worker processes (see bench/README.md).
 
 Trains a small untied GPT (gpt2 family, L=8, C=128, 4 heads, byte-level vocabulary, seq 64; untied
-so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) with pp=4 under each
+so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) with pp=4 (pp=2 on a
+machine with fewer than 4 cores, where 4 single-threaded workers would time-slice and every rank
+would wait at least half the time whatever the schedule; --stages overrides) under each
 schedule, m = 8 and m = 16 micro-batches of 2 samples, one thread per worker, and reads the
 bubble each step measured: the share of the pipeline phase the ranks spent waiting for receives
 and for their last sends (the metrics' pipeline_idle), median over the timed steps. Theory, with
@@ -32,7 +34,7 @@ MODEL = """model:
   tie_embeddings: false
 """
 SEQ = 64
-P = 4
+LAYERS = 8
 
 
 def theory(schedule, p, m):
@@ -43,7 +45,15 @@ def theory(schedule, p, m):
     return (p - 1) / (6 * m + p - 1)
 
 
+def split(stages):
+    """Equal layers per virtual stage, the (cheap: 257-id vocabulary) embedding and head units
+    added to the end stages: every rank computes the same, whatever the placement."""
+    k = LAYERS // stages
+    return [k + 1] + [k] * (stages - 2) + [k + 1] if stages > 1 else [LAYERS + 2]
+
+
 def run(args, work, schedule, m):
+    P = args.stages
     tag = f"{schedule}-m{m}"
     metrics = work / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
@@ -54,7 +64,8 @@ training: {{steps: {args.steps}, global_batch: {2 * m}, micro_batch: 2, log_ever
            threads: 1}}
 optimizer: {{lr: 1.0e-3, warmup_steps: 2}}
 output: {{metrics: {metrics}}}
-parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule}}}
+parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},
+           layers_per_stage: {split(P * v)}}}
 """)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     r = subprocess.run([args.tessel, "train", str(cfg), "--nproc", str(P)], env=env,
@@ -76,10 +87,13 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=4 if (os.cpu_count() or 1) >= 4 else 2)
     a = ap.parse_args()
+    P = a.stages
+    print(f"pipeline stages: {P} ({os.cpu_count()} cores)")
     work = pathlib.Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    out = {}
+    out = {"stages": P}
     for m in (8, 16):
         for schedule in ("1f1b", "zb-h1", "zb-v"):
             idle, step = run(a, work, schedule, m)

@@ -150,8 +150,21 @@ std::vector<int> default_layers_per_stage(const model::ModelConfig& config, int 
 
 Plan Plan::with_defaults(const model::ModelConfig& config) const {
   Plan p = *this;
-  if (p.layers_per_stage.empty())
-    p.layers_per_stage = default_layers_per_stage(config, pp, virtual_stages);
+  if (!p.layers_per_stage.empty()) return p;
+  p.layers_per_stage = default_layers_per_stage(config, pp, virtual_stages);
+  if (p.v_shaped() && virtual_stages == 2 && int(p.layers_per_stage.size()) == 2 * pp) {
+    // A V pairs virtual stages s and 2 pp - 1 - s on one rank: equal units per rank (the rest
+    // to the ranks without the embedding and the head, which rank 0 holds both of), each rank's
+    // share split between its two chunks.
+    const int units = num_units(config);
+    std::vector<int> quota(size_t(pp), units / pp);
+    for (int r = pp - 1, extra = units % pp; r >= 1 && extra > 0; --r, --extra) ++quota[size_t(r)];
+    for (int r = 0; r < pp; ++r) {
+      const int first = (quota[size_t(r)] + 1) / 2;
+      p.layers_per_stage[size_t(r)] = first;
+      p.layers_per_stage[size_t(2 * pp - 1 - r)] = quota[size_t(r)] - first;
+    }
+  }
   return p;
 }
 

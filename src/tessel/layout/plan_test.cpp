@@ -287,6 +287,11 @@ TEST(Plan, ZbVPlacesItsChunksAsAV) {
   EXPECT_EQ(p.stage_of(0, 1), 3);
   EXPECT_EQ(p.pp_rank_of_stage(5), 2);
   EXPECT_EQ(parse_schedule("zb-v"), ScheduleKind::zb_v);
+  // The default split gives every rank of the V equal units (gpt2-tiny: 8 over 3 ranks, the rest
+  // to the ranks without the embedding and head), each rank's share split over its two chunks.
+  p.schedule = ScheduleKind::zb_v;
+  const Plan d = p.with_defaults(ModelConfig::preset("gpt2-tiny"));
+  EXPECT_THAT(d.layers_per_stage, ElementsAre(1, 2, 2, 1, 1, 1));
   EXPECT_EQ(parse_schedule("zb-h1"), ScheduleKind::zb_h1);
 }
 

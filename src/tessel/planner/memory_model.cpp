@@ -50,6 +50,21 @@ double block_activation_bytes(const model::ModelConfig& m, int64_t micro_batch, 
   return (4 * n * h + attn + probs + mlp) * bytes;
 }
 
+// What a split backward (zero-bubble schedules) keeps per block and micro-batch between its
+// input-gradient and weight-gradient passes (model/transformer.h): d(block output), d(residual
+// after attention), dqkv, the MLP output gradients and the norms' weight gradients; under full
+// recompute also the inputs of the block's linears, which the re-run forward would otherwise
+// overwrite.
+double split_backward_bytes(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp,
+                            int bytes, bool recompute) {
+  const double n = double(micro_batch) * seq, h = m.n_embd, t = tp, F = m.ffn_hidden / t;
+  const bool gpt2 = m.family == model::Family::gpt2;
+  const double qkv = h / t + 2 * kv_dim_per_rank(m, tp);
+  double floats = n * (2 * h + qkv + (gpt2 ? F : 2 * F)) + (gpt2 ? 4 : 2) * h;
+  if (recompute) floats += n * (2 * h + h / t + F);
+  return floats * bytes;
+}
+
 double head_activation_bytes(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp,
                              int bytes) {
   const double n = double(micro_batch) * seq;
@@ -156,8 +171,10 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
   const double p_block = double(block_params(m, t)), p_emb = double(embedding_params(m, t)),
                p_head = double(head_params(m, t));
   const double emb_copy = m.tie_embeddings ? double(int64_t(m.padded_vocab()) * m.n_embd / t) : 0;
-  const double a_block = block_activation_bytes(m, plan.micro_batch, seq, t, bytes,
-                                                plan.recompute == model::Recompute::full, options);
+  const bool full = plan.recompute == model::Recompute::full;
+  const double a_block =
+      block_activation_bytes(m, plan.micro_batch, seq, t, bytes, full, options) +
+      (plan.split_backward() ? split_backward_bytes(m, plan.micro_batch, seq, t, bytes, full) : 0);
   const double a_block_full =
       block_activation_bytes(m, plan.micro_batch, seq, t, bytes, false, options);
   const double a_head = head_activation_bytes(m, plan.micro_batch, seq, t, bytes);

@@ -151,6 +151,18 @@ TEST(MemoryModel, HandCountedTwoStagePlan) {
                    4 * (139264.0 + 32768));
 }
 
+// ZB-H1 holds up to min(p, m) micro-batches on every rank, and a split backward keeps per block
+// and micro-batch what the weight pass needs (transformer.h): for this gpt2 block (h 64, F 256,
+// n = 2 x 16 = 32 rows) n (2h + 3h + F) + 4h = 32 x 576 + 256 = 18688 floats = 74752 bytes.
+TEST(MemoryModel, SplitBackwardKeepsTheWeightPassInputs) {
+  const auto m = small();
+  auto plan = two_stage_plan(0);
+  plan.schedule = ScheduleKind::zb_h1;
+  const auto est = estimate_memory(m, plan, 16, Precision::fp32, device(1));
+  EXPECT_DOUBLE_EQ(est.ranks[0].activations, 2 * (128.0 + 139264 + 74752));
+  EXPECT_DOUBLE_EQ(est.ranks[1].activations, 2 * (139264.0 + 74752 + 32768));
+}
+
 TEST(MemoryModel, InterleavedChunksSumPerRank) {
   const auto m = small();
   layout::Plan p;

@@ -57,9 +57,10 @@ StageSplit balance_stages(std::span<const double> unit_costs, int stages);
 struct SearchOptions {
   int top_k = 10;  // alternatives returned (distinct dp, tp, pp, v, micro-batch, schedule)
   int max_virtual_stages = 8;  // interleaved-1f1b chunks per rank tried: 2..max
-  std::vector<layout::ScheduleKind> schedules = {layout::ScheduleKind::gpipe,
-                                                 layout::ScheduleKind::one_f_one_b,
-                                                 layout::ScheduleKind::interleaved_one_f_one_b};
+  std::vector<layout::ScheduleKind> schedules = {
+      layout::ScheduleKind::gpipe, layout::ScheduleKind::one_f_one_b,
+      layout::ScheduleKind::interleaved_one_f_one_b, layout::ScheduleKind::zb_h1,
+      layout::ScheduleKind::zb_v};
   std::vector<int> zero_stages = {0, 1};
   std::vector<bool> recompute = {false, true};
   int64_t max_micro_batch = 0;  // 0: no limit

@@ -2,7 +2,7 @@
 """`scripts/bench pipeline`: the measured pipeline bubble of 1F1B, ZB-H1 and ZB-V against their
 theory, on real worker processes (see bench/README.md).
 
-Trains a small untied GPT (gpt2 family, L=8, C=128, 4 heads, byte-level vocabulary, seq 64; untied
+Trains a small untied GPT (gpt2 family, L=8, C=256 (--hidden), 4 heads, byte-level vocabulary, seq 64; untied
 so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) with pp=4 (pp=2 on a
 machine with fewer than 4 cores, where 4 single-threaded workers would time-slice and every rank
 would wait at least half the time whatever the schedule; --stages overrides) under each
@@ -26,9 +26,9 @@ import sys
 MODEL = """model:
   family: gpt2
   n_layer: 8
-  n_embd: 128
+  n_embd: {hidden}
   n_head: 4
-  ffn_hidden: 512
+  ffn_hidden: {ffn}
   vocab_size: 257
   max_seq_len: 64
   tie_embeddings: false
@@ -59,7 +59,7 @@ def run(args, work, schedule, m):
     metrics.unlink(missing_ok=True)
     v = 2 if schedule == "zb-v" else 1
     cfg = work / f"{tag}.yaml"
-    cfg.write_text(MODEL + f"""data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0}}
+    cfg.write_text(MODEL.format(hidden=args.hidden, ffn=4 * args.hidden) + f"""data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0}}
 training: {{steps: {args.steps}, global_batch: {2 * m}, micro_batch: 2, log_every: 1000,
            threads: 1}}
 optimizer: {{lr: 1.0e-3, warmup_steps: 2}}
@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=256,
+                    help="n_embd (ffn 4x): larger makes each pass longer against a message")
     ap.add_argument("--stages", type=int, default=4 if (os.cpu_count() or 1) >= 4 else 2)
     a = ap.parse_args()
     P = a.stages

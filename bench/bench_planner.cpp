@@ -71,7 +71,7 @@ void print_reference(const planner::SearchRequest& req, int dp, int tp, int pp, 
   p.pp = pp;
   p.micro_batch = b;
   p.micro_batches = req.global_batch / (dp * b);
-  p.recompute = recompute;
+  p.recompute = recompute ? model::Recompute::full : model::Recompute::none;
   const auto c = planner::predict(req, p);
   fmt::print("   paper's layout: {:<54} step {:7.2f} s  MFU {:4.1f}%  {:5.1f} GiB\n", brief(c.plan),
              c.step_s, 100 * c.mfu, c.memory_bytes / (1024.0 * 1024 * 1024));

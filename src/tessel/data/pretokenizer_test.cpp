@@ -1,3 +1,9 @@
+// GCC 12 reports -Wmaybe-uninitialized inside <regex>'s std::function under the sanitizers' -O1
+// (a false positive in the library, not in this file); the test's std::regex reference patterns
+// are why <regex> is here at all. Set before any include: the warning is issued in the headers.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include "tessel/data/pretokenizer.h"
 
 #include <gtest/gtest.h>

@@ -104,18 +104,37 @@ void PipelineExecutor::keep_input_grad(Chunk& ch, int mb) {
   std::copy(g, g + out.size(), out.begin());
 }
 
-void PipelineExecutor::backward_input(Stage& stage, int c, int mb) {
-  Chunk& ch = stage.chunks()[size_t(c)];
+// The slot holding micro-batch mb's activations on chunk c, its output gradient filled in from
+// what arrived (not on the head stage, which starts from its loss): what B and Bi both start from.
+int PipelineExecutor::begin_backward(Chunk& ch, int c, int mb) {
   const int slot = ch.slot_of[size_t(mb)];
   TESSEL_CHECK(slot >= 0, Error,
                "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
                ch.vs);
-  auto& m = *ch.model;
   if (!ch.range.has_head) {
     const auto& g = grad_in_[size_t(c * M_ + mb)];
-    std::copy(g.begin(), g.end(), m.output_grad(slot).data<float>());
+    std::copy(g.begin(), g.end(), ch.model->output_grad(slot).data<float>());
   }
-  m.backward_input_stage(slot);
+  return slot;
+}
+
+// The gradient-ready report for the pass that finishes chunk c's last weight gradients of the
+// step (B or Bw), empty for the others.
+model::Transformer::GradsReady PipelineExecutor::grads_ready(
+    Chunk& ch, int c, const LastBackwardHook& last_backward) {
+  if (++ch.backwards_done == M_ && last_backward) return last_backward(c);
+  return {};
+}
+
+// Frees micro-batch mb's activation slot once its last backward pass (B or Bw) ran.
+void PipelineExecutor::release_slot(Chunk& ch, int mb) {
+  ch.free_slots.push_back(ch.slot_of[size_t(mb)]);
+  ch.slot_of[size_t(mb)] = -1;
+}
+
+void PipelineExecutor::backward_input(Stage& stage, int c, int mb) {
+  Chunk& ch = stage.chunks()[size_t(c)];
+  ch.model->backward_input_stage(begin_backward(ch, c, mb));
   keep_input_grad(ch, mb);
 }
 
@@ -127,34 +146,17 @@ void PipelineExecutor::backward_weight(Stage& stage, int c, int mb,
                "internal: weight gradient of micro-batch {} on virtual stage {} without its "
                "forward",
                mb, ch.vs);
-  auto& m = *ch.model;
-  if (++ch.backwards_done == M_ && last_backward)
-    m.backward_weight_stage(slot, last_backward(c));
-  else
-    m.backward_weight_stage(slot);
-  ch.slot_of[size_t(mb)] = -1;
-  ch.free_slots.push_back(slot);
+  ch.model->backward_weight_stage(slot, grads_ready(ch, c, last_backward));
+  release_slot(ch, mb);
 }
 
 void PipelineExecutor::backward(Stage& stage, int c, int mb,
                                 const LastBackwardHook& last_backward) {
   Chunk& ch = stage.chunks()[size_t(c)];
-  const int slot = ch.slot_of[size_t(mb)];
-  TESSEL_CHECK(slot >= 0, Error,
-               "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
-               ch.vs);
-  auto& m = *ch.model;
-  if (!ch.range.has_head) {
-    const auto& g = grad_in_[size_t(c * M_ + mb)];
-    std::copy(g.begin(), g.end(), m.output_grad(slot).data<float>());
-  }
-  if (++ch.backwards_done == M_ && last_backward)
-    m.backward_stage(slot, last_backward(c));
-  else
-    m.backward_stage(slot);
+  const int slot = begin_backward(ch, c, mb);
+  ch.model->backward_stage(slot, grads_ready(ch, c, last_backward));
   keep_input_grad(ch, mb);
-  ch.slot_of[size_t(mb)] = -1;
-  ch.free_slots.push_back(slot);
+  release_slot(ch, mb);
 }
 
 PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,

@@ -65,6 +65,10 @@ class PipelineExecutor {
   void backward_input(Stage& stage, int c, int mb);
   void backward_weight(Stage& stage, int c, int mb, const LastBackwardHook& last_backward);
   void keep_input_grad(Chunk& ch, int mb);
+  int begin_backward(Chunk& ch, int c, int mb);
+  model::Transformer::GradsReady grads_ready(Chunk& ch, int c,
+                                             const LastBackwardHook& last_backward);
+  void release_slot(Chunk& ch, int mb);
   // Neighbouring virtual stages on this rank (the turn of zb-v's V) pass data by copy.
   bool local_next(int vs) const { return vs + 1 < num_vs_ && rank_of_vs_[size_t(vs + 1)] == pp_; }
   bool local_prev(int vs) const { return vs > 0 && rank_of_vs_[size_t(vs - 1)] == pp_; }

@@ -101,7 +101,12 @@ int worker(const Args& a, const std::string& dir, int rank) {
   const double bytes = double(count) * sizeof(float);
   tessel::comm::StoreOptions store{dir, "bench", 0, std::chrono::milliseconds(60000)};
 
-  auto comm = tessel::comm::Communicator::connect(store, "tessel", rank, n);
+  // TCP on both sides: this benchmark compares the ring algorithm against Gloo's, not transports
+  // (bench_shm_transport measures shared memory against TCP).
+  tessel::comm::TransportOptions tcp_only;
+  tcp_only.shared_memory = false;
+  auto comm = tessel::comm::Communicator::connect(store, "tessel", rank, n,
+                                                  std::chrono::milliseconds(60000), tcp_only);
 
   tessel::comm::GroupStore raw_store(store, "gloo");
   gloo::transport::tcp::attr attr;

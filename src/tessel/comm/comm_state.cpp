@@ -50,8 +50,9 @@ CommState::~CommState() {
     cv_.notify_all();
     watchdog_.join();
   }
-  // Tear down in dependency order: buffers, then the connections, then the device (and its I/O
-  // thread).
+  // Tear down in dependency order: the shared-memory channels (and their threads), buffers, then
+  // the connections, then the device (and its I/O thread).
+  shm.reset();
   sentinels_.clear();
   context.reset();
   device.reset();
@@ -70,6 +71,16 @@ void CommState::start_watchdog() {
     sentinels_[p]->recv(p, slot);
   }
   watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+void CommState::attach_shm(std::unique_ptr<ShmTransport> transport) {
+  bool aborted = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shm = std::move(transport);
+    aborted = aborted_;
+  }
+  if (aborted && shm) shm->abort("the communicator was aborted");
 }
 
 void CommState::watchdog_loop() {
@@ -258,6 +269,14 @@ void CommState::ensure_healthy(const char* op) {
 }
 
 void CommState::close_connections() noexcept {
+  ShmTransport* transport = nullptr;
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    transport = shm.get();
+  } catch (...) {
+  }
+  // Peers blocked on a channel with this rank fail at once, as they do on a closed connection.
+  if (transport != nullptr) transport->abort("the communicator failed or was aborted");
   if (!context || mesh_settling.load()) return;
   try {
     context->closeConnections();

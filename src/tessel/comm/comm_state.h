@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "tessel/comm/communicator.h"
+#include "tessel/comm/shm_transport.h"
 
 namespace gloo {
 class Context;
@@ -76,6 +77,9 @@ struct CommState {
   std::shared_ptr<gloo::Context> context;           // null for size-1 groups
   uint32_t next_tag = 0;               // collectives issued so far (the same on every rank)
   std::vector<unsigned char> scratch;  // reduce-scatter receive segments
+  // The shared-memory channels to the peers on this host (null: none); set once by connect
+  // through attach_shm, used by the user thread, aborted with the connections.
+  std::unique_ptr<ShmTransport> shm;
 
   // Set by the user thread when a call fails; later calls rethrow this kind.
   FailureKind failure_kind = FailureKind::kNone;
@@ -95,6 +99,9 @@ struct CommState {
 
   // Posts the sentinels and starts the watchdog; called once the context is connected.
   void start_watchdog();
+
+  // Installs the shared-memory transport (aborted at once when abort() already ran).
+  void attach_shm(std::unique_ptr<ShmTransport> transport);
 
   // "<op> on group '<name>' (rank r of n[, peer rank p])".
   std::string where(const char* op, int peer) const;

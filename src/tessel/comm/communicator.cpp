@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
@@ -183,6 +184,46 @@ void tree_broadcast(CommState& s, void* data, size_t bytes, int root, uint32_t t
   }
 }
 
+// Runs a shared-memory operation like CommState::guarded runs a Gloo one: the channels throw
+// tessel's errors, which break the communicator the same way (fail() records the first failure and
+// closes every connection and channel, so peers fail fast).
+template <typename F>
+void shm_guarded(CommState& s, const char* op, int peer, std::chrono::milliseconds t, F&& body) {
+  s.guarded(op, peer, t, [&] {
+    try {
+      body();
+    } catch (const TimeoutError& e) {
+      s.fail(op, peer, FailureKind::kTimeout, t, e.what());
+    } catch (const PeerLostError& e) {
+      s.fail(op, peer, FailureKind::kPeerLost, t, e.what());
+    } catch (const Error& e) {
+      s.fail(op, peer, FailureKind::kOther, t, e.what());
+    }
+  });
+}
+
+// Whether the collectives of this group run over shared memory.
+bool collectives_on_shm(const CommState& s) {
+  return s.shm != nullptr && s.shm->reaches_all();
+}
+
+// The ring all-gather on whichever transport the group uses.
+void any_ring_all_gather(CommState& s, void* data, const std::vector<size_t>& bytes, uint32_t tag,
+                         Clock::time_point deadline) {
+  if (collectives_on_shm(s)) {
+    s.shm->ring_all_gather(data, bytes, make_slot(detail::kAllGatherSlotPrefix, tag), deadline);
+  } else {
+    ring_all_gather(s, data, bytes, tag, deadline);
+  }
+}
+
+// Shared memory is on unless the options or the environment turn it off.
+bool shared_memory_wanted(const TransportOptions& transport) {
+  const char* env = std::getenv("TESSEL_SHARED_MEMORY");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return transport.shared_memory;
+}
+
 // "host:port" of each address a peer published (by rank; empty where none), for messages.
 std::vector<std::string> address_names(const std::vector<std::vector<char>>& published) {
   std::vector<std::string> names(published.size());
@@ -207,6 +248,17 @@ Request::Request(std::shared_ptr<detail::CommState> state, bool is_send, int pee
       done_(false),
       buffer_(std::move(buffer)) {}
 
+Request::Request(std::shared_ptr<detail::CommState> state, bool is_send, int peer, uint32_t tag,
+                 size_t bytes, uint64_t shm_ticket)
+    : state_(std::move(state)),
+      is_send_(is_send),
+      peer_(peer),
+      tag_(tag),
+      bytes_(bytes),
+      done_(false),
+      on_shm_(true),
+      shm_ticket_(shm_ticket) {}
+
 Request::Request(Request&& other) noexcept
     : state_(std::move(other.state_)),
       is_send_(other.is_send_),
@@ -214,7 +266,9 @@ Request::Request(Request&& other) noexcept
       tag_(other.tag_),
       bytes_(other.bytes_),
       done_(other.done_),
-      buffer_(std::move(other.buffer_)) {
+      buffer_(std::move(other.buffer_)),
+      on_shm_(other.on_shm_),
+      shm_ticket_(other.shm_ticket_) {
   other.done_ = true;
 }
 
@@ -228,6 +282,8 @@ Request& Request::operator=(Request&& other) noexcept {
     bytes_ = other.bytes_;
     done_ = other.done_;
     buffer_ = std::move(other.buffer_);
+    on_shm_ = other.on_shm_;
+    shm_ticket_ = other.shm_ticket_;
     other.done_ = true;
   }
   return *this;
@@ -263,6 +319,21 @@ void Request::finish(std::chrono::milliseconds timeout) {
   // Whatever happens below, this transfer is over for the caller.
   done_ = true;
   auto& s = *state_;
+  if (on_shm_) {
+    // However this ends, the sender thread must be off the caller's buffer before it returns.
+    struct Release {
+      Request& r;
+      ~Release() {
+        if (r.is_send_) r.state_->shm->release_send(r.peer_, r.shm_ticket_);
+      }
+    } release{*this};
+    shm_guarded(s, is_send_ ? "send" : "recv", peer_, timeout, [&] {
+      const auto deadline = Clock::now() + timeout;
+      is_send_ ? s.shm->wait_send(peer_, shm_ticket_, deadline)
+               : s.shm->wait_recv(peer_, shm_ticket_, deadline);
+    });
+    return;
+  }
   s.guarded(is_send_ ? "send" : "recv", peer_, timeout, [&] {
     const auto deadline = Clock::now() + timeout;
     is_send_ ? s.wait_send(*buffer_, {peer_}, deadline) : s.wait_recv(*buffer_, {peer_}, deadline);
@@ -295,6 +366,10 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
                group_name, rank, size);
   TESSEL_CHECK(timeout.count() > 0, ConfigError, "group '{}': timeout {} ms must be positive",
                group_name, timeout.count());
+  TESSEL_CHECK(transport.shm_ring_bytes >= 4096 && transport.shm_ring_bytes <= (size_t(1) << 30),
+               ConfigError,
+               "group '{}': TransportOptions::shm_ring_bytes {} must be in [4096, 1 GiB]",
+               group_name, transport.shm_ring_bytes);
 
   auto state = std::make_shared<CommState>();
   state->name = group_name;
@@ -386,6 +461,21 @@ std::unique_ptr<Communicator> Communicator::connect(const StoreOptions& store,
   }
   // Everyone entered the barrier, so every peer's rendezvous has taken in all its connections.
   comm->state_->settled();
+  // Channels to the peers on this host, agreed over the mesh (every rank takes part, also with
+  // shared memory off, so that the ranks' collectives stay matched).
+  TransportOptions shm_options = transport;
+  shm_options.shared_memory = shared_memory_wanted(transport);
+  try {
+    comm->state_->attach_shm(detail::ShmTransport::connect(*comm, shm_options, store.timeout));
+  } catch (const TimeoutError& e) {
+    throw_if_aborted();
+    throw TimeoutError(
+        fmt::format("{} failed while agreeing on shared memory: {}", where, e.what()));
+  } catch (const PeerLostError& e) {
+    throw_if_aborted();
+    throw PeerLostError(
+        fmt::format("{} failed while agreeing on shared memory: {}", where, e.what()));
+  }
   return comm;
 }
 
@@ -405,6 +495,14 @@ std::chrono::milliseconds Communicator::timeout() const {
 std::string Communicator::failure() const {
   if (!state_->failure.empty()) return state_->failure;
   return state_->peer_failure();
+}
+
+bool Communicator::shares_memory_with(int peer) const {
+  return state_->shm != nullptr && state_->shm->reaches(peer);
+}
+
+bool Communicator::collectives_share_memory() const {
+  return state_->shm != nullptr && state_->shm->reaches_all();
 }
 
 void Communicator::abort(const std::string& reason) noexcept {
@@ -436,6 +534,14 @@ void Communicator::all_reduce_sum(T* data, size_t n, Timeout timeout) {
   std::vector<size_t> bytes(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) bytes[i] = counts[i] * sizeof(T);
   const auto deadline = Clock::now() + t;
+  if (collectives_on_shm(s)) {
+    shm_guarded(s, op, -1, t, [&] {
+      s.shm->ring_reduce_scatter(data, counts, make_slot(detail::kReduceScatterSlotPrefix, tag),
+                                 deadline);
+      s.shm->ring_all_gather(data, bytes, make_slot(detail::kAllGatherSlotPrefix, tag), deadline);
+    });
+    return;
+  }
   s.guarded(op, -1, t, [&] {
     ring_reduce_scatter(s, data, counts, offsets, tag, deadline);
     ring_all_gather(s, data, bytes, tag, deadline);
@@ -455,6 +561,13 @@ void Communicator::reduce_scatter_sum(T* data, const std::vector<size_t>& counts
   TESSEL_CHECK(data != nullptr, InvalidArgumentError, "{}: null data for {} elements",
                s.where(op, -1), offsets.back());
   const auto deadline = Clock::now() + t;
+  if (collectives_on_shm(s)) {
+    shm_guarded(s, op, -1, t, [&] {
+      s.shm->ring_reduce_scatter(data, counts, make_slot(detail::kReduceScatterSlotPrefix, tag),
+                                 deadline);
+    });
+    return;
+  }
   s.guarded(op, -1, t, [&] { ring_reduce_scatter(s, data, counts, offsets, tag, deadline); });
 }
 
@@ -476,7 +589,7 @@ void Communicator::all_gather(const T* mine, size_t n, T* out, Timeout timeout) 
   if (s.size == 1) return;
   const std::vector<size_t> bytes(size_t(s.size), n * sizeof(T));
   const auto deadline = Clock::now() + t;
-  s.guarded(op, -1, t, [&] { ring_all_gather(s, out, bytes, tag, deadline); });
+  shm_guarded(s, op, -1, t, [&] { any_ring_all_gather(s, out, bytes, tag, deadline); });
 }
 
 template <Element T>
@@ -503,7 +616,7 @@ void Communicator::all_gather_v(const T* mine, const std::vector<size_t>& counts
   std::vector<size_t> bytes(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) bytes[i] = counts[i] * sizeof(T);
   const auto deadline = Clock::now() + t;
-  s.guarded(op, -1, t, [&] { ring_all_gather(s, out, bytes, tag, deadline); });
+  shm_guarded(s, op, -1, t, [&] { any_ring_all_gather(s, out, bytes, tag, deadline); });
 }
 
 template <Element T>
@@ -564,15 +677,43 @@ std::unique_ptr<UnboundBuffer> post_transfer(CommState& s, bool is_send, void* d
   return buf;
 }
 
+// Posts one point-to-point transfer on the shared-memory channel with `peer`.
+uint64_t post_shm_transfer(CommState& s, bool is_send, void* data, size_t bytes, int peer,
+                           uint32_t tag) {
+  const char* op = is_send ? "send" : "recv";
+  TESSEL_CHECK(data != nullptr || bytes == 0, InvalidArgumentError, "{}: null data",
+               s.where(op, peer));
+  uint64_t ticket = 0;
+  shm_guarded(s, op, peer, s.timeout, [&] {
+    const uint64_t slot = make_slot(detail::kPointToPointSlotPrefix, tag);
+    ticket = is_send ? s.shm->post_send(peer, slot, data, bytes)
+                     : s.shm->post_recv(peer, slot, data, bytes);
+  });
+  return ticket;
+}
+
+bool on_shm(const CommState& s, int peer) {
+  return s.shm != nullptr && peer != s.rank && s.shm->reaches(peer);
+}
+
 }  // namespace
 
 Request Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
+  if (on_shm(*state_, peer)) {
+    const uint64_t ticket =
+        post_shm_transfer(*state_, true, const_cast<void*>(data), bytes, peer, tag);
+    return Request(state_, true, peer, tag, bytes, ticket);
+  }
   // Gloo's buffers are not const-typed; a send only reads `data`.
   auto buf = post_transfer(*state_, true, const_cast<void*>(data), bytes, peer, tag);
   return Request(state_, true, peer, tag, bytes, std::move(buf));
 }
 
 Request Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag) {
+  if (on_shm(*state_, peer)) {
+    const uint64_t ticket = post_shm_transfer(*state_, false, data, bytes, peer, tag);
+    return Request(state_, false, peer, tag, bytes, ticket);
+  }
   auto buf = post_transfer(*state_, false, data, bytes, peer, tag);
   return Request(state_, false, peer, tag, bytes, std::move(buf));
 }

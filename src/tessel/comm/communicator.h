@@ -1,4 +1,5 @@
-// A communicator for one process group, over Gloo's TCP transport.
+// A communicator for one process group, over Gloo's TCP transport, and shared memory between the
+// ranks on one host (TransportOptions below, shm_transport.h).
 //
 // Every member of a group calls connect() with the same store options, group name and size and
 // its own rank; after that the members call the same collectives in the same order with matching
@@ -23,9 +24,10 @@
 // peer is noticed within milliseconds even while no call runs (failure() reports it); it fails
 // the running call if that call waits on the lost peer, and every later call. Any failure is
 // fatal for the communicator: after a local timeout Gloo closes every connection of the context,
-// and after any other failure this class does, so peers blocked on this rank fail fast with
-// PeerLostError instead of waiting out their own timeout. Later calls throw the same kind of
-// error again. Recover by connecting new communicators under a new store generation.
+// and after any other failure this class does (and aborts its shared-memory channels), so peers
+// blocked on this rank fail fast with PeerLostError instead of waiting out their own timeout. Later
+// calls throw the same kind of error again. Recover by connecting new communicators under a new
+// store generation.
 //
 // Aborting a generation. StoreOptions::abort_signal (abort_signal.h), when set, covers a
 // communicator's whole life: firing it while connect() runs makes connect() throw PeerLostError
@@ -37,7 +39,9 @@
 // has its default action, because Gloo writes to sockets without MSG_NOSIGNAL and a write to a
 // dead peer would otherwise kill this process instead of raising PeerLostError.
 //
-// Each connected group (size > 1) owns a Gloo device with its I/O thread and a watchdog thread.
+// Each connected group (size > 1) owns a Gloo device with its I/O thread and a watchdog thread,
+// and, with shared memory, a sender thread per channel that once had to stream a message larger
+// than the ring's free space.
 // Size-1 groups never touch the network: collectives are no-ops or local copies. Zero-length
 // buffers are accepted everywhere (null pointers are fine when the length is 0).
 #pragma once
@@ -74,9 +78,22 @@ concept Element = ReduceElement<T> || std::same_as<T, uint8_t>;
 // Where this process listens for its peers. The default keeps everything on loopback (one host);
 // multi-host jobs set `hostname` to an address the peers can reach, or `iface` to a network
 // interface name (which wins when set).
+//
+// Shared memory: ranks of a group that run on the same host (same kernel, pid and network
+// namespace) move point-to-point messages through shared-memory rings instead of TCP, and so do
+// all_reduce_sum, reduce_scatter_sum, all_gather and all_gather_v when every rank of the group is
+// on one host (shm_transport.h); broadcast, barrier and every pair on different hosts stay on
+// TCP. Timeouts and error kinds are the same. Ranks decide together at connect: a pair uses it
+// only when both have it on, and if any rank fails to set it up the whole group stays on TCP
+// (with a warning). The environment variable TESSEL_SHARED_MEMORY=0 turns it off in a process
+// whatever these options say.
 struct TransportOptions {
   std::string hostname = "127.0.0.1";
   std::string iface;
+  bool shared_memory = true;
+  // Ring size of each channel (one per ordered pair of ranks on a host, fully allocated), in
+  // [4096, 1 GiB] (else connect throws ConfigError).
+  size_t shm_ring_bytes = size_t(1) << 20;
 };
 
 namespace detail {
@@ -101,6 +118,9 @@ class Request {
   friend class Communicator;
   Request(std::shared_ptr<detail::CommState> state, bool is_send, int peer, uint32_t tag,
           size_t bytes, std::unique_ptr<gloo::transport::UnboundBuffer> buffer);
+  // A transfer through shared memory (shm_transport.h), identified by its ticket.
+  Request(std::shared_ptr<detail::CommState> state, bool is_send, int peer, uint32_t tag,
+          size_t bytes, uint64_t shm_ticket);
   void finish(std::chrono::milliseconds timeout);
   void abandon() noexcept;  // waits for an unfinished transfer, swallowing (but recording) errors
 
@@ -111,6 +131,8 @@ class Request {
   size_t bytes_ = 0;
   bool done_ = true;
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+  bool on_shm_ = false;
+  uint64_t shm_ticket_ = 0;
 };
 
 class Communicator {
@@ -159,6 +181,10 @@ class Communicator {
   void set_timeout(std::chrono::milliseconds timeout);  // > 0
   // The error that broke this communicator, empty while it is healthy.
   std::string failure() const;
+  // Whether messages with `peer` go through shared memory (TransportOptions::shared_memory), and
+  // whether the collectives that can do so do (every other rank shares memory with this one).
+  bool shares_memory_with(int peer) const;
+  bool collectives_share_memory() const;
 
   // Breaks this communicator on purpose, e.g. because another communicator of this process lost
   // a peer and the whole process must drop out of the step at once. Safe to call from any thread,

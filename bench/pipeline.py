@@ -52,9 +52,8 @@ def split(stages):
     return [k + 1] + [k] * (stages - 2) + [k + 1] if stages > 1 else [LAYERS + 2]
 
 
-def run(args, work, schedule, m):
+def write_config(args, work, schedule, m, tag):
     P = args.stages
-    tag = f"{schedule}-m{m}"
     metrics = work / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
     v = 2 if schedule == "zb-v" else 1
@@ -67,7 +66,18 @@ output: {{metrics: {metrics}}}
 parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},
            layers_per_stage: {split(P * v)}}}
 """)
+    return cfg, metrics
+
+
+def run(args, work, schedule, m, delay=None, tag=None):
+    """Trains under `schedule`; `delay` is a TESSEL_PIPELINE_DELAY spec. Returns the median
+    pipeline idle share and step time over the timed steps."""
+    P = args.stages
+    tag = tag or f"{schedule}-m{m}"
+    cfg, metrics = write_config(args, work, schedule, m, tag)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    if delay:
+        env["TESSEL_PIPELINE_DELAY"] = delay
     r = subprocess.run([args.tessel, "train", str(cfg), "--nproc", str(P)], env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -80,6 +90,80 @@ parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},
     return idle, step
 
 
+def simulate(args, work, cfg, profile, schedule, sim_args):
+    """The simulator's step time of `cfg` under `schedule` on this machine's profile."""
+    r = subprocess.run([args.tessel, "simulate", "--config", str(cfg), "--profile", str(profile),
+                        "--schedule", schedule, "--json"] + sim_args,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"simulate {schedule} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)["step_s"]
+
+
+def dispatcher_rows(args, work, out):
+    """The adaptive dispatcher against 1F1B with one stage slowed: by a fixed 1.5x, and by a
+    random 2x +- 50% per compute (TESSEL_PIPELINE_DELAY), each beside the simulator's prediction
+    for the same delays on this machine's profile (`tessel profile`)."""
+    P, m = args.stages, 8
+    cfg, _ = write_config(args, work, "adaptive", m, "profile-cfg")
+    profile = work / "profile.json"
+    r = subprocess.run([args.tessel, "profile", "--config", str(cfg), "--workers", str(P),
+                        "--threads", "1", "--micro-batches", "2", "--out", str(profile)],
+                       env=dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"),
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"profile failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    slow = P - 1
+    cases = [
+        ("none", None, []),
+        ("slow_first", "stage=0,slowdown=1.5", ["--slow-stage", "0:1.5"]),
+        ("slow_stage", f"stage={slow},slowdown=1.5", ["--slow-stage", f"{slow}:1.5"]),
+        ("jitter", f"stage={slow},slowdown=2,jitter=0.5,seed=7",
+         ["--slow-stage", f"{slow}:2", "--stage-jitter", f"{slow}:0.5", "--seed", "7"]),
+    ]
+    ratios, errors = {}, []
+    for name, delay, sim_args in cases:
+        # Rounds alternate the two schedules (and their order), so that a change in the
+        # machine's load hits both alike; the median over rounds is kept.
+        measured_steps = {"1f1b": [], "adaptive": []}
+        for k in range(args.rounds):
+            order = ("1f1b", "adaptive") if k % 2 == 0 else ("adaptive", "1f1b")
+            for schedule in order:
+                _, step = run(args, work, schedule, m, delay, f"{schedule}-{name}")
+                measured_steps[schedule].append(step)
+        steps = {}
+        for schedule in ("1f1b", "adaptive"):
+            cfg_s = work / f"{schedule}-{name}.yaml"
+            pred = simulate(args, work, cfg_s, profile, schedule, sim_args)
+            steps[schedule] = (statistics.median(measured_steps[schedule]), pred)
+        measured = steps["1f1b"][0] / steps["adaptive"][0]
+        predicted = steps["1f1b"][1] / steps["adaptive"][1]
+        err = abs(predicted - measured) / measured
+        ratios[name] = measured
+        errors.append(err)
+        print(f"dispatcher vs 1f1b, {name:<10} step 1f1b {steps['1f1b'][0] * 1e3:7.1f} ms "
+              f"adaptive {steps['adaptive'][0] * 1e3:7.1f} ms  speedup {measured:.3f}  "
+              f"(simulated {steps['1f1b'][1] * 1e3:.1f} / {steps['adaptive'][1] * 1e3:.1f} ms: "
+              f"{predicted:.3f}, error {err:.1%})")
+        out[f"dispatch_vs_1f1b_{name}"] = round(measured, 3)
+        out[f"dispatch_vs_1f1b_{name}_predicted"] = round(predicted, 3)
+    out["dispatch_pred_error"] = round(max(errors), 3)
+
+
+def bench_json(args, binary, extra):
+    """The last line of a bench binary's output, as JSON."""
+    path = pathlib.Path(args.tessel).parent / "bench" / binary
+    if not path.exists():
+        path = pathlib.Path(args.tessel).parent / binary
+    r = subprocess.run([str(path)] + extra, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{binary} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    lines = r.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print(line)
+    return json.loads(lines[-1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tessel", required=True)
@@ -90,13 +174,18 @@ def main():
     ap.add_argument("--hidden", type=int, default=256,
                     help="n_embd (ffn 4x): larger makes each pass longer against a message")
     ap.add_argument("--stages", type=int, default=4 if (os.cpu_count() or 1) >= 4 else 2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="dispatcher rows: runs of each schedule per case, alternated")
+    ap.add_argument("--only", choices=["bubbles", "dispatcher", "transport", "recompute"],
+                    help="run one part only")
     a = ap.parse_args()
     P = a.stages
     print(f"pipeline stages: {P} ({os.cpu_count()} cores)")
     work = pathlib.Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     out = {"stages": P}
-    for m in (8, 16):
+    parts = [a.only] if a.only else ["bubbles", "dispatcher", "transport", "recompute"]
+    for m in ((8, 16) if "bubbles" in parts else ()):
         for schedule in ("1f1b", "zb-h1", "zb-v"):
             idle, step = run(a, work, schedule, m)
             th = theory(schedule, P, m)
@@ -108,6 +197,18 @@ def main():
             out[f"bubble_{key}{suffix}_theory"] = round(th, 4)
             if step:
                 out[f"step_ms_{key}{suffix}"] = round(step * 1e3, 2)
+    if "dispatcher" in parts:
+        dispatcher_rows(a, work, out)
+    if "transport" in parts:
+        # Shared memory against TCP loopback, 4 KiB to 64 MiB, and a 64 MiB all-reduce over 4
+        # processes (bench/bench_shm_transport.cpp).
+        t = bench_json(a, "bench_shm_transport", ["--rounds", "5"])
+        out.update({k: t[k] for k in t if k.startswith("shm_")})
+    if "recompute" in parts:
+        # Activation memory with and without recomputation against the planner's memory model
+        # (bench/bench_recompute_memory.cpp).
+        r = bench_json(a, "bench_recompute_memory", [])
+        out.update({k: r[k] for k in r if k.startswith("recompute_")})
     print(json.dumps(out))
 
 

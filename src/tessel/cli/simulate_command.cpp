@@ -39,6 +39,7 @@ struct SimArgs {
   std::string schedule;
   int memory_cap = 0;
   double jitter = 0;
+  std::vector<std::string> stage_jitter;
   uint64_t seed = 0;
   std::vector<std::string> slow;
   double dp_overlap = -1;
@@ -92,29 +93,29 @@ void read_machine(const nlohmann::json& doc, SimulateRequest& rq) {
   }
 }
 
-std::vector<double> parse_slowdowns(const std::vector<std::string>& specs, int pp) {
+// STAGE:VALUE options (repeatable) into one value per pipeline rank, `unset` for the others;
+// empty when none is given.
+std::vector<double> parse_stage_values(const std::vector<std::string>& specs, int pp, double unset,
+                                       const char* option, const char* example) {
   if (specs.empty()) return {};
-  std::vector<double> f(static_cast<size_t>(pp), 1.0);
+  std::vector<double> f(static_cast<size_t>(pp), unset);
   for (const auto& s : specs) {
     const auto colon = s.find(':');
     int stage = -1;
-    double factor = 0;
+    double value = 0;
     try {
       TESSEL_CHECK(colon != std::string::npos, ConfigError, "");
       size_t used = 0;
       stage = std::stoi(s.substr(0, colon), &used);
       TESSEL_CHECK(used == colon, ConfigError, "");
-      factor = std::stod(s.substr(colon + 1), &used);
+      value = std::stod(s.substr(colon + 1), &used);
       TESSEL_CHECK(used == s.size() - colon - 1, ConfigError, "");
     } catch (const std::exception&) {
-      TESSEL_THROW(ConfigError,
-                   "--slow-stage '{}' is not STAGE:FACTOR (e.g. 1:1.5 makes pipeline rank 1 "
-                   "1.5x slower)",
-                   s);
+      TESSEL_THROW(ConfigError, "{} '{}' is not STAGE:VALUE (e.g. {})", option, s, example);
     }
-    TESSEL_CHECK(stage >= 0 && stage < pp && factor > 0 && std::isfinite(factor), ConfigError,
-                 "--slow-stage '{}': the stage must be in [0, {}) and the factor positive", s, pp);
-    f[size_t(stage)] = factor;
+    TESSEL_CHECK(stage >= 0 && stage < pp && std::isfinite(value), ConfigError,
+                 "{} '{}': the stage must be in [0, {}) and the value finite", option, s, pp);
+    f[size_t(stage)] = value;
   }
   return f;
 }
@@ -261,7 +262,11 @@ int run_simulate(const SimArgs& a) {
   rq.memory_cap = a.memory_cap;
   rq.jitter = a.jitter;
   rq.seed = a.seed;
-  rq.slowdown = parse_slowdowns(a.slow, rq.plan.pp);
+  rq.slowdown = parse_stage_values(a.slow, rq.plan.pp, 1.0, "--slow-stage",
+                                   "1:1.5 makes pipeline rank 1 1.5x slower");
+  rq.stage_jitter = parse_stage_values(a.stage_jitter, rq.plan.pp, a.jitter, "--stage-jitter",
+                                       "1:0.5 gives pipeline rank 1's computes 1 +- 50% of their "
+                                       "time");
   if (a.dp_overlap >= 0) rq.dp_overlap = a.dp_overlap;
   if (a.bucket_mb >= 0) rq.bucket_bytes = a.bucket_mb * (1 << 20);
 
@@ -307,6 +312,9 @@ void add_simulate_command(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--memory-cap", args->memory_cap,
                   "greedy: activations in flight per stage (default: p - s on stage s)");
   cmd->add_option("--jitter", args->jitter, "each compute takes 1 + jitter * U(-1, 1) as long");
+  cmd->add_option("--stage-jitter", args->stage_jitter,
+                  "STAGE:JITTER (repeatable): --jitter for one pipeline rank (the others keep "
+                  "--jitter)");
   cmd->add_option("--seed", args->seed, "jitter seed");
   cmd->add_option("--slow-stage", args->slow,
                   "STAGE:FACTOR, e.g. 1:1.5 (repeatable): a pipeline rank's compute slowdown");

@@ -239,11 +239,14 @@ TEST(SimulateCommand, ReportsPeakActivationMemoryPerStage) {
   const auto model = model::ModelConfig::preset("gpt2-tiny");
   const auto doc = run_json(f.base(f.plan(2, 1, 4, {4, 4}, "1f1b")));
   // 1F1B: stage 0 holds 2 micro-batches (emb + 3 blocks), stage 1 one (3 blocks + head).
-  double stage0 = 0, stage1 = 0;
-  for (int u = 0; u < 4; ++u)
-    stage0 += planner::unit_activation_bytes(model, u, 1, 16, 1, planner::Precision::fp32, false);
-  for (int u = 4; u < 8; ++u)
-    stage1 += planner::unit_activation_bytes(model, u, 1, 16, 1, planner::Precision::fp32, false);
+  const double stage0 =
+      planner::stage_activation_bytes(model, 0, 4, 1, 16, 1, planner::Precision::fp32,
+                                      model::Recompute::none, false)
+          .per_slot;
+  const double stage1 =
+      planner::stage_activation_bytes(model, 4, 8, 1, 16, 1, planner::Precision::fp32,
+                                      model::Recompute::none, false)
+          .per_slot;
   const auto& st = doc.at("stages");
   EXPECT_EQ(st[0].at("peak_in_flight").get<int>(), 2);
   EXPECT_EQ(st[1].at("peak_in_flight").get<int>(), 1);

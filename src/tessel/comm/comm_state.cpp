@@ -62,6 +62,8 @@ void CommState::start_watchdog() {
   sentinel_bytes_.assign(size_t(size), 0);
   sentinels_.resize(size_t(size));
   failed_.assign(size_t(size), false);
+  // The user thread, one arrival thread per pipeline neighbour, room to spare.
+  waits_.reserve(8);
   const uint64_t slot = make_slot(kSentinelSlotPrefix, 0);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
@@ -114,17 +116,19 @@ void CommState::watchdog_loop() {
       }
     }
 
-    // Abort the current wait once it has depended on a failed peer for the grace period.
-    if (wait_.buf == nullptr) continue;
-    bool depends = false;
-    for (int p : wait_.peers) depends = depends || failed_[p];
-    if (!depends) continue;
+    // Abort each wait once it has depended on a failed peer for the grace period; the others
+    // (of other threads, on healthy peers) go on until this rank's own failure closes them.
     const auto now = Clock::now();
-    if (stuck_seq_ != wait_.seq) {
-      stuck_seq_ = wait_.seq;
-      stuck_since_ = now;
-    } else if (now - stuck_since_ >= kGrace) {
-      wait_.is_recv ? wait_.buf->abortWaitRecv() : wait_.buf->abortWaitSend();
+    for (Wait* w : waits_) {
+      bool depends = false;
+      for (size_t i = 0; i < w->npeers; ++i) depends = depends || failed_[size_t(w->peers[i])];
+      if (!depends) continue;
+      if (!w->stuck) {
+        w->stuck = true;
+        w->stuck_since = now;
+      } else if (now - w->stuck_since >= kGrace) {
+        w->is_recv ? w->buf->abortWaitRecv() : w->buf->abortWaitSend();
+      }
     }
   }
 }
@@ -136,25 +140,33 @@ int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int
     for (size_t i = 0; i < npeers; ++i) who += (i ? "/" : "") + std::to_string(peers[i]);
     return fmt::format("{} with peer rank {}", is_recv ? "receive" : "send", who);
   };
+  Wait w;
+  w.buf = &buf;
+  w.is_recv = is_recv;
+  w.peers = peers;
+  w.npeers = npeers;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Checked under the lock abort() takes: either abort() sees this wait and aborts it, or this
-    // wait sees the flag; it cannot slip in between and block.
+    // Checked under the lock abort() and fail() take: either they see this wait and abort it, or
+    // this wait sees the flag; it cannot slip in between and block.
     if (aborted_) {
       throw gloo::IoException(describe() + " not started: the communicator was aborted");
     }
-    wait_.buf = &buf;
-    wait_.is_recv = is_recv;
-    wait_.peers.assign(peers, peers + npeers);
-    wait_.seq = next_seq_++;
+    if (failure_kind_ != FailureKind::kNone) {
+      throw gloo::IoException(describe() + " not started: the communicator had failed");
+    }
+    waits_.push_back(&w);
   }
   struct Unregister {
     CommState& s;
+    Wait* w;
     ~Unregister() {
       std::lock_guard<std::mutex> lock(s.mu_);
-      s.wait_.buf = nullptr;
+      auto it = std::find(s.waits_.begin(), s.waits_.end(), w);
+      *it = s.waits_.back();
+      s.waits_.pop_back();
     }
-  } unregister{*this};
+  } unregister{*this, &w};
 
   // Gloo reads 0 ms as "no timeout"; keep at least 1 ms so an expired deadline still fires.
   const auto left =
@@ -163,13 +175,16 @@ int CommState::wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int
   int peer = -1;
   const bool done = is_recv ? buf.waitRecv(&peer, left) : buf.waitSend(&peer, left);
   if (!done) {
-    bool aborted = false;
+    const char* why = "the peer's connection failed";
     {
       std::lock_guard<std::mutex> lock(mu_);
-      aborted = aborted_;
+      if (aborted_) {
+        why = "the communicator was aborted";
+      } else if (failure_kind_ != FailureKind::kNone) {
+        why = "the communicator failed in another call";
+      }
     }
-    throw gloo::IoException(describe() + (aborted ? " aborted: the communicator was aborted"
-                                                  : " aborted: the peer's connection failed"));
+    throw gloo::IoException(describe() + " aborted: " + why);
   }
   return peer;
 }
@@ -187,6 +202,12 @@ int CommState::wait_send(gloo::transport::UnboundBuffer& buf, std::initializer_l
 int CommState::wait_send(gloo::transport::UnboundBuffer& buf, const std::vector<int>& peers,
                          Clock::time_point deadline) {
   return wait(buf, false, peers.data(), peers.size(), deadline);
+}
+
+void CommState::abort_waits() {
+  // The buffers stay valid while registered (unregistering takes mu_). An abort that lands before
+  // a thread entered Gloo's wait is kept by the buffer and ends that wait at once.
+  for (Wait* w : waits_) w->is_recv ? w->buf->abortWaitRecv() : w->buf->abortWaitSend();
 }
 
 std::string CommState::verdict(bool* from_abort) {
@@ -215,17 +236,12 @@ void CommState::abort(const std::string& reason) noexcept {
       peer_failure_.swap(message);
       verdict_is_abort_ = true;
     }
-    // The user thread's wait, if any: buf stays valid while registered (unregistering takes this
-    // lock). An abort that lands before the thread entered Gloo's wait is kept by the buffer and
-    // ends that wait at once.
-    if (wait_.buf != nullptr) {
-      wait_.is_recv ? wait_.buf->abortWaitRecv() : wait_.buf->abortWaitSend();
-    }
+    abort_waits();
   } catch (...) {
     // Only a broken mutex could throw here; nothing sensible is left to do.
   }
   // Outside the lock: closing unregisters the sockets from Gloo's I/O thread and waits for it.
-  // Gloo closes each pair under the pair's own lock, so this is safe against the user thread's
+  // Gloo closes each pair under the pair's own lock, so this is safe against the calling threads'
   // sends and receives and against a concurrent close from fail().
   close_connections();
 }
@@ -259,13 +275,24 @@ void CommState::throw_kind(FailureKind kind, const std::string& message) const {
   }
 }
 
+std::string CommState::recorded_failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
 void CommState::ensure_healthy(const char* op) {
-  if (failure_kind == FailureKind::kNone) {
-    if (peer_failure().empty()) return;
-    fail(op, -1, FailureKind::kPeerLost, timeout, "");
+  FailureKind kind = FailureKind::kNone;
+  std::string earlier;
+  {
+    // One lock for the common case, a healthy communicator (no string is copied then).
+    std::lock_guard<std::mutex> lock(mu_);
+    kind = failure_kind_;
+    if (kind == FailureKind::kNone && peer_failure_.empty() && !aborted_) return;
+    if (kind != FailureKind::kNone) earlier = failure_;
   }
-  throw_kind(failure_kind, where(op, -1) + ": communicator is unusable after an earlier failure (" +
-                               failure + "); reconnect under a new store generation");
+  if (kind == FailureKind::kNone) fail(op, -1, FailureKind::kPeerLost, timeout, "");
+  throw_kind(kind, where(op, -1) + ": communicator is unusable after an earlier failure (" +
+                       earlier + "); reconnect under a new store generation");
 }
 
 void CommState::close_connections() noexcept {
@@ -312,9 +339,21 @@ void CommState::fail(const char* op, int peer, FailureKind kind, std::chrono::mi
       break;
   }
   std::string message = where(op, peer) + " " + what + ": " + detail;
-  if (failure_kind == FailureKind::kNone) {
-    failure_kind = kind;
-    failure = message;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_kind_ == FailureKind::kNone) {
+      failure_kind_ = kind;
+      failure_ = message;
+      // Closing the connections below does not wake this rank's own waits on them (Gloo wakes
+      // waits when a pair fails, not when it is closed): the other threads' waits end here.
+      abort_waits();
+    } else {
+      // Another thread's call failed first (this one's symptom, say a wait that its closing of
+      // the connections ended, is usually the consequence): every thread reports that failure.
+      kind = failure_kind_;
+      message = where(op, peer) + " failed: the communicator had failed meanwhile (" + failure_ +
+                ")" + (detail.empty() || aborted ? "" : "; then: " + detail);
+    }
   }
   close_connections();
   throw_kind(kind, message);

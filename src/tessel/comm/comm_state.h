@@ -12,20 +12,29 @@
 //     depends on (that is why tessel runs its own ring/tree schedules on Gloo's unbound buffers
 //     instead of calling Gloo's collectives, whose internal waits cannot be reached);
 //   - the watchdog keeps one never-satisfied receive ("sentinel") posted on every pair, which
-//     Gloo does wake when the pair fails; it polls them, and when the peer of the current wait
-//     has failed and the wait is still blocked after a short grace period, it aborts the wait.
+//     Gloo does wake when the pair fails; it polls them, and when a peer a registered wait
+//     depends on has failed and the wait is still blocked after a short grace period, it aborts
+//     the wait.
 // The grace period lets a transfer that completed just before the peer went away (a peer that
 // finished the last collective and exited) be consumed normally instead of being aborted.
 // A peer loss never fails an operation that does not depend on that peer; it fails the next
 // operation at its start, and the failing rank closes its connections so the peers that were
 // waiting on it fail in turn.
 //
-// abort() (Communicator::abort, or the callback a StoreOptions::abort_signal runs on the thread
-// that fires it) is the one entry point used from a thread other than the user thread. It only
-// touches what mu_ guards (the verdict, the aborted flag, the current wait) and then closes the
-// connections, which Gloo serializes per pair; the user thread's own fields (failure_kind, failure,
-// next_tag, scratch) stay single-threaded. A wait registered after the abort throws at once, a wait
-// registered before it is aborted, so no wait blocks after abort.
+// Threads (communicator.h's contract): point-to-point calls and Request waits may run on several
+// threads at once, collectives never overlap anything else. So every field a wait or a failure
+// touches is shared: mu_ guards the verdict, the aborted flag, the recorded failure
+// (failure_kind_/failure_: the first one recorded wins, every later call on any thread rethrows its
+// kind) and the set of registered waits, one per waiting thread. The watchdog aborts each wait
+// that depends on a failed peer once the grace period is over; abort() (Communicator::abort, or
+// the callback a StoreOptions::abort_signal runs on the thread that fires it) aborts every
+// registered wait and then closes the connections, which Gloo serializes per pair; the first
+// failure fail() records does the same (closing a pair does not wake this rank's own waits on it,
+// so another thread's wait would otherwise sleep until its timeout). A wait registered after the
+// abort or failure throws at once, a wait registered before it is aborted, so no wait of any
+// thread blocks after either. Only the collectives' fields (next_tag, scratch) and `timeout`
+// (set_timeout) stay unguarded: the contract keeps collectives and set_timeout apart from every
+// other call.
 #pragma once
 
 #include <gloo/common/error.h>
@@ -78,12 +87,9 @@ struct CommState {
   uint32_t next_tag = 0;               // collectives issued so far (the same on every rank)
   std::vector<unsigned char> scratch;  // reduce-scatter receive segments
   // The shared-memory channels to the peers on this host (null: none); set once by connect
-  // through attach_shm, used by the user thread, aborted with the connections.
+  // through attach_shm (before any other thread can use the communicator), used by the calling
+  // threads, aborted with the connections.
   std::unique_ptr<ShmTransport> shm;
-
-  // Set by the user thread when a call fails; later calls rethrow this kind.
-  FailureKind failure_kind = FailureKind::kNone;
-  std::string failure;
 
   // True while Communicator::connect runs its final barrier: until everyone passed it, a peer's
   // I/O thread may not have taken in its end of every connection yet, and Gloo crashes that peer
@@ -103,6 +109,9 @@ struct CommState {
   // Installs the shared-memory transport (aborted at once when abort() already ran).
   void attach_shm(std::unique_ptr<ShmTransport> transport);
 
+  // The message of the first failure fail() recorded, empty while none was (any thread).
+  std::string recorded_failure();
+
   // "<op> on group '<name>' (rank r of n[, peer rank p])".
   std::string where(const char* op, int peer) const;
 
@@ -112,8 +121,9 @@ struct CommState {
 
   // Records the failure, closes every connection (not while mesh_settling) so peers blocked on
   // this rank fail fast, and throws the matching tessel error. Unless this rank timed out itself,
-  // a peer loss the watchdog saw takes precedence over the symptom the user thread met (an
-  // aborted wait, a closed pair).
+  // a peer loss the watchdog saw takes precedence over the symptom the calling thread met (an
+  // aborted wait, a closed pair). When another thread recorded a failure first, that one wins:
+  // this call throws its kind, naming it (the symptom seen here is usually its consequence).
   [[noreturn]] void fail(const char* op, int peer, FailureKind kind, std::chrono::milliseconds t,
                          const std::string& gloo_message);
 
@@ -137,21 +147,25 @@ struct CommState {
   std::string peer_failure();
 
   // Breaks the communicator on purpose, from any thread (see Communicator::abort): records the
-  // verdict unless there is one, aborts the user thread's current wait, makes every later wait
-  // throw at once, and closes every connection (not while mesh_settling: see settled()).
-  // Idempotent.
+  // verdict unless there is one, aborts every registered wait, makes every later wait throw at
+  // once, and closes every connection (not while mesh_settling: see settled()). Idempotent.
   void abort(const std::string& reason) noexcept;
 
  private:
+  // One thread's blocking wait, on that thread's stack while registered in waits_ (the fields
+  // are read, and stuck/stuck_since written, under mu_).
   struct Wait {
     gloo::transport::UnboundBuffer* buf = nullptr;
     bool is_recv = false;
-    std::vector<int> peers;
-    uint64_t seq = 0;
+    const int* peers = nullptr;  // the caller's ranks, valid while the wait is registered
+    size_t npeers = 0;
+    bool stuck = false;  // the watchdog saw it depending on a failed peer, first at stuck_since
+    Clock::time_point stuck_since;
   };
   int wait(gloo::transport::UnboundBuffer& buf, bool is_recv, const int* peers, size_t npeers,
            Clock::time_point deadline);
   void watchdog_loop();
+  void abort_waits();  // every registered wait; the caller holds mu_
   [[noreturn]] void throw_kind(FailureKind kind, const std::string& message) const;
   void close_connections() noexcept;
   std::string verdict(bool* from_abort);
@@ -167,10 +181,12 @@ struct CommState {
   std::string peer_failure_;
   bool verdict_is_abort_ = false;  // peer_failure_ came from abort()
   bool aborted_ = false;           // abort() ran: no wait may block any more
-  Wait wait_;                      // the user thread's current wait (buf null when none)
-  uint64_t next_seq_ = 1;
-  uint64_t stuck_seq_ = 0;  // the wait first seen depending on a failed peer, and when
-  Clock::time_point stuck_since_;
+  // The first failure a call met (fail()); later calls on every thread rethrow this kind.
+  FailureKind failure_kind_ = FailureKind::kNone;
+  std::string failure_;
+  // The waits blocked right now, one per waiting thread (storage reused: registering allocates
+  // only when more threads wait at once than ever before).
+  std::vector<Wait*> waits_;
 };
 
 FailureKind classify_gloo_message(const std::string& message);

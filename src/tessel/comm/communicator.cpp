@@ -493,7 +493,8 @@ std::chrono::milliseconds Communicator::timeout() const {
 }
 
 std::string Communicator::failure() const {
-  if (!state_->failure.empty()) return state_->failure;
+  std::string recorded = state_->recorded_failure();
+  if (!recorded.empty()) return recorded;
   return state_->peer_failure();
 }
 

@@ -4,9 +4,17 @@
 // Every member of a group calls connect() with the same store options, group name and size and
 // its own rank; after that the members call the same collectives in the same order with matching
 // sizes (nothing can check this cheaply: mismatched sizes across ranks corrupt data, time out, or
-// trip an assertion in Gloo's I/O thread that aborts the process). A Communicator is not
-// thread-safe: one thread at a time, Requests included; the one exception is abort(), which any
-// thread may call at any time.
+// trip an assertion in Gloo's I/O thread that aborts the process).
+//
+// Threads. Point-to-point calls (send, recv, Request::wait/~Request) may come from several threads
+// at once, provided the receives from one peer are posted and waited by one thread at a time.
+// Collectives must not overlap anything else on the communicator, and neither must set_timeout.
+// abort() may come from any thread at any time. A Request is used by one thread at a time (it may
+// be moved to another). The pipeline's pattern: one thread per neighbour receives from it, while
+// another thread sends to the neighbours and waits for its sends (also while receives run). A
+// failure on one thread breaks the communicator for all: the waits blocked on other threads end at
+// once with the same kind of error, and every thread's later calls throw the kind of the first
+// failure.
 //
 // Gloo provides the transport (TCP pairs, unbound buffers); the rendezvous that connects a group's
 // full mesh of pairs is tessel's (full_mesh.h: Gloo's protocol, but abortable), and the
@@ -102,7 +110,8 @@ struct CommState;
 
 // A pending point-to-point transfer. wait() must be called before the buffer is reused or freed;
 // destroying a Request that was not waited for waits for it (bounded by the communicator's
-// timeout) and, if that fails, breaks the communicator instead of throwing.
+// timeout) and, if that fails, breaks the communicator instead of throwing. One thread at a time
+// (see the threads paragraph at the top).
 class Request {
  public:
   Request(Request&&) noexcept;

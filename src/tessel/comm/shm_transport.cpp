@@ -334,6 +334,8 @@ void ShmTransport::release_send(int peer, uint64_t ticket) noexcept {
 
 uint64_t ShmTransport::post_recv(int peer, uint64_t slot, void* data, size_t bytes) {
   Incoming& in = *incoming_[size_t(peer)];
+  // Waits at most for one message another thread's send wait is pumping from this peer.
+  std::lock_guard<std::mutex> lock(in.mu);
   PostedRecv r{in.next_ticket++, slot, static_cast<std::byte*>(data), bytes, false};
   for (auto it = in.stash.begin(); it != in.stash.end(); ++it) {
     if (it->slot != slot) continue;
@@ -395,7 +397,12 @@ bool ShmTransport::pump_ready(Clock::time_point deadline) {
   bool any = false;
   for (size_t p = 0; p < incoming_.size(); ++p) {
     Incoming* in = incoming_[p].get();
-    if (in == nullptr || in->posted.empty() || in->ch->readable() < kHeaderBytes) continue;
+    if (in == nullptr) continue;
+    // Held by another thread: it is reading this channel (or posting to it), so the ring drains
+    // without this one, which must not wait behind a receive that may take long.
+    std::unique_lock<std::mutex> lock(in->mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    if (in->posted.empty() || in->ch->readable() < kHeaderBytes) continue;
     bool waiting = false;
     for (size_t i = 0; i < in->posted.size() && !waiting; ++i) waiting = !in->posted[i].done;
     if (!waiting) continue;
@@ -407,6 +414,8 @@ bool ShmTransport::pump_ready(Clock::time_point deadline) {
 
 void ShmTransport::wait_recv(int peer, uint64_t ticket, Clock::time_point deadline) {
   Incoming& in = *incoming_[size_t(peer)];
+  // Held while blocked in the channel: other threads' send waits skip this channel meanwhile.
+  std::lock_guard<std::mutex> lock(in.mu);
   for (;;) {
     while (!in.posted.empty() && in.posted.front().done) in.posted.pop_front();
     if (in.posted.empty() || in.posted.front().ticket > ticket) return;
@@ -419,6 +428,7 @@ void ShmTransport::recv_with(int peer, uint64_t slot, size_t bytes, size_t granu
                              Clock::time_point deadline,
                              FunctionRef<void(const std::byte*, size_t)> consume) {
   Incoming& in = *incoming_[size_t(peer)];
+  std::lock_guard<std::mutex> lock(in.mu);
   for (auto it = in.stash.begin(); it != in.stash.end(); ++it) {
     if (it->slot != slot) continue;
     TESSEL_CHECK(it->bytes.size() == bytes, InvalidArgumentError,

@@ -25,6 +25,15 @@
 // not deadlock on full rings. Steady state allocates nothing: the queues reuse their storage,
 // and nothing is stashed when receives are posted before the peer's messages arrive.
 //
+// Threads (communicator.h's contract): point-to-point calls may come from several threads at
+// once, the receives from one peer from one thread at a time; collectives from one thread with
+// nothing else running. Each incoming channel has a mutex held by whoever reads it or touches its
+// posted receives and stash: the thread posting or waiting for a receive from that peer, or a
+// thread waiting for a send, which pumps the channels with posted receives (pump_ready) but skips
+// a channel whose mutex another thread holds (that thread is reading it, so the ring drains, and
+// a send wait never blocks behind a receive wait). Each outgoing channel has its own mutex
+// (Outgoing::mu), so sends, send waits and the sender thread go on beside the receives.
+//
 // Failures: the channels' TimeoutError and PeerLostError (a dead peer is noticed from its pid
 // within ShmChannel::kLivenessSlice, an aborted one at once) propagate to the Communicator,
 // which breaks itself as for any failure; abort() (from CommState::abort / close_connections,
@@ -33,6 +42,7 @@
 // reads the caller's buffer.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -178,7 +188,8 @@ class ShmTransport {
     std::vector<std::byte> bytes;
   };
   struct Incoming {
-    std::unique_ptr<ShmChannel> ch;
+    std::unique_ptr<ShmChannel> ch;  // the reading side: under mu (abort() excepted)
+    std::mutex mu;                   // guards the reading side of ch and everything below
     ReusedQueue<PostedRecv> posted;  // by ticket; front: the oldest not yet known done
     uint64_t next_ticket = 0;
     std::deque<Stashed> stash;
@@ -194,10 +205,10 @@ class ShmTransport {
   void run_sender(Outgoing& out);
   void write_frame(ShmChannel& ch, const SendOp& op, Clock::time_point deadline);
   // Reads the next message from `in` and delivers it (the target, a posted receive, or the
-  // stash). Returns whether it was the target.
+  // stash). Returns whether it was the target. The caller holds in.mu.
   bool pump(int peer, Incoming& in, Clock::time_point deadline, CollectiveTarget* target);
-  // Pumps every incoming channel that has a message waiting and a receive posted. Returns
-  // whether it delivered anything.
+  // Pumps every incoming channel that has a message waiting and a receive posted, skipping those
+  // another thread holds. Returns whether it delivered anything.
   bool pump_ready(Clock::time_point deadline);
   std::string abort_reason();
 
@@ -208,7 +219,8 @@ class ShmTransport {
   bool reaches_all_ = false;
   std::vector<std::unique_ptr<Outgoing>> outgoing_;  // by peer rank; null: not on this host
   std::vector<std::unique_ptr<Incoming>> incoming_;
-  size_t posted_recvs_ = 0;  // receives posted and not yet known done, over every peer
+  // Receives posted and not yet known done, over every peer: a send wait pumps while any are.
+  std::atomic<size_t> posted_recvs_{0};
 
   std::mutex abort_mu_;  // guards abort_reason_
   std::string abort_reason_;

@@ -83,6 +83,7 @@ void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) 
   s.read("pp", p.pp);
   s.read("virtual_stages", p.virtual_stages);
   s.read("zero_stage", p.zero_stage);
+  s.read("memory_cap", p.memory_cap);
   s.read("layers_per_stage", p.layers_per_stage);
   std::string schedule = std::string(layout::schedule_name(p.schedule));
   s.read("schedule", schedule);
@@ -126,8 +127,9 @@ void read_parallel(YamlSection s, TrainConfig& c, const std::filesystem::path& b
     std::string file;
     s.read("plan_file", file);
     file = resolve(file, base);
-    for (const char* key : {"dp", "tp", "pp", "virtual_stages", "micro_batch", "schedule",
-                            "zero_stage", "layers_per_stage", "rank_order", "recompute"})
+    for (const char* key :
+         {"dp", "tp", "pp", "virtual_stages", "micro_batch", "schedule", "zero_stage",
+          "layers_per_stage", "rank_order", "recompute", "memory_cap"})
       TESSEL_CHECK(!s.has(key), ConfigError,
                    "{}: 'plan_file' gives the whole layout; remove '{}' or the plan file",
                    s.where(key), key);

@@ -23,17 +23,29 @@ std::string_view schedule_name(ScheduleKind s) {
       return "zb-h1";
     case ScheduleKind::zb_v:
       return "zb-v";
+    case ScheduleKind::adaptive:
+      return "adaptive";
   }
   return "?";
 }
 
 ScheduleKind parse_schedule(std::string_view name) {
-  for (auto s : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
-                 ScheduleKind::interleaved_one_f_one_b, ScheduleKind::zb_h1, ScheduleKind::zb_v}) {
+  for (auto s :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_one_f_one_b,
+        ScheduleKind::zb_h1, ScheduleKind::zb_v, ScheduleKind::adaptive}) {
     if (schedule_name(s) == name) return s;
   }
   TESSEL_THROW(ConfigError,
-               "unknown schedule '{}' (known: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v)", name);
+               "unknown schedule '{}' (known: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, "
+               "adaptive)",
+               name);
+}
+
+int Plan::dispatch_cap(int pp_rank) const {
+  if (memory_cap > 0) return memory_cap;
+  const int64_t v = virtual_stages, m = micro_batches, r = pp_rank;
+  if (v == 1) return int(std::max<int64_t>(1, std::min<int64_t>(m, pp - r)));
+  return int(std::max<int64_t>(1, std::min<int64_t>(v * m, 2 * (pp - r - 1) + (v - 1) * pp + 1)));
 }
 
 std::string_view rank_order_name(RankOrder o) {
@@ -254,13 +266,21 @@ void Plan::validate(const model::ModelConfig& config, int64_t global_batch, int 
         "within a rank yet; use schedule zb-h1 or 1f1b, or a model with tie_embeddings: "
         "false",
         name);
-  } else {
+  } else if (schedule != ScheduleKind::adaptive) {
     TESSEL_CHECK(virtual_stages == 1, ConfigError,
-                 "plan: virtual_stages is {} but only the interleaved-1f1b and zb-v schedules run "
-                 "more than one stage per pipeline rank; set virtual_stages to 1 or schedule to "
-                 "interleaved-1f1b",
+                 "plan: virtual_stages is {} but only the interleaved-1f1b, zb-v and adaptive "
+                 "schedules run more than one stage per pipeline rank; set virtual_stages to 1 or "
+                 "schedule to interleaved-1f1b",
                  virtual_stages);
   }
+  TESSEL_CHECK(memory_cap >= 0, ConfigError,
+               "plan: memory_cap {} is negative; give the micro-batches of activations a "
+               "pipeline rank may hold (>= 1), or 0 for 1F1B's budget",
+               memory_cap);
+  TESSEL_CHECK(memory_cap == 0 || schedule == ScheduleKind::adaptive, ConfigError,
+               "plan: memory_cap {} applies only to the adaptive schedule (the {} schedule's "
+               "lists fix what is held); remove it or set schedule: adaptive",
+               memory_cap, schedule_name(schedule));
 
   check_stage_count(config, pp, virtual_stages);
   check_layers_per_stage(with_defaults(config), config);
@@ -293,6 +313,7 @@ std::string Plan::describe() const {
                   micro_batch, micro_batches, schedule_name(schedule), zero_stage);
   if (recompute != model::Recompute::none)
     s += recompute == model::Recompute::full ? " recompute" : " recompute=selective";
+  if (memory_cap > 0) s += fmt::format(" cap={}", memory_cap);
   if (order != RankOrder::tp_dp_pp) s += fmt::format(" order={}", rank_order_name(order));
   if (layers_per_stage.size() > 1) s += fmt::format(" units={}", fmt::join(layers_per_stage, ","));
   return s;
@@ -311,6 +332,7 @@ nlohmann::json to_json(const Plan& p) {
       {"recompute", std::string(model::recompute_name(p.recompute))},
       {"layers_per_stage", p.layers_per_stage},
       {"rank_order", rank_order_name(p.order)},
+      {"memory_cap", p.memory_cap},
   };
 }
 
@@ -388,6 +410,8 @@ Plan plan_from_json(const nlohmann::json& doc) {
   for (size_t i = 0; i < lps.size(); ++i)
     p.layers_per_stage.push_back(to_int<int>(lps[i], fmt::format("layers_per_stage[{}]", i)));
   p.order = parse_stored(parse_rank_order, string_field(doc, "rank_order"));
+  // Absent from plans written before the adaptive schedule.
+  if (doc.contains("memory_cap")) p.memory_cap = int_field<int>(doc, "memory_cap");
   return p;
 }
 

@@ -36,10 +36,13 @@
 
 namespace tessel::layout {
 
-enum class ScheduleKind { gpipe, one_f_one_b, interleaved_one_f_one_b, zb_h1, zb_v };
-// "gpipe" / "1f1b" / "interleaved-1f1b" / "zb-h1" / "zb-v" (schedule/named.h). zb-v places its
-// two chunks per rank as a V (schedule/instruction.h): rank r holds virtual stages r and
-// 2 pp - 1 - r, so rank 0 holds the embedding and the head.
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved_one_f_one_b, zb_h1, zb_v, adaptive };
+// "gpipe" / "1f1b" / "interleaved-1f1b" / "zb-h1" / "zb-v" (schedule/named.h), or "adaptive".
+// zb-v places its two chunks per rank as a V (schedule/instruction.h): rank r holds virtual
+// stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the head. adaptive has no fixed
+// lists: every pipeline rank picks its next compute from what has arrived
+// (schedule/dispatcher.h), with split backward passes whose weight halves fill idle time, under
+// Plan::memory_cap; placed as interleaved (any virtual_stages).
 std::string_view schedule_name(ScheduleKind s);
 // Throws ConfigError listing the known names.
 ScheduleKind parse_schedule(std::string_view name);
@@ -72,6 +75,9 @@ struct Plan {
   // Activation recomputation (model/recompute.h): full re-runs each block's forward in its
   // backward, selective only the attention probabilities. The planner chooses none or full.
   model::Recompute recompute = model::Recompute::none;
+  // adaptive: micro-batches of activations a pipeline rank may hold at once (summed over its
+  // chunks); 0 means 1F1B's budget on that rank (dispatch_cap).
+  int memory_cap = 0;
   // Units (see above) per pipeline stage, num_stages() entries; empty means "the default split"
   // (with_defaults fills it in).
   std::vector<int> layers_per_stage;
@@ -93,8 +99,13 @@ struct Plan {
   bool v_shaped() const { return schedule == ScheduleKind::zb_v; }
   // Whether the schedule splits each backward into its input and weight gradients (zero-bubble).
   bool split_backward() const {
-    return schedule == ScheduleKind::zb_h1 || schedule == ScheduleKind::zb_v;
+    return schedule == ScheduleKind::zb_h1 || schedule == ScheduleKind::zb_v ||
+           schedule == ScheduleKind::adaptive;
   }
+  // The adaptive dispatcher's memory cap on pipeline rank `pp_rank`: memory_cap, or when 0 the
+  // most micro-batches 1F1B (interleaved 1F1B for virtual_stages > 1) holds there:
+  // min(m, pp - r), or min(v m, 2 (pp - r - 1) + (v - 1) pp + 1).
+  int dispatch_cap(int pp_rank) const;
   int pp_rank_of_stage(int stage) const {
     return v_shaped() && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
   }

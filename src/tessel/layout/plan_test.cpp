@@ -246,8 +246,9 @@ TEST(Plan, ScheduleConstraints) {
   Plan p = make_plan(1, 1, 2);
   p.micro_batches = 4;
   p.virtual_stages = 2;
-  EXPECT_THAT(config_error([&] { p.validate(c, 4, 2); }),
-              HasSubstr("virtual_stages is 2 but only the interleaved-1f1b and zb-v schedules"));
+  EXPECT_THAT(
+      config_error([&] { p.validate(c, 4, 2); }),
+      HasSubstr("virtual_stages is 2 but only the interleaved-1f1b, zb-v and adaptive schedules"));
 
   p.schedule = ScheduleKind::interleaved_one_f_one_b;
   p.virtual_stages = 1;
@@ -368,6 +369,34 @@ TEST(Plan, NamesAndDescription) {
   p.micro_batches = 2;
   p.zero_stage = 1;
   EXPECT_EQ(p.describe(), "dp=2 tp=2 pp=1 v=1 mb=4x2 1f1b zero1");
+}
+
+TEST(Plan, AdaptiveScheduleCapsMemoryAtOneFOneBsBudgetUnlessTold) {
+  Plan p;
+  p.pp = 4;
+  p.micro_batches = 8;
+  p.schedule = parse_schedule("adaptive");
+  EXPECT_EQ(p.schedule, ScheduleKind::adaptive);
+  EXPECT_TRUE(p.split_backward());
+  EXPECT_FALSE(p.v_shaped());
+  // 1F1B holds min(m, p - r) on rank r; interleaved 1F1B min(v m, 2 (p - r - 1) + (v - 1) p + 1).
+  EXPECT_EQ(p.dispatch_cap(0), 4);
+  EXPECT_EQ(p.dispatch_cap(3), 1);
+  p.micro_batches = 2;
+  EXPECT_EQ(p.dispatch_cap(0), 2);
+  p.micro_batches = 8;
+  p.virtual_stages = 2;
+  EXPECT_EQ(p.dispatch_cap(0), 11);
+  EXPECT_EQ(p.dispatch_cap(3), 5);
+  p.memory_cap = 3;
+  EXPECT_EQ(p.dispatch_cap(0), 3);
+  EXPECT_NE(p.describe().find("adaptive"), std::string::npos);
+  EXPECT_NE(p.describe().find("cap=3"), std::string::npos);
+  // The cap survives a plan file; plans written before it read as 0.
+  EXPECT_EQ(plan_from_json(to_json(p)), p);
+  nlohmann::json old = to_json(Plan{});
+  old.erase("memory_cap");
+  EXPECT_EQ(plan_from_json(old).memory_cap, 0);
 }
 
 }  // namespace

@@ -7,15 +7,34 @@
 // With tied embeddings and pp > 1 the rank holding the head keeps its own copy of the token
 // embedding (model/stage_range.h).
 //
-// Activations one micro-batch leaves stored in a transformer block between its forward and its
-// backward, in elements of the training precision (n = b*s tokens, h, F, a heads, t = tp; the
-// Korthikanti et al. 2022 count without dropout and without sequence parallelism):
-//   4*n*h                 norm inputs and the inputs of the qkv and fc GEMMs (replicated)
-//   n*(2h + 2*Dkv)/t      q, k, v and the attention output (Dkv: kv width per rank)
-//   a*s*n/t               softmax probabilities (dropped with flash_attention)
-//   2*n*F/t (gelu) or 3*n*F/t (swiglu)   MLP hidden activations
-// With recompute only the block's input is kept: n*h elements. The head keeps its two norm inputs
-// (2*n*h) and fp32 logits (4 bytes * n*V/t); the embedding the token ids.
+// Activations: exactly the storage model::Transformer allocates (model/transformer.h, "Memory"),
+// in elements of the training precision except the head's logits, losses and loss statistics,
+// which stay fp32. A pipeline stage (one Transformer: units [begin, end)) holds, with n = b*s
+// tokens, h, D (head dim), and per tp rank Hq, Hkv (kv heads split, or one replicated), F, Vp:
+//   per block and slot  O = n*h (output), A = n*(3h + (Hq + 2Hkv)*D + Hq*D + 2F + 4) (gpt2) or
+//                       n*(3h + (Hq + 2Hkv)*D + Hq*D + 3F + 2) (llama), P = b*Hq*s^2 (probs;
+//                       none with flash_attention), of which X = n*(2h + Hq*D + F) are the
+//                       inputs of the block's linears:
+//                         none: O + A + P;  selective: O + A;  full: O
+//   once per stage      what recomputation refills: selective P; full A + P (A - X + P with
+//                       split backward)
+//   per slot            the stage input x0 (n*h); on the head stage the final norm (n*h + 2n
+//                       gpt2, n*h + n llama), logits n*Vp, losses n, with tp > 1 the loss
+//                       statistics 3n
+//   split backward      per block and slot G = n*(2h + (Hq + 2Hkv)*D + F) + 4h (gpt2 with biases;
+//                       2h without) or n*(2h + (Hq + 2Hkv)*D + 2F) + 2h (llama), and under full
+//                       recomputation X; per slot d(x0) n*h on the first stage and the final
+//                       norm's weight gradients (2h, or h) on the head stage
+//   scratch (once)      proj, dres, dln 3*n*h; with blocks d(attention output) n*Hq*D, and
+//                       without split backward dqkv n*(Hq + 2Hkv)*D and the MLP gradients 2*n*F
+//                       (gpt2) or 3*n*F (llama), with it d(activation) n*F only; 2*n_kv_head*D*h
+//                       to reduce replicated kv heads' gradients
+// The model rounds each buffer up to 64 bytes, so its activation_bytes() exceeds this figure (in
+// fp32) by at most 60 bytes per buffer, 0 when every buffer is a multiple of 16 floats. It also
+// holds int32 token ids per slot and the targets once (outside activation_bytes()).
+// A plan's activation bytes on a pipeline rank are, summed over its chunks, the micro-batches in
+// flight times the per-slot bytes (token ids included); the once-per-stage bytes (recomputed
+// buffers, scratch, targets) are its workspace.
 //
 // Micro-batches alive at a pipeline rank's peak (rank r of p, m micro-batches):
 //   gpipe             m
@@ -23,9 +42,8 @@
 //   interleaved-1f1b  min(v*m, 2*(p - r - 1) + (v - 1)*p + 1) chunk forwards, issued p at a time
 //                     per chunk (Megatron-LM's warm-up), so rank 0 holds about
 //                     (1 + (p - 1)/(p*v)) times the 1f1b amount.
-// Workspace: the largest unit's full activations for one micro-batch (their gradients during its
-// backward), twice that with recompute (the re-materialised activations as well). The device's
-// reserved bytes (runtime context, communication buffers) are subtracted from its capacity.
+// The device's reserved bytes (runtime context, communication buffers) are subtracted from its
+// capacity.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +53,7 @@
 
 #include "tessel/layout/plan.h"
 #include "tessel/model/model_config.h"
+#include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
 
 namespace tessel::planner {
@@ -50,15 +69,41 @@ struct MemoryOptions {
 // ModelConfig::num_params().
 int64_t unit_params(const model::ModelConfig& m, int unit, int tp);
 
-// Bytes one micro-batch leaves stored in unit u between its forward and its backward.
+// A pipeline stage's activation memory (see above), in bytes.
+struct StageActivation {
+  double per_slot = 0;    // what one micro-batch keeps from its forward to its backward
+  double recomputed = 0;  // once: the buffers recomputation refills, shared by blocks and slots
+  double scratch = 0;     // once: the backward's gradient scratch
+  double token_ids = 0;   // int32 ids: per slot, and once more for the targets
+  // model::Transformer::activation_bytes() of the stage built with `slots` activation slots (up
+  // to its 64-byte rounding; fp32).
+  double model_bytes(int64_t slots) const {
+    return double(slots) * per_slot + recomputed + scratch;
+  }
+  // What the stage holds once, whatever its slots: the workspace of estimate_memory.
+  double workspace() const { return recomputed + scratch + token_ids; }
+};
+
+// The activation memory of the stage made of units [unit_begin, unit_end) (0 embedding,
+// 1..n_layer blocks, n_layer + 1 head), one tp rank's share, for micro-batches of micro_batch
+// sequences of seq tokens. Throws InvalidArgumentError for an empty or out-of-range unit range.
+StageActivation stage_activation_bytes(const model::ModelConfig& m, int unit_begin, int unit_end,
+                                       int64_t micro_batch, int seq, int tp, Precision precision,
+                                       model::Recompute recompute, bool split_backward,
+                                       const MemoryOptions& options = {});
+
+// Unit u's share of a stage's per-slot bytes: a block's kept activations (and its split-backward
+// gradients), the head's final norm, logits and losses, the embedding's d(x0) under split
+// backward (else 0). A stage's per_slot is the sum over its units plus its input x0 (n*h).
 double unit_activation_bytes(const model::ModelConfig& m, int unit, int64_t micro_batch, int seq,
-                             int tp, Precision precision, bool recompute,
-                             const MemoryOptions& options = {});
+                             int tp, Precision precision, model::Recompute recompute,
+                             bool split_backward = false, const MemoryOptions& options = {});
 
 // Micro-batches whose activations pipeline rank `rank` holds at its peak, per chunk (v entries;
-// see above). Throws InvalidArgumentError for a rank outside [0, pp).
+// see above). `memory_cap` is the adaptive schedule's cap on that rank (layout::Plan::dispatch_cap;
+// ignored by the others). Throws InvalidArgumentError for a rank outside [0, pp).
 std::vector<int64_t> in_flight_micro_batches(layout::ScheduleKind schedule, int pp, int v,
-                                             int64_t micro_batches, int rank);
+                                             int64_t micro_batches, int rank, int memory_cap = 1);
 
 struct RankMemory {
   int pipeline_rank = 0;

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <functional>
 #include <queue>
+#include <stdexcept>
 
 #include "tessel/core/check.h"
+#include "tessel/schedule/dispatcher.h"
 
 namespace tessel::planner {
 namespace {
@@ -57,6 +59,11 @@ void check_config(const char* what, int p, int v, const SimConfig& c) {
                  "{}: slowdown factors must be finite and > 0, got {}", what, x);
   TESSEL_CHECK(c.jitter >= 0 && c.jitter < 1, ConfigError, "{}: jitter must be in [0, 1), got {}",
                what, c.jitter);
+  TESSEL_CHECK(c.stage_jitter.empty() || c.stage_jitter.size() == size_t(p), ConfigError,
+               "{}: stage_jitter has {} entries, needs none or one per stage ({})", what,
+               c.stage_jitter.size(), p);
+  for (double x : c.stage_jitter)
+    TESSEL_CHECK(x >= 0 && x < 1, ConfigError, "{}: jitter must be in [0, 1), got {}", what, x);
   TESSEL_CHECK(c.links.empty() || c.links.size() == size_t(p) * size_t(p), ConfigError,
                "{}: links has {} entries, needs none or stages * stages ({})", what, c.links.size(),
                size_t(p) * size_t(p));
@@ -121,11 +128,12 @@ class Model {
                                         : s.backward_weight;
     }
     if (!c_.slowdown.empty()) base *= c_.slowdown[size_t(stage)];
-    if (c_.jitter > 0) {
+    const double jitter = c_.stage_jitter.empty() ? c_.jitter : c_.stage_jitter[size_t(stage)];
+    if (jitter > 0) {
       uint64_t h = mix(c_.seed);
       for (int k : {stage, int(op), mb, chunk}) h = mix(h ^ uint64_t(uint32_t(k)));
       double u = double(h >> 11) * 0x1.0p-53;  // [0, 1)
-      base *= 1.0 + c_.jitter * (2.0 * u - 1.0);
+      base *= 1.0 + jitter * (2.0 * u - 1.0);
     }
     return base;
   }
@@ -334,17 +342,25 @@ class ListRun {
 
 // ---- Greedy dispatcher ---------------------------------------------------------------------
 
+// The event loop around one schedule::StageDispatcher per stage: the dispatchers choose, this
+// class times the choices, carries the data between virtual stages and accounts the memory.
 class GreedyRun {
  public:
   GreedyRun(const GreedyOptions& o, const SimConfig& config)
       : o_(o), model_("simulate_greedy", "greedy", o.stages, o.micro_batches, o.chunks, config) {
     const size_t p = size_t(o.stages);
-    stages_.resize(p);
-    total_ = o.micro_batches * o.chunks * (o.split_backward ? 3 : 2);
-    // Virtual stage 0 reads the batch: every micro-batch's first forward is ready at once.
-    for (int mb = 0; mb < o.micro_batches; ++mb) stages_[0].forward.push(forward_key(mb, 0));
+    stages_.reserve(p);
+    for (int s = 0; s < o.stages; ++s) {
+      schedule::DispatchOptions d{.chunks = o.chunks,
+                                  .micro_batches = o.micro_batches,
+                                  .memory_cap = cap(s),
+                                  .split_backward = o.split_backward};
+      if (model_.rank(0) == s) d.first_chunk = model_.chunk(0);
+      if (model_.rank(model_.last()) == s) d.last_chunk = model_.chunk(model_.last());
+      stages_.push_back({schedule::StageDispatcher(d)});
+    }
     if (model_.recording()) order_.resize(p);
-    for (int s = 0; s < o.stages; ++s) model_.reserve_timeline(s, size_t(total_) + 1);
+    for (int s = 0; s < o.stages; ++s) model_.reserve_timeline(s, size_t(total()) + 1);
   }
 
   SimResult run() {
@@ -367,7 +383,7 @@ class GreedyRun {
       std::sort(dirty.begin(), dirty.end());
       dirty.erase(std::unique(dirty.begin(), dirty.end()), dirty.end());
     }
-    report_stall();
+    check_finished();
     SimResult& r = model_.result();
     if (model_.recording()) r.executed = executed();
     return std::move(r);
@@ -380,125 +396,98 @@ class GreedyRun {
     uint64_t seq;  // ties run in the order they were posted
     int stage;
     Kind kind;
-    int key;
+    int mb, chunk;  // of the data that arrived (kDone: the stage's running compute)
   };
   struct Later {
     bool operator()(const Event& a, const Event& b) const {
       return a.time != b.time ? a.time > b.time : a.seq > b.seq;
     }
   };
-  using MinHeap = std::priority_queue<int, std::vector<int>, std::greater<int>>;
-  struct Task {
-    Op op;
-    int mb, chunk;
-  };
   struct StageState {
-    MinHeap forward, backward, weight;  // ready work, by key
+    schedule::StageDispatcher dispatcher;
     bool busy = false;
-    Task running{};
-    int started = 0;
+    Instruction running{};
     bool stepped = false;
   };
-
-  // Forwards by (micro_batch, chunk); backwards by micro_batch, then the later chunk first.
-  int forward_key(int mb, int chunk) const { return mb * o_.chunks + chunk; }
-  int backward_key(int mb, int chunk) const { return mb * o_.chunks + (o_.chunks - 1 - chunk); }
-  Task forward_task(int key) const { return {Op::forward, key / o_.chunks, key % o_.chunks}; }
-  Task backward_task(int key, Op op) const {
-    return {op, key / o_.chunks, o_.chunks - 1 - key % o_.chunks};
-  }
 
   int cap(int stage) const {
     return o_.stage_memory_caps.empty() ? o_.memory_cap : o_.stage_memory_caps[size_t(stage)];
   }
+  int total() const { return stages_.empty() ? 0 : stages_[0].dispatcher.computes_total(); }
 
-  void post(double time, int stage, Kind kind, int key) {
-    events_.push({time, seq_++, stage, kind, key});
+  void post(double time, int stage, Kind kind, int mb = -1, int chunk = -1) {
+    events_.push({time, seq_++, stage, kind, mb, chunk});
   }
 
   void dispatch(int stage, double now) {
     StageState& st = stages_[size_t(stage)];
     if (st.busy || st.stepped) return;
-    Task t;
-    Op bwd = o_.split_backward ? Op::backward_input : Op::backward;
-    if (!st.backward.empty()) {
-      t = backward_task(st.backward.top(), bwd);
-      st.backward.pop();
-    } else if (!st.forward.empty() && model_.in_flight(stage) + 1 <= cap(stage)) {
-      t = forward_task(st.forward.top());
-      st.forward.pop();
-      model_.hold(stage, t.chunk);
-    } else if (!st.weight.empty()) {
-      t = backward_task(st.weight.top(), Op::backward_weight);
-      st.weight.pop();
-    } else if (st.started == total_) {
+    Instruction t;
+    if (st.dispatcher.done()) {
       st.stepped = true;
-      t = {Op::optimizer_step, -1, -1};
+      t = {Op::optimizer_step, -1, -1, -1};
+    } else if (auto next = st.dispatcher.next()) {
+      t = *next;
+      if (t.op == Op::forward) model_.hold(stage, t.chunk);
+      if (model_.recording()) order_[size_t(stage)].push_back(t);
     } else {
-      return;  // waits for data or for memory
+      return;  // waits for data
     }
-    if (t.op != Op::optimizer_step) ++st.started;
-    double end = now + model_.duration(stage, t.op, t.mb, t.chunk);
-    model_.compute(stage, t.op, t.mb, t.chunk, now, end);
-    if (model_.recording() && t.op != Op::optimizer_step)
-      order_[size_t(stage)].push_back({t.op, t.mb, t.chunk, -1});
+    double end = now + model_.duration(stage, t.op, t.micro_batch, t.chunk);
+    model_.compute(stage, t.op, t.micro_batch, t.chunk, now, end);
     st.busy = true;
     st.running = t;
-    post(end, stage, kDone, 0);
+    post(end, stage, kDone);
   }
 
   void apply(const Event& e, double now) {
     StageState& st = stages_[size_t(e.stage)];
     if (e.kind == kForwardReady) {
-      st.forward.push(e.key);
+      st.dispatcher.forward_ready(e.mb, e.chunk);
       return;
     }
     if (e.kind == kBackwardReady) {
-      st.backward.push(e.key);
+      st.dispatcher.backward_ready(e.mb, e.chunk);
       return;
     }
     st.busy = false;
-    const Task t = st.running;
+    const Instruction t = st.running;
     if (t.op == Op::optimizer_step) return;
+    st.dispatcher.finished(t);
     const int vs = model_.vs(e.stage, t.chunk);
     if (t.op == Op::forward) {
-      if (vs == model_.last()) {
-        st.backward.push(backward_key(t.mb, t.chunk));
-      } else {
-        int to = model_.rank(vs + 1), chunk = model_.chunk(vs + 1);
+      if (vs < model_.last()) {  // the last one's backward is ready in its own dispatcher
+        int to = model_.rank(vs + 1);
         double at = model_.remote_next(vs) ? model_.arrival(e.stage, to, vs, now) : now;
-        post(at, to, kForwardReady, forward_key(t.mb, chunk));
+        post(at, to, kForwardReady, t.micro_batch, model_.chunk(vs + 1));
       }
     } else if (t.op == Op::backward || t.op == Op::backward_input) {
       if (vs > 0) {
-        int to = model_.rank(vs - 1), chunk = model_.chunk(vs - 1);
+        int to = model_.rank(vs - 1);
         double at = model_.remote_prev(vs) ? model_.arrival(e.stage, to, vs - 1, now) : now;
-        post(at, to, kBackwardReady, backward_key(t.mb, chunk));
+        post(at, to, kBackwardReady, t.micro_batch, model_.chunk(vs - 1));
       }
-      if (t.op == Op::backward)
-        model_.release(e.stage, t.chunk);
-      else
-        st.weight.push(backward_key(t.mb, t.chunk));
+      if (t.op == Op::backward) model_.release(e.stage, t.chunk);
     } else {
       model_.release(e.stage, t.chunk);
     }
   }
 
-  void report_stall() const {
+  // The dispatcher's rule always progresses (schedule/dispatcher.h), so a stage left waiting is
+  // a bug here or there, not a cap too small.
+  void check_finished() const {
     std::string stalled;
     for (int s = 0; s < o_.stages; ++s) {
       const StageState& st = stages_[size_t(s)];
       if (st.stepped) continue;
-      stalled += fmt::format(
-          "{}stage {} ({} of {} computes run, {} activations held of cap {}, {} forwards ready)",
-          stalled.empty() ? "" : "; ", s, st.started, total_, model_.in_flight(s), cap(s),
-          st.forward.size());
+      stalled +=
+          fmt::format("{}stage {} ({})", stalled.empty() ? "" : "; ", s, st.dispatcher.describe());
     }
-    TESSEL_CHECK(stalled.empty(), InvalidArgumentError,
-                 "simulate_greedy: the memory cap is too small for {} stages x {} chunks, the "
-                 "dispatcher stalls with every stage waiting: {}. Raise the cap (at least {} "
-                 "lets one micro-batch through every chunk)",
-                 o_.stages, o_.chunks, stalled, o_.chunks);
+    if (!stalled.empty())
+      throw std::logic_error(fmt::format(
+          "simulate_greedy: the dispatcher stalled with every stage waiting ({} stages x {} "
+          "chunks x {} micro-batches): {}; its rule cannot stall, so this is a bug",
+          o_.stages, o_.chunks, o_.micro_batches, stalled));
   }
 
   // The order each stage ran, with receives and sends around the computes (generators' rule).
@@ -533,7 +522,6 @@ class GreedyRun {
   std::vector<StageState> stages_;
   std::priority_queue<Event, std::vector<Event>, Later> events_;
   uint64_t seq_ = 0;
-  int total_ = 0;  // computes per stage
   std::vector<std::vector<Instruction>> order_;
 };
 

@@ -62,6 +62,8 @@ struct SimConfig {
   // Each compute and optimizer step is multiplied by 1 + jitter * u, u uniform in [-1, 1).
   // jitter in [0, 1); 0 disables it.
   double jitter = 0;
+  // Per stage (size stages) instead of `jitter`, or empty.
+  std::vector<double> stage_jitter = {};
   uint64_t seed = 0;
   // Off skips the timeline (and the greedy dispatcher's `executed` schedule): for plan searches
   // that need only the numbers.
@@ -109,12 +111,15 @@ struct SimResult {
 // whose send never runs (deadlock).
 SimResult simulate(const schedule::Schedule& schedule, const SimConfig& config);
 
-// The greedy dispatcher: no fixed lists. Whenever a stage is idle it starts the ready backward
-// (B, or Bi when split) with the lowest micro-batch (for equal micro-batches the later chunk),
-// else the ready forward with the lowest (micro_batch, chunk) whose start keeps the stage's
-// in-flight activations <= memory_cap, else (split only) the ready Bw with the lowest
-// micro-batch. Events at the same time are all applied before any stage picks. After its last
-// compute a stage runs its optimizer step.
+// The greedy dispatcher: no fixed lists. Each stage's choices come from a
+// schedule::StageDispatcher (schedule/dispatcher.h, the rule the runtime's adaptive executor
+// runs too): whenever a stage is idle it starts the ready backward (B, or Bi when split) with
+// the lowest micro-batch (for equal micro-batches the later chunk), else the ready forward with
+// the lowest (micro_batch, chunk) whose start keeps the stage's in-flight activations <=
+// memory_cap -- or that belongs to the oldest micro-batch holding activations there, which
+// keeps the pipeline moving --, else (split only) the oldest pending Bw. Events at the same time
+// are all applied before any stage picks. After its last compute a stage runs its optimizer
+// step.
 //
 // How it compares with 1F1B's fixed order (simulator_test.cpp checks each): with equal stages
 // and caps p - s it runs exactly 1F1B's timeline, and with cap p 1F1B's makespan. With a slow
@@ -126,18 +131,17 @@ struct GreedyOptions {
   int stages = 1;
   int micro_batches = 1;
   int chunks = 1;
-  int memory_cap = 1;  // max activations in flight per stage, >= 1
+  int memory_cap = 1;  // activations in flight per stage, >= 1 (the bound is below)
   // Per-stage caps (size stages, each >= 1) instead of memory_cap when not empty; e.g. p - s
   // gives every stage 1F1B's activation budget.
   std::vector<int> stage_memory_caps = {};
   bool split_backward = false;  // Bi then Bw instead of B
 };
 
-// Throws ConfigError for sizes or a cap below 1 and for a config that does not fit, and
-// InvalidArgumentError naming the stalled stages when the cap is too small to finish. With one
-// chunk any cap finishes; with chunks > 1 a stage can fill its cap with chunk-0 forwards of new
-// micro-batches whose later chunks then find no room (with jittered durations this happens even
-// at cap = stages * chunks once chunks >= 3).
+// Throws ConfigError for sizes or a cap below 1 and for a config that does not fit. Any cap
+// finishes: with one chunk a stage never holds more than its cap; with v chunks at most
+// cap + v - 1 (the oldest micro-batch's later chunks are admitted above the cap, so that a stage
+// full of newer chunk-0 forwards cannot block them).
 SimResult simulate_greedy(const GreedyOptions& options, const SimConfig& config);
 
 }  // namespace tessel::planner

@@ -145,10 +145,10 @@ std::vector<StageCosts> stage_costs(const SimulateRequest& rq, const layout::Pla
       c.backward += t.backward() + rc;
       c.backward_input += t.backward_input + rc;
       c.backward_weight += t.backward_weight;
-      c.activation_bytes +=
-          unit_activation_bytes(model, u, b, rq.seq, plan.tp, rq.precision,
-                                plan.recompute == model::Recompute::full && block);
     }
+    c.activation_bytes = stage_activation_bytes(model, begin, end, b, rq.seq, plan.tp, rq.precision,
+                                                plan.recompute, plan.split_backward())
+                             .per_slot;
     c.output_bytes = boundary_bytes;
     costs.push_back(c);
   }
@@ -167,6 +167,12 @@ SimConfig sim_config(const SimulateRequest& rq, const layout::Plan& plan, const 
     sc.slowdown = rq.slowdown;
   }
   sc.jitter = rq.jitter;
+  if (!rq.stage_jitter.empty()) {
+    TESSEL_CHECK(int(rq.stage_jitter.size()) == plan.pp, ConfigError,
+                 "simulate: {} jitter values for {} pipeline ranks", rq.stage_jitter.size(),
+                 plan.pp);
+    sc.stage_jitter = rq.stage_jitter;
+  }
   sc.seed = rq.seed;
   return sc;
 }
@@ -183,20 +189,25 @@ PipelineSchedule pipeline_schedule(const std::string& kind, const SimulateReques
                                    const layout::Plan& plan) {
   const int pp = plan.pp, v = plan.virtual_stages, m = int(plan.micro_batches);
   PipelineSchedule ps;
-  if (kind != "greedy") {
+  if (kind != "greedy" && kind != "adaptive") {
     TESSEL_CHECK(schedule::is_schedule_name(kind), ConfigError,
-                 "simulate: unknown schedule '{}' (known: {}, greedy)", kind,
+                 "simulate: unknown schedule '{}' (known: {}, adaptive, greedy)", kind,
                  fmt::join(schedule::schedule_names(), ", "));
     ps.lists = schedule::make_schedule(kind, pp, m, v);
     ps.analytic_bubble = schedule::analytic_bubble(kind, pp, m, v);
     return ps;
   }
+  // "adaptive" is the runtime's dispatcher (split backward, the plan's caps); "greedy" the same
+  // rule with whole backward passes.
   ps.greedy = true;
   ps.dispatcher.stages = pp;
   ps.dispatcher.micro_batches = m;
   ps.dispatcher.chunks = v;
+  ps.dispatcher.split_backward = kind == "adaptive";
   if (rq.memory_cap > 0) {
     ps.dispatcher.memory_cap = rq.memory_cap;
+  } else if (kind == "adaptive") {
+    for (int s = 0; s < pp; ++s) ps.dispatcher.stage_memory_caps.push_back(plan.dispatch_cap(s));
   } else {
     for (int s = 0; s < pp; ++s)
       ps.dispatcher.stage_memory_caps.push_back(v == 1 ? pp - s

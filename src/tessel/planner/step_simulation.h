@@ -62,7 +62,8 @@ struct SimulateRequest {
   int memory_cap = 0;  // greedy: activations in flight per stage; 0: p - s on stage s
   double jitter = 0;
   uint64_t seed = 0;
-  std::vector<double> slowdown;  // per pipeline rank, empty for none
+  std::vector<double> slowdown;      // per pipeline rank, empty for none
+  std::vector<double> stage_jitter;  // per pipeline rank, empty: `jitter` everywhere
   double dp_overlap = CostOptions{}.dp_overlap;
   // The runtime's data-parallel gradient buckets (parallel.bucket_mb); 0: one all-reduce per
   // chunk, all of it but the chunk's first unit hideable.

@@ -125,7 +125,7 @@ TEST(SimulateStep, RejectsWhatItCannotSimulate) {
   SimulateRequest rq = request(2, 1, 4, {4, 4}, layout::ScheduleKind::one_f_one_b);
   rq.schedule = "pipedream";
   EXPECT_THAT(error_of(rq), HasSubstr("simulate: unknown schedule 'pipedream' (known: gpipe, "
-                                      "1f1b, interleaved-1f1b, zb-h1, zb-v, greedy)"));
+                                      "1f1b, interleaved-1f1b, zb-h1, zb-v, adaptive, greedy)"));
   SimulateRequest chunks =
       request(3, 2, 6, {2, 1, 1, 1, 1, 2}, layout::ScheduleKind::interleaved_one_f_one_b);
   for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {

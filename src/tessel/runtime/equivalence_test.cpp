@@ -1,7 +1,7 @@
 // The equivalence matrix of 3D-parallel training: for both model families, every (dp, tp, pp)
 // layout of the acceptance list, with ZeRO-1 on and off where there is data parallelism and with
 // each pipeline schedule where there is pipeline parallelism (zero-bubble ones included: ZB-H1,
-// and ZB-V for the untied model), 6 steps on real worker processes
+// and ZB-V for the untied model, and the adaptive dispatcher), 6 steps on real worker processes
 // (`tessel train CONFIG --nproc N`; plus dp 3 x pp 2 with ZeRO-1 on 6):
 //   * every step equals one single-process step from the state the run saved before it: the
 //     logged loss, the parameters and the Adam moments, within bounds derived from the float32
@@ -108,7 +108,7 @@ std::vector<Case> all_cases() {
                .pp = p.pp,
                .micro_batch = mb,
                .zero_stage = z};
-        for (std::string s : {"gpipe", "1f1b", "zb-h1"}) {
+        for (std::string s : {"gpipe", "1f1b", "zb-h1", "adaptive"}) {
           c.schedule = s;
           out.push_back(c);
         }

@@ -1,10 +1,14 @@
 #include "tessel/runtime/pipeline_executor.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
+#include "tessel/schedule/dispatcher.h"
 #include "tessel/schedule/named.h"
 
 namespace tessel::runtime {
@@ -18,7 +22,65 @@ uint32_t message_tag(int micro_batch, int sender_vs, int num_vs, Kind kind) {
   return ((uint32_t(micro_batch) * uint32_t(num_vs) + uint32_t(sender_vs)) << 1) | uint32_t(kind);
 }
 
+// The adaptive schedule's messages: the sender's running count to that peer, in a tag range the
+// lists' tags (bounded by 2 M p v) never reach.
+uint32_t sequence_tag(uint32_t k) {
+  return 0x40000000u | k;
+}
+
+double parse_number(std::string_view field, std::string_view value, std::string_view spec) {
+  double x = 0;
+  const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
+  TESSEL_CHECK(ec == std::errc() && end == value.data() + value.size(), ConfigError,
+               "TESSEL_PIPELINE_DELAY '{}': {} '{}' is not a number", spec, field, value);
+  return x;
+}
+
 }  // namespace
+
+DelayInjection DelayInjection::parse(std::string_view spec) {
+  DelayInjection d;
+  size_t at = 0;
+  while (at < spec.size()) {
+    size_t comma = spec.find(',', at);
+    if (comma == std::string_view::npos) comma = spec.size();
+    const std::string_view item = spec.substr(at, comma - at);
+    at = comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    TESSEL_CHECK(eq != std::string_view::npos, ConfigError,
+                 "TESSEL_PIPELINE_DELAY '{}': '{}' is not key=value (keys: stage, slowdown, "
+                 "jitter, seed)",
+                 spec, item);
+    const std::string_view key = item.substr(0, eq), value = item.substr(eq + 1);
+    const double x = parse_number(key, value, spec);
+    if (key == "stage") {
+      TESSEL_CHECK(x == double(int(x)) && x >= -1, ConfigError,
+                   "TESSEL_PIPELINE_DELAY '{}': stage must be a pipeline rank or -1", spec);
+      d.stage = int(x);
+    } else if (key == "slowdown") {
+      d.slowdown = x;
+    } else if (key == "jitter") {
+      TESSEL_CHECK(x >= 0 && x < 1, ConfigError,
+                   "TESSEL_PIPELINE_DELAY '{}': jitter {} must be in [0, 1)", spec, x);
+      d.jitter = x;
+    } else if (key == "seed") {
+      TESSEL_CHECK(x >= 0 && x == double(uint64_t(x)), ConfigError,
+                   "TESSEL_PIPELINE_DELAY '{}': seed must be a non-negative integer", spec);
+      d.seed = uint64_t(x);
+    } else {
+      TESSEL_THROW(ConfigError,
+                   "TESSEL_PIPELINE_DELAY '{}': unknown key '{}' (keys: stage, slowdown, jitter, "
+                   "seed)",
+                   spec, key);
+    }
+  }
+  TESSEL_CHECK(std::isfinite(d.slowdown) && d.slowdown * (1 - d.jitter) >= 1, ConfigError,
+               "TESSEL_PIPELINE_DELAY '{}': slowdown x (1 - jitter) = {} must be >= 1 (a delay "
+               "can only add time); raise slowdown to at least 1 / (1 - jitter)",
+               spec, d.slowdown * (1 - d.jitter));
+  return d;
+}
 
 std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
   const schedule::Schedule s = schedule::make_schedule(
@@ -39,10 +101,20 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
   return peak;
 }
 
+std::vector<int> activation_slots(const layout::Plan& plan, int pp) {
+  if (plan.schedule != layout::ScheduleKind::adaptive)
+    return activation_peaks(pipeline_program(plan, pp), plan.virtual_stages);
+  const int64_t held = int64_t(plan.dispatch_cap(pp)) + plan.virtual_stages - 1;
+  return std::vector<int>(size_t(plan.virtual_stages),
+                          int(std::min<int64_t>(plan.micro_batches, held)));
+}
+
 PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq_len,
                                    int64_t hidden)
-    : program_(pipeline_program(plan, pp)),
-      slots_(activation_peaks(program_, plan.virtual_stages)),
+    : program_(plan.schedule == layout::ScheduleKind::adaptive
+                   ? std::vector<schedule::Instruction>{}
+                   : pipeline_program(plan, pp)),
+      slots_(runtime::activation_slots(plan, pp)),
       num_vs_(plan.num_stages()),
       B_(plan.micro_batch),
       T_(seq_len),
@@ -55,12 +127,66 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
   }
   act_in_.assign(size_t(plan.virtual_stages * M_), std::vector<float>(size_t(B_ * T_ * C_)));
   grad_in_.assign(act_in_.size(), std::vector<float>(size_t(B_ * T_ * C_)));
+  for (size_t i = 0; i < act_in_.size(); ++i) {
+    act_src_.push_back(act_in_[i].data());
+    grad_src_.push_back(grad_in_[i].data());
+  }
+  adaptive_ = plan.schedule == layout::ScheduleKind::adaptive;
+  if (!adaptive_) return;
+  cap_ = plan.dispatch_cap(pp);
+  // One arrival per distinct neighbouring rank, expecting M messages per chunk edge it feeds.
+  const size_t boundary = size_t(B_ * T_ * C_);
+  auto expect = [&](int peer) {
+    if (peer == pp_) return;  // a neighbouring virtual stage on this rank: passed by copy
+    auto it = std::find_if(arrivals_.begin(), arrivals_.end(),
+                           [&](const Arrival& a) { return a.peer == peer; });
+    if (it == arrivals_.end()) {
+      arrivals_.emplace_back();
+      it = std::prev(arrivals_.end());
+      it->peer = peer;
+    }
+    it->expected += int(M_);
+  };
+  for (int c = 0; c < plan.virtual_stages; ++c) {
+    const int vs = plan.stage_of(pp, c);
+    if (vs > 0) expect(rank_of_vs_[size_t(vs - 1)]);
+    if (vs + 1 < num_vs_) expect(rank_of_vs_[size_t(vs + 1)]);
+  }
+  for (auto& a : arrivals_) {
+    a.buffers.assign(size_t(a.expected), std::vector<float>(boundary + kTrailerFloats));
+    a.requests.reserve(size_t(a.expected));
+  }
+}
+
+PipelineExecutor::~PipelineExecutor() {
+  join_arrivals();
+}
+
+void PipelineExecutor::set_delay(const DelayInjection& delay) {
+  delay_ = delay;
+  delay_rng_.seed(delay.seed + uint64_t(pp_));
+}
+
+void PipelineExecutor::join_arrivals() noexcept {
+  for (auto& a : arrivals_)
+    if (a.thread.joinable()) a.thread.join();
 }
 
 void PipelineExecutor::abort() noexcept {
+  join_arrivals();
+  for (auto& a : arrivals_) a.requests.clear();
   recvs_.clear();
   sends_.clear();
-  send_buffers_.clear();
+  choice_sends_.clear();
+  sends_used_ = 0;
+}
+
+float* PipelineExecutor::send_buffer(const float* data) {
+  const size_t boundary = size_t(B_ * T_ * C_);
+  if (sends_used_ == send_pool_.size()) send_pool_.emplace_back(boundary + kTrailerFloats);
+  float* buf = send_pool_[sends_used_++].data();
+  std::copy(data, data + boundary, buf);
+  return buf;
 }
 
 // Runs the chunk's forward on micro-batch mb in a free activation slot (its received input copied
@@ -77,8 +203,8 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
   ch.free_slots.pop_back();
   ch.slot_of[size_t(mb)] = slot;
   if (!ch.range.has_embedding) {
-    const auto& in = act_in_[size_t(c * M_ + mb)];
-    std::copy(in.begin(), in.end(), m.input_hidden(slot).data<float>());
+    const float* in = act_src_[size_t(c * M_ + mb)];
+    std::copy(in, in + B_ * T_ * C_, m.input_hidden(slot).data<float>());
   }
   const int32_t* tok = inputs + mb * B_ * T_;
   const int32_t* tgt = targets + mb * B_ * T_;
@@ -112,8 +238,8 @@ int PipelineExecutor::begin_backward(Chunk& ch, int c, int mb) {
                "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
                ch.vs);
   if (!ch.range.has_head) {
-    const auto& g = grad_in_[size_t(c * M_ + mb)];
-    std::copy(g.begin(), g.end(), ch.model->output_grad(slot).data<float>());
+    const float* g = grad_src_[size_t(c * M_ + mb)];
+    std::copy(g, g + B_ * T_ * C_, ch.model->output_grad(slot).data<float>());
   }
   return slot;
 }
@@ -159,14 +285,57 @@ void PipelineExecutor::backward(Stage& stage, int c, int mb,
   release_slot(ch, mb);
 }
 
+double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
+                                 const int32_t* inputs, const int32_t* targets, float grad_scale,
+                                 const LastBackwardHook& last_backward) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int mb = ins.micro_batch, c = ins.chunk;
+  double loss = 0;
+  switch (ins.op) {
+    case schedule::Op::forward:
+      loss = forward(stage, c, mb, inputs, targets, grad_scale);
+      break;
+    case schedule::Op::backward:
+      backward(stage, c, mb, last_backward);
+      break;
+    case schedule::Op::backward_input:
+      backward_input(stage, c, mb);
+      break;
+    case schedule::Op::backward_weight:
+      backward_weight(stage, c, mb, last_backward);
+      break;
+    default:
+      TESSEL_THROW(Error, "internal: {} is not a compute", schedule::to_string(ins));
+  }
+  if (delay_.active() && (delay_.stage < 0 || delay_.stage == pp_)) {
+    const double took = seconds_since(t0);
+    const double u = std::uniform_real_distribution<double>(0, 1)(delay_rng_);
+    const double extra = took * (delay_.slowdown * (1 + delay_.jitter * (2 * u - 1)) - 1);
+    if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
+  }
+  return loss;
+}
+
 PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
                                          const int32_t* inputs, const int32_t* targets,
-                                         float grad_scale, const LastBackwardHook& last_backward) {
+                                         float grad_scale, const LastBackwardHook& last_backward,
+                                         comm::Communicator* tp) {
+  for (auto& ch : stage.chunks()) ch.backwards_done = 0;
+  sends_.clear();
+  sends_used_ = 0;
+  PipelineStepResult r = adaptive_
+                             ? run_adaptive(stage, pp, inputs, targets, grad_scale, last_backward,
+                                            tp != nullptr && tp->size() > 1 ? tp : nullptr)
+                             : run_list(stage, pp, inputs, targets, grad_scale, last_backward);
+  return r;
+}
+
+PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& pp,
+                                              const int32_t* inputs, const int32_t* targets,
+                                              float grad_scale,
+                                              const LastBackwardHook& last_backward) {
   PipelineStepResult r;
   auto& chunks = stage.chunks();
-  send_buffers_.clear();
-  sends_.clear();
-  for (auto& ch : chunks) ch.backwards_done = 0;
   // The pipeline's idle time: waiting for a receive or for the last sends (the bubble, plus any
   // imbalance between stages), against the time the instruction list took.
   const auto pipeline_start = std::chrono::steady_clock::now();
@@ -188,8 +357,7 @@ PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
                           message_tag(mb, chunks[size_t(c)].vs + 1, num_vs_, Kind::grad));
   }
   auto send = [&](const float* data, int peer, uint32_t tag) {
-    send_buffers_.emplace_back(data, data + boundary);
-    sends_.push_back(pp.send(send_buffers_.back().data(), boundary * sizeof(float), peer, tag));
+    sends_.push_back(pp.send(send_buffer(data), boundary * sizeof(float), peer, tag));
   };
   for (size_t i = 0; i < program_.size(); ++i) {
     const auto& ins = program_[i];
@@ -197,16 +365,11 @@ PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
     auto& ch = chunks[size_t(c)];
     switch (ins.op) {
       case schedule::Op::forward:
-        r.loss_sum += forward(stage, c, mb, inputs, targets, grad_scale);
-        break;
       case schedule::Op::backward:
-        backward(stage, c, mb, last_backward);
-        break;
       case schedule::Op::backward_input:
-        backward_input(stage, c, mb);
-        break;
       case schedule::Op::backward_weight:
-        backward_weight(stage, c, mb, last_backward);
+        r.loss_sum += compute(stage, ins, inputs, targets, grad_scale, last_backward);
+        r.executed.push_back(ins);
         break;
       case schedule::Op::send_activation: {
         const int slot = ch.slot_of[size_t(mb)];
@@ -237,7 +400,241 @@ PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
   for (auto& s : sends_) s.wait();
   r.idle_s += seconds_since(t0);
   r.pipeline_s = seconds_since(pipeline_start);
-  send_buffers_.clear();
+  return r;
+}
+
+void PipelineExecutor::receive_from(comm::Communicator& pp, Arrival& a) {
+  const size_t bytes = (size_t(B_ * T_ * C_) + kTrailerFloats) * sizeof(float);
+  const int index = int(&a - arrivals_.data());
+  try {
+    for (int k = 0; k < a.expected; ++k)
+      a.requests.push_back(pp.recv(a.buffers[size_t(k)].data(), bytes, a.peer, sequence_tag(k)));
+    // The peer sends in the order its dispatcher picks, which is the order of the tags.
+    for (int k = 0; k < a.expected; ++k) {
+      a.requests[size_t(k)].wait();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        landed_.push_back({index, k});
+      }
+      cv_.notify_one();
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!arrival_error_) arrival_error_ = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --arrivals_running_;
+  }
+  cv_.notify_one();
+}
+
+PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicator& pp,
+                                                  const int32_t* inputs, const int32_t* targets,
+                                                  float grad_scale,
+                                                  const LastBackwardHook& last_backward,
+                                                  comm::Communicator* tp) {
+  PipelineStepResult r;
+  auto& chunks = stage.chunks();
+  const auto pipeline_start = std::chrono::steady_clock::now();
+  const size_t boundary = size_t(B_ * T_ * C_);
+  const int v = int(chunks.size());
+  schedule::DispatchOptions o;
+  o.chunks = v;
+  o.micro_batches = int(M_);
+  o.memory_cap = cap_;
+  o.split_backward = true;
+  for (int c = 0; c < v; ++c) {
+    if (chunks[size_t(c)].vs == 0) o.first_chunk = c;
+    if (chunks[size_t(c)].vs == num_vs_ - 1) o.last_chunk = c;
+  }
+  schedule::StageDispatcher dispatcher(o);
+  const bool follower = tp != nullptr && tp->rank() != 0;
+  const int total = dispatcher.computes_total();
+  for (size_t i = 0; i < act_in_.size(); ++i) {
+    act_src_[i] = act_in_[i].data();
+    grad_src_[i] = grad_in_[i].data();
+  }
+  act_landed_.assign(act_in_.size(), 0);
+  grad_landed_.assign(act_in_.size(), 0);
+  choice_sends_.clear();
+  if (tp != nullptr && !follower) choices_.resize(size_t(total));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    landed_.clear();
+    arrival_error_ = nullptr;
+    arrivals_running_ = 0;
+  }
+  for (auto& a : arrivals_) {
+    a.sent = 0;
+    a.requests.clear();
+  }
+  for (auto& a : arrivals_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++arrivals_running_;
+    }
+    a.thread = std::thread([this, &pp, &a] { receive_from(pp, a); });
+  }
+
+  // Sends (kind, micro-batch, the receiving chunk) to the rank of virtual stage `to_vs`.
+  auto send = [&](const float* data, int to_vs, Kind kind, int mb) {
+    const int peer = rank_of_vs_[size_t(to_vs)];
+    auto it = std::find_if(arrivals_.begin(), arrivals_.end(),
+                           [&](const Arrival& a) { return a.peer == peer; });
+    TESSEL_CHECK(it != arrivals_.end(), Error, "internal: no link to pipeline rank {}", peer);
+    float* buf = send_buffer(data);
+    const uint32_t trailer[kTrailerFloats] = {uint32_t(kind), uint32_t(mb),
+                                              uint32_t(chunk_of_vs(to_vs)), 0};
+    std::memcpy(buf + boundary, trailer, sizeof(trailer));
+    sends_.push_back(
+        pp.send(buf, (boundary + kTrailerFloats) * sizeof(float), peer, sequence_tag(it->sent++)));
+  };
+  // A message that landed: its data is where the chunk's compute will read it.
+  auto deliver = [&](const Landed& l) {
+    const Arrival& a = arrivals_[size_t(l.arrival)];
+    const float* buf = a.buffers[size_t(l.index)].data();
+    uint32_t trailer[kTrailerFloats];
+    std::memcpy(trailer, buf + boundary, sizeof(trailer));
+    const uint32_t kind = trailer[0], mb = trailer[1], c = trailer[2];
+    TESSEL_CHECK(kind <= 1 && mb < uint32_t(M_) && c < uint32_t(v), CorruptDataError,
+                 "pipeline rank {}: message {} from pipeline rank {} names (kind {}, micro-batch "
+                 "{}, chunk {}), outside this step's {} micro-batches and {} chunks",
+                 pp_, l.index, a.peer, kind, mb, c, M_, v);
+    const size_t at = size_t(c) * size_t(M_) + mb;
+    if (kind == uint32_t(Kind::activation)) {
+      act_src_[at] = buf;
+      act_landed_[at] = 1;
+      if (!follower) dispatcher.forward_ready(int(mb), int(c));
+    } else {
+      grad_src_[at] = buf;
+      grad_landed_[at] = 1;
+      if (!follower) dispatcher.backward_ready(int(mb), int(c));
+    }
+  };
+  // Takes in what landed; returns whether every arrival thread has finished.
+  std::vector<Landed> batch;
+  batch.reserve(arrivals_.size() * size_t(v) * size_t(M_) * 2);
+  auto take_landed = [&] {
+    bool finished = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (arrival_error_) std::rethrow_exception(arrival_error_);
+      batch.swap(landed_);
+      finished = arrivals_running_ == 0;
+    }
+    for (const Landed& l : batch) deliver(l);
+    batch.clear();
+    return finished;
+  };
+  auto wait_landing = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !landed_.empty() || arrival_error_ || arrivals_running_ == 0; });
+    r.idle_s += seconds_since(t0);
+  };
+  // Runs one compute and passes its output on.
+  auto run_compute = [&](const schedule::Instruction& ins) {
+    const int mb = ins.micro_batch, c = ins.chunk;
+    Chunk& ch = chunks[size_t(c)];
+    r.loss_sum += compute(stage, ins, inputs, targets, grad_scale, last_backward);
+    r.executed.push_back(ins);
+    if (!follower) dispatcher.finished(ins);
+    const int vs = ch.vs;
+    if (ins.op == schedule::Op::forward && vs + 1 < num_vs_) {
+      if (local_next(vs)) {
+        if (!follower) dispatcher.forward_ready(mb, chunk_of_vs(vs + 1));  // forward() copied it
+      } else {
+        send(ch.model->output_hidden(ch.slot_of[size_t(mb)]).data<float>(), vs + 1,
+             Kind::activation, mb);
+      }
+    } else if ((ins.op == schedule::Op::backward_input || ins.op == schedule::Op::backward) &&
+               vs > 0) {
+      if (local_prev(vs)) {
+        if (!follower) dispatcher.backward_ready(mb, chunk_of_vs(vs - 1));  // kept by backward
+      } else {
+        send(ch.model->input_grad().data<float>(), vs - 1, Kind::grad, mb);
+      }
+    }
+  };
+
+  try {
+    if (!follower) {
+      while (!dispatcher.done()) {
+        const bool finished = take_landed();
+        const auto ins = dispatcher.next();
+        if (!ins) {
+          // By the dispatcher's rule the oldest micro-batch can always move somewhere, so a rank
+          // with nothing to run and nothing more to receive is a bug, not a slow peer.
+          TESSEL_CHECK(!finished, Error,
+                       "internal: the adaptive dispatcher on pipeline rank {} stalled with every "
+                       "message of the step received: {}",
+                       pp_, dispatcher.describe());
+          wait_landing();
+          continue;
+        }
+        if (tp != nullptr) {
+          // The other tp ranks run this compute next as well.
+          auto& msg = choices_[size_t(r.executed.size())];
+          msg = {int32_t(ins->op), ins->micro_batch, ins->chunk, 0};
+          for (int t = 1; t < tp->size(); ++t)
+            choice_sends_.push_back(
+                tp->send(msg.data(), sizeof(msg), t, sequence_tag(uint32_t(r.executed.size()))));
+        }
+        run_compute(*ins);
+      }
+    } else {
+      for (int k = 0; k < total; ++k) {
+        std::array<int32_t, 4> msg{};
+        {
+          const auto t0 = std::chrono::steady_clock::now();
+          tp->recv(msg.data(), sizeof(msg), 0, sequence_tag(uint32_t(k))).wait();
+          r.idle_s += seconds_since(t0);
+        }
+        const auto op = schedule::Op(msg[0]);
+        const int mb = msg[1], c = msg[2];
+        TESSEL_CHECK((op == schedule::Op::forward || op == schedule::Op::backward_input ||
+                      op == schedule::Op::backward_weight) &&
+                         mb >= 0 && mb < M_ && c >= 0 && c < v,
+                     CorruptDataError,
+                     "pipeline rank {}: tp rank 0 sent choice {} = (op {}, micro-batch {}, "
+                     "chunk {}), not a compute of this step",
+                     pp_, k, msg[0], mb, c);
+        // Its input: a message from a neighbouring rank, unless it stays on this rank.
+        const int vs = chunks[size_t(c)].vs;
+        const size_t at = size_t(c) * size_t(M_) + size_t(mb);
+        const bool needs_act = op == schedule::Op::forward && vs > 0 && !local_prev(vs);
+        const bool needs_grad =
+            op == schedule::Op::backward_input && vs + 1 < num_vs_ && !local_next(vs);
+        for (;;) {
+          const bool finished = take_landed();
+          if ((!needs_act || act_landed_[at]) && (!needs_grad || grad_landed_[at])) break;
+          TESSEL_CHECK(!finished, Error,
+                       "internal: pipeline rank {} follows tp rank 0 to {} of micro-batch {} "
+                       "chunk {}, whose input never came",
+                       pp_, schedule::to_string(schedule::Instruction{op, mb, c, -1}), mb, c);
+          wait_landing();
+        }
+        run_compute(schedule::Instruction{op, mb, c, -1});
+      }
+    }
+  } catch (...) {
+    // The arrival threads may wait on peers that will never send now: break the pipeline's
+    // communicator (as any failed step does) so that they, and those peers, stop at once.
+    pp.abort("the pipeline step failed on this rank");
+    join_arrivals();
+    throw;
+  }
+  join_arrivals();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (arrival_error_) std::rethrow_exception(arrival_error_);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& s : sends_) s.wait();
+  for (auto& s : choice_sends_) s.wait();
+  r.idle_s += seconds_since(t0);
+  r.pipeline_s = seconds_since(pipeline_start);
   return r;
 }
 

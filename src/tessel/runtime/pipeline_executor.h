@@ -7,12 +7,26 @@
 // as many activation slots as its peak number of micro-batches in flight in that list (pp at
 // most for 1F1B, M for GPipe), so no forward is ever recomputed. Every receive of the step is
 // posted when the step starts, so transfers overlap compute.
+//
+// Under the adaptive schedule there is no list: the rank asks a schedule::StageDispatcher for
+// its next compute, fed by what has arrived. Messages then cannot be matched by a tag known in
+// advance (a peer sends in the order its own dispatcher picks), so every message from a peer
+// carries the sender's running count as its tag and names its (kind, micro-batch, chunk) in a
+// 16-byte trailer; one arrival thread per peer posts the step's receives from that peer into
+// pooled buffers and waits for them in that order, handing each to the dispatcher as it lands.
+// Buffers for sends and receives are allocated once, not per message.
 #pragma once
 
+#include <array>
+#include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <optional>
+#include <random>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include "tessel/comm/communicator.h"
@@ -30,10 +44,34 @@ std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, in
 // run, backward not yet): the activation slots it needs. 1F1B needs at most pp, GPipe M.
 std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks);
 
+// The activation slots each chunk of pipeline rank `pp` needs under `plan`: the peaks of its
+// list, or under the adaptive schedule what its dispatcher may hold, min(M, cap + v - 1).
+std::vector<int> activation_slots(const layout::Plan& plan, int pp);
+
+// Delays injected after computes, to run the schedules under jitter in tests and benchmarks
+// (the environment's TESSEL_PIPELINE_DELAY, "stage=S,slowdown=F,jitter=J,seed=N", any subset):
+// on pipeline rank S (every rank when absent or -1) a compute that took d seconds is stretched to
+// d * F * (1 + J (2u - 1)), u uniform in [0, 1) drawn per compute from a generator seeded with
+// N + the pipeline rank, by sleeping the difference: the simulator's slowdown and jitter
+// (planner/simulator.h), so its prediction of a run is like for like. Sleeping can only add
+// time, so F (1 - J) must be >= 1: e.g. F = 1.5 alone, or F = 2, J = 0.5 (2x +- 50%).
+struct DelayInjection {
+  int stage = -1;
+  double slowdown = 1;
+  double jitter = 0;
+  uint64_t seed = 1;
+  bool active() const { return slowdown != 1 || jitter != 0; }
+  // Throws ConfigError naming the bad field.
+  static DelayInjection parse(std::string_view spec);
+};
+
 struct PipelineStepResult {
   double loss_sum = 0;    // of the head stage's micro-batches (0 on other stages)
   double idle_s = 0;      // waiting for receives and for the last sends
   double pipeline_s = 0;  // the whole instruction list
+  // The computes this rank ran, in order (the adaptive dispatcher's choices; the list's
+  // otherwise).
+  std::vector<schedule::Instruction> executed;
 };
 
 class PipelineExecutor {
@@ -45,18 +83,27 @@ class PipelineExecutor {
   // Pipeline rank `pp` of `plan` (defaults applied), with sequences of `seq_len` tokens and a
   // hidden size of `hidden`.
   PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq_len, int64_t hidden);
+  ~PipelineExecutor();
+  PipelineExecutor(const PipelineExecutor&) = delete;
+  PipelineExecutor& operator=(const PipelineExecutor&) = delete;
 
   // The activation slots each chunk needs (activation_peaks of the program).
   const std::vector<int>& activation_slots() const { return slots_; }
 
   // Runs the step's instructions on `stage`: micro-batch mb's tokens and targets start at
   // inputs/targets + mb * B * T; the loss gradient of every micro-batch is scaled by `grad_scale`.
+  // `tp` is the rank's tensor-parallel group (or null): under the adaptive schedule its ranks
+  // must run their computes in one order, since each compute's tp collectives pair up across
+  // them, so tp rank 0 decides and sends every choice to the others, which follow it.
   PipelineStepResult run(Stage& stage, comm::Communicator& pp, const int32_t* inputs,
                          const int32_t* targets, float grad_scale,
-                         const LastBackwardHook& last_backward);
+                         const LastBackwardHook& last_backward, comm::Communicator* tp = nullptr);
 
   // Drops the step's pending transfers (a peer failed: the communicators are broken already).
   void abort() noexcept;
+
+  void set_delay(const DelayInjection& delay);
+  bool adaptive() const { return adaptive_; }
 
  private:
   double forward(Stage& stage, int c, int mb, const int32_t* inputs, const int32_t* targets,
@@ -69,6 +116,20 @@ class PipelineExecutor {
   model::Transformer::GradsReady grads_ready(Chunk& ch, int c,
                                              const LastBackwardHook& last_backward);
   void release_slot(Chunk& ch, int mb);
+  // One compute of the list or the dispatcher (forward, B, Bi, Bw), then the injected delay.
+  double compute(Stage& stage, const schedule::Instruction& ins, const int32_t* inputs,
+                 const int32_t* targets, float grad_scale, const LastBackwardHook& last_backward);
+  PipelineStepResult run_list(Stage& stage, comm::Communicator& pp, const int32_t* inputs,
+                              const int32_t* targets, float grad_scale,
+                              const LastBackwardHook& last_backward);
+  PipelineStepResult run_adaptive(Stage& stage, comm::Communicator& pp, const int32_t* inputs,
+                                  const int32_t* targets, float grad_scale,
+                                  const LastBackwardHook& last_backward, comm::Communicator* tp);
+  // A pooled send buffer holding `data` (boundary floats), plus the adaptive trailer if any.
+  float* send_buffer(const float* data);
+  // The adaptive path: the arrival thread of one peer, and the loop draining what arrived.
+  struct Arrival;
+  void receive_from(comm::Communicator& pp, Arrival& a);
   // Neighbouring virtual stages on this rank (the turn of zb-v's V) pass data by copy.
   bool local_next(int vs) const { return vs + 1 < num_vs_ && rank_of_vs_[size_t(vs + 1)] == pp_; }
   bool local_prev(int vs) const { return vs > 0 && rank_of_vs_[size_t(vs - 1)] == pp_; }
@@ -81,12 +142,46 @@ class PipelineExecutor {
   int pp_ = 0;                             // this rank's pipeline coordinate
   std::vector<int> rank_of_vs_, chunk_of_vs_;
   std::vector<std::vector<float>> act_in_, grad_in_;  // [chunk * M + mb] received boundary data
+  // Where micro-batch mb's input (output gradient) for chunk c is: act_in_/grad_in_, or under
+  // the adaptive schedule the arrival buffer it landed in.
+  std::vector<const float*> act_src_, grad_src_;
   // The step's transfers. Members, not locals: when a step fails they must outlive the unwinding
   // until the communicators are broken, or destroying them would wait for peers that are
   // themselves stuck.
-  std::deque<std::vector<float>> send_buffers_;
+  std::vector<std::vector<float>> send_pool_;  // reused step after step
+  size_t sends_used_ = 0;
   std::vector<comm::Request> sends_;
   std::vector<std::optional<comm::Request>> recvs_;
+
+  // Adaptive schedule.
+  bool adaptive_ = false;
+  int cap_ = 1;
+  static constexpr size_t kTrailerFloats = 4;  // kind, micro-batch, receiving chunk, 0
+  struct Arrival {
+    int peer = -1;
+    int expected = 0;                         // messages from the peer per step
+    std::vector<std::vector<float>> buffers;  // one per message, boundary + trailer
+    uint32_t sent = 0;                        // messages this rank sent the peer this step
+    std::vector<comm::Request> requests;      // this step's receives (members: see sends_)
+    std::thread thread;
+  };
+  std::vector<Arrival> arrivals_;  // one per distinct neighbouring peer
+  struct Landed {
+    int arrival, index;
+  };
+  std::mutex mu_;  // guards landed_, arrival_error_, arrivals_running_
+  std::condition_variable cv_;
+  std::vector<Landed> landed_;
+  std::vector<char> act_landed_, grad_landed_;  // [chunk * M + mb], this step
+  // The tp leader's choices, sent to the other tp ranks: (op, micro-batch, chunk, 0) each.
+  std::vector<std::array<int32_t, 4>> choices_;
+  std::vector<comm::Request> choice_sends_;
+  std::exception_ptr arrival_error_;
+  int arrivals_running_ = 0;
+  void join_arrivals() noexcept;
+
+  DelayInjection delay_;
+  std::mt19937_64 delay_rng_;
 };
 
 }  // namespace tessel::runtime

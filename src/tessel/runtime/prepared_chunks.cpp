@@ -39,7 +39,7 @@ PreparedChunks prepare_chunks(const TrainConfig& cfg, const layout::Plan& p, int
                               const std::vector<bool>& skip) {
   const layout::Plan plan = p.with_defaults(cfg.model);
   const layout::Coord coord = plan.coord_of(rank);
-  const auto peaks = activation_peaks(pipeline_program(plan, coord.pp), plan.virtual_stages);
+  const auto peaks = activation_slots(plan, coord.pp);
   const auto ranges = plan.stage_ranges(cfg.model);
   PreparedChunks out;
   out.backend = std::move(backend);

@@ -106,6 +106,7 @@ RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const
       lr_schedule{cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
                   cfg.training.steps} {
   if (env.signals) abort_signal_ = env.signals->of(store_generation);
+  if (!env.pipeline_delay.empty()) executor->set_delay(DelayInjection::parse(env.pipeline_delay));
   install_layer_hooks();
   loader_ = std::make_unique<data::BatchLoader>(source, cfg.data.seq_len, cfg.data.seed,
                                                 cfg.data.eval_fraction);
@@ -200,8 +201,9 @@ double RankTrainer::train_step(double* grad_norm) {
   groups.dp->all_reduce_sum(&valid, 1);
   const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
 
-  const auto pipe = executor->run(stage, *groups.pp, inputs_.data(), targets_.data(), grad_scale,
-                                  [this](int c) { return optimizer->on_last_backward(c); });
+  const auto pipe = executor->run(
+      stage, *groups.pp, inputs_.data(), targets_.data(), grad_scale,
+      [this](int c) { return optimizer->on_last_backward(c); }, groups.tp.get());
   const double norm = optimizer->reduce_gradients();
   *grad_norm = norm;
   finish_arrival();

@@ -42,6 +42,7 @@ WorkerEnv WorkerEnv::from_environment() {
   e.join_generation = env_int("TESSEL_JOIN_GENERATION", false);
   e.elastic = env_int("TESSEL_ELASTIC", false) == 1;
   if (const char* resume = std::getenv("TESSEL_RESUME_FROM")) e.resume_from = resume;
+  e.pipeline_delay = env_string("TESSEL_PIPELINE_DELAY", false);
   e.cluster = env_string("TESSEL_CLUSTER", false);
   e.host_address = env_string("TESSEL_HOST_ADDRESS", false);
   if (!e.cluster.empty()) {

@@ -69,6 +69,9 @@ struct WorkerEnv {
   // The checkpoint the launcher chose to resume from ("" for a fresh start; unset when no
   // launcher chose: the worker looks for it itself, checkpoint::find_resume_point).
   std::optional<std::string> resume_from;
+  // TESSEL_PIPELINE_DELAY: delays injected after pipeline computes (runtime/pipeline_executor.h,
+  // DelayInjection), for tests and benchmarks of the schedules under jitter; empty: none.
+  std::string pipeline_delay;
   // Started by a `tessel agent` (elastic/agent.h): the cluster whose job this is, and the address
   // other hosts reach this host's processes at (Gloo binds to it). Empty: one host, loopback.
   std::string cluster;

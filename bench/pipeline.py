@@ -52,7 +52,7 @@ def split(stages):
     return [k + 1] + [k] * (stages - 2) + [k + 1] if stages > 1 else [LAYERS + 2]
 
 
-def write_config(args, work, schedule, m, tag):
+def write_config(args, work, schedule, m, tag, extra=""):
     P = args.stages
     metrics = work / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
@@ -63,18 +63,18 @@ training: {{steps: {args.steps}, global_batch: {2 * m}, micro_batch: 2, log_ever
            threads: 1}}
 optimizer: {{lr: 1.0e-3, warmup_steps: 2}}
 output: {{metrics: {metrics}}}
-parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},
+parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},{extra}
            layers_per_stage: {split(P * v)}}}
 """)
     return cfg, metrics
 
 
-def run(args, work, schedule, m, delay=None, tag=None):
-    """Trains under `schedule`; `delay` is a TESSEL_PIPELINE_DELAY spec. Returns the median
-    pipeline idle share and step time over the timed steps."""
+def run(args, work, schedule, m, delay=None, tag=None, extra=""):
+    """Trains under `schedule`; `delay` is a TESSEL_PIPELINE_DELAY spec, `extra` more parallel
+    keys. Returns the median pipeline idle share and step time over the timed steps."""
     P = args.stages
     tag = tag or f"{schedule}-m{m}"
-    cfg, metrics = write_config(args, work, schedule, m, tag)
+    cfg, metrics = write_config(args, work, schedule, m, tag, extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     if delay:
         env["TESSEL_PIPELINE_DELAY"] = delay
@@ -150,6 +150,34 @@ def dispatcher_rows(args, work, out):
     out["dispatch_pred_error"] = round(max(errors), 3)
 
 
+def jit_rows(args, work, out):
+    """Just-in-time recomputation (1F1B, one micro-batch's activations per chunk) against keeping
+    them: step time measured and simulated, and the planned peak activation memory."""
+    m = 8
+    variants = {"keep": "", "jit": " jit_recompute: true,"}
+    steps = {k: [] for k in variants}
+    for k in range(args.rounds):
+        for name in (("keep", "jit") if k % 2 == 0 else ("jit", "keep")):
+            _, step = run(args, work, "1f1b", m, None, f"1f1b-{name}", variants[name])
+            steps[name].append(step)
+    profile = work / "profile.json"
+    sim = {}
+    for name in variants:
+        r = subprocess.run([args.tessel, "simulate", "--config", str(work / f"1f1b-{name}.yaml"),
+                            "--profile", str(profile), "--json"], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"simulate {name} failed:\n{r.stderr[-2000:]}")
+        d = json.loads(r.stdout)
+        sim[name] = (d["step_s"], max(st["peak_activation_bytes"] for st in d["stages"]))
+    keep, jit = statistics.median(steps["keep"]), statistics.median(steps["jit"])
+    print(f"jit recompute (1f1b, m={m}): step keep {keep * 1e3:.1f} ms, jit {jit * 1e3:.1f} ms "
+          f"({jit / keep:.3f}x; simulated {sim['jit'][0] / sim['keep'][0]:.3f}x); planned peak "
+          f"activations {sim['keep'][1] / 2**20:.1f} -> {sim['jit'][1] / 2**20:.1f} MiB")
+    out["jit_recompute_step_ratio"] = round(jit / keep, 3)
+    out["jit_recompute_step_ratio_predicted"] = round(sim["jit"][0] / sim["keep"][0], 3)
+    out["jit_recompute_mem_saving"] = round(1 - sim["jit"][1] / sim["keep"][1], 3)
+
+
 def bench_json(args, binary, extra):
     """The last line of a bench binary's output, as JSON."""
     path = pathlib.Path(args.tessel).parent / "bench" / binary
@@ -181,7 +209,7 @@ def main():
     a = ap.parse_args()
     P = a.stages
     print(f"pipeline stages: {P} ({os.cpu_count()} cores)")
-    work = pathlib.Path(a.work)
+    work = pathlib.Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = {"stages": P}
     parts = [a.only] if a.only else ["bubbles", "dispatcher", "transport", "recompute"]
@@ -205,6 +233,8 @@ def main():
         t = bench_json(a, "bench_shm_transport", ["--rounds", "5"])
         out.update({k: t[k] for k in t if k.startswith("shm_")})
     if "recompute" in parts:
+        if (work / "profile.json").exists():
+            jit_rows(a, work, out)
         # Activation memory with and without recomputation against the planner's memory model
         # (bench/bench_recompute_memory.cpp).
         r = bench_json(a, "bench_recompute_memory", [])

@@ -84,6 +84,7 @@ void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) 
   s.read("virtual_stages", p.virtual_stages);
   s.read("zero_stage", p.zero_stage);
   s.read("memory_cap", p.memory_cap);
+  s.read("jit_recompute", p.jit_recompute);
   s.read("layers_per_stage", p.layers_per_stage);
   std::string schedule = std::string(layout::schedule_name(p.schedule));
   s.read("schedule", schedule);

@@ -273,6 +273,17 @@ void Plan::validate(const model::ModelConfig& config, int64_t global_batch, int 
                  "schedule to interleaved-1f1b",
                  virtual_stages);
   }
+  TESSEL_CHECK(!jit_recompute || schedule == ScheduleKind::gpipe ||
+                   schedule == ScheduleKind::one_f_one_b ||
+                   schedule == ScheduleKind::interleaved_one_f_one_b,
+               ConfigError,
+               "plan: jit_recompute re-runs a forward before its whole backward, and the {} "
+               "schedule splits its backward passes; use schedule gpipe, 1f1b or "
+               "interleaved-1f1b, or remove jit_recompute",
+               schedule_name(schedule));
+  TESSEL_CHECK(!jit_recompute || recompute == model::Recompute::none, ConfigError,
+               "plan: jit_recompute recomputes whole stages; set recompute to none (it is {})",
+               model::recompute_name(recompute));
   TESSEL_CHECK(memory_cap >= 0, ConfigError,
                "plan: memory_cap {} is negative; give the micro-batches of activations a "
                "pipeline rank may hold (>= 1), or 0 for 1F1B's budget",
@@ -314,6 +325,7 @@ std::string Plan::describe() const {
   if (recompute != model::Recompute::none)
     s += recompute == model::Recompute::full ? " recompute" : " recompute=selective";
   if (memory_cap > 0) s += fmt::format(" cap={}", memory_cap);
+  if (jit_recompute) s += " jit-recompute";
   if (order != RankOrder::tp_dp_pp) s += fmt::format(" order={}", rank_order_name(order));
   if (layers_per_stage.size() > 1) s += fmt::format(" units={}", fmt::join(layers_per_stage, ","));
   return s;
@@ -333,6 +345,7 @@ nlohmann::json to_json(const Plan& p) {
       {"layers_per_stage", p.layers_per_stage},
       {"rank_order", rank_order_name(p.order)},
       {"memory_cap", p.memory_cap},
+      {"jit_recompute", p.jit_recompute},
   };
 }
 
@@ -412,6 +425,12 @@ Plan plan_from_json(const nlohmann::json& doc) {
   p.order = parse_stored(parse_rank_order, string_field(doc, "rank_order"));
   // Absent from plans written before the adaptive schedule.
   if (doc.contains("memory_cap")) p.memory_cap = int_field<int>(doc, "memory_cap");
+  if (doc.contains("jit_recompute")) {
+    const auto& jit = doc.at("jit_recompute");
+    TESSEL_CHECK(jit.is_boolean(), CorruptDataError,
+                 "plan document: 'jit_recompute' is {}, not true or false", jit.dump());
+    p.jit_recompute = jit.get<bool>();
+  }
   return p;
 }
 

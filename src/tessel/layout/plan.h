@@ -75,6 +75,10 @@ struct Plan {
   // Activation recomputation (model/recompute.h): full re-runs each block's forward in its
   // backward, selective only the attention probabilities. The planner chooses none or full.
   model::Recompute recompute = model::Recompute::none;
+  // Just-in-time recomputation (Varuna): each chunk keeps one micro-batch's activations, and a
+  // backward whose forward's were overwritten re-runs that forward first, while its gradient is
+  // on the way (schedule::with_jit_recompute). Whole backward passes and recompute none only.
+  bool jit_recompute = false;
   // adaptive: micro-batches of activations a pipeline rank may hold at once (summed over its
   // chunks); 0 means 1F1B's budget on that rank (dispatch_cap).
   int memory_cap = 0;

@@ -399,5 +399,21 @@ TEST(Plan, AdaptiveScheduleCapsMemoryAtOneFOneBsBudgetUnlessTold) {
   EXPECT_EQ(plan_from_json(old).memory_cap, 0);
 }
 
+TEST(Plan, JitRecomputeSurvivesAPlanFileAndNeedsWholeBackwards) {
+  const ModelConfig c = ModelConfig::preset("gpt2-tiny");
+  Plan p;
+  p.pp = 2;
+  p.micro_batches = 4;
+  p.jit_recompute = true;
+  EXPECT_EQ(plan_from_json(to_json(p)), p);
+  EXPECT_NE(p.describe().find("jit-recompute"), std::string::npos);
+  EXPECT_NO_THROW(p.validate(c, 4, 2));
+  p.schedule = ScheduleKind::zb_h1;
+  EXPECT_THAT(config_error([&] { p.validate(c, 4, 2); }), HasSubstr("splits its backward"));
+  p.schedule = ScheduleKind::one_f_one_b;
+  p.recompute = model::Recompute::full;
+  EXPECT_THAT(config_error([&] { p.validate(c, 4, 2); }), HasSubstr("set recompute to none"));
+}
+
 }  // namespace
 }  // namespace tessel::layout

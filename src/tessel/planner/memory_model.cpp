@@ -297,8 +297,11 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
     rm.parameters = params[r] * bytes;
     rm.gradients = params[r] * bytes;
     rm.optimizer = params[r] * optimizer_bytes;
-    const auto alive =
-        in_flight_micro_batches(plan.schedule, p, v, plan.micro_batches, r, plan.dispatch_cap(r));
+    // Just-in-time recomputation keeps one micro-batch per chunk (runtime/pipeline_executor.h).
+    const auto alive = plan.jit_recompute
+                           ? std::vector<int64_t>(size_t(v), 1)
+                           : in_flight_micro_batches(plan.schedule, p, v, plan.micro_batches, r,
+                                                     plan.dispatch_cap(r));
     // A model has at least one activation slot, even for a chunk no micro-batch is alive in.
     for (int c = 0; c < v; ++c)
       rm.activations += double(std::max<int64_t>(alive[c], 1)) * chunk_acts[size_t(r) * v + c];

@@ -122,10 +122,10 @@ class Model {
       base = c_.optimizer_step.empty() ? 0.0 : c_.optimizer_step[size_t(stage)];
     } else {
       const StageCosts& s = c_.costs[size_t(vs(stage, chunk))];
-      base = op == Op::forward          ? s.forward
-             : op == Op::backward       ? s.backward
-             : op == Op::backward_input ? s.backward_input
-                                        : s.backward_weight;
+      base = op == Op::forward || op == Op::recompute ? s.forward
+             : op == Op::backward                     ? s.backward
+             : op == Op::backward_input               ? s.backward_input
+                                                      : s.backward_weight;
     }
     if (!c_.slowdown.empty()) base *= c_.slowdown[size_t(stage)];
     const double jitter = c_.stage_jitter.empty() ? c_.jitter : c_.stage_jitter[size_t(stage)];
@@ -193,6 +193,11 @@ class ListRun {
     input_grad_done_.assign(n, 0);
     received_.assign(2 * n, 0);
     arrival_.assign(2 * n, kNotYet);
+    // Lists with recomputations (schedule::with_jit_recompute) keep one micro-batch's
+    // activations per chunk: a forward or recomputation evicts the one resident.
+    for (const auto& list : s.per_stage)
+      for (const auto& in : list) jit_ = jit_ || in.op == Op::recompute;
+    if (jit_) resident_.assign(size_t(s.stages) * size_t(s.chunks), -1);
   }
 
   SimResult run() {
@@ -266,7 +271,7 @@ class ListRun {
           require(received_[act_slot(vs, mb)], stage, "its recv_activation");
         else if (vs > 0)
           require(forward_done_[model_.index(vs - 1, mb)], stage, "the F of the previous chunk");
-        model_.hold(stage, chunk);
+        take_slot(stage, chunk, mb);
         run_compute(chunk);
         forward_done_[here] = 1;
         return true;
@@ -279,12 +284,17 @@ class ListRun {
           require(input_grad_done_[model_.index(vs + 1, mb)], stage, "the B of the next chunk");
         run_compute(chunk);
         input_grad_done_[here] = 1;
-        if (in.op == Op::backward) model_.release(stage, chunk);
+        if (in.op == Op::backward) free_slot(stage, chunk, mb);
         return true;
       case Op::backward_weight:
         require(input_grad_done_[here], stage, "its Bi");
         run_compute(chunk);
         model_.release(stage, chunk);
+        return true;
+      case Op::recompute:
+        require(forward_done_[here] && !input_grad_done_[here], stage, "its F, and before its B,");
+        take_slot(stage, chunk, mb);
+        run_compute(chunk);
         return true;
       case Op::send_activation: {
         require(forward_done_[here] && model_.remote_next(vs), stage,
@@ -317,6 +327,25 @@ class ListRun {
     return true;
   }
 
+  // A forward (or recomputation) takes micro-batch mb's activations; under jit lists it evicts
+  // the chunk's resident micro-batch first.
+  void take_slot(int stage, int chunk, int mb) {
+    if (jit_) {
+      int& r = resident_[size_t(stage) * size_t(s_.chunks) + size_t(chunk)];
+      if (r >= 0) model_.release(stage, chunk);
+      r = mb;
+    }
+    model_.hold(stage, chunk);
+  }
+  void free_slot(int stage, int chunk, int mb) {
+    if (jit_) {
+      int& r = resident_[size_t(stage) * size_t(s_.chunks) + size_t(chunk)];
+      if (r != mb) return;  // evicted already
+      r = -1;
+    }
+    model_.release(stage, chunk);
+  }
+
   void report_deadlock() const {
     std::string waits;
     for (int stage = 0; stage < s_.stages; ++stage) {
@@ -338,6 +367,8 @@ class ListRun {
   std::vector<int64_t> blocked_;  // the message slot a stage waits on, or -1
   std::vector<char> forward_done_, input_grad_done_, received_;  // per (vs, mb) / slot
   std::vector<double> arrival_;                                  // per slot, or kNotYet
+  bool jit_ = false;
+  std::vector<int> resident_;  // jit: per (stage, chunk), the micro-batch holding the slot
 };
 
 // ---- Greedy dispatcher ---------------------------------------------------------------------

@@ -206,6 +206,25 @@ TEST(Simulator, JitterIsDeterministicPerSeedAndBounded) {
   EXPECT_DOUBLE_EQ(simulate(s, c).makespan, 3.0 * (8 + 4 - 1));
 }
 
+TEST(Simulator, JitRecomputeHoldsOneMicroBatchAndCostsItsForwards) {
+  const Schedule keep = schedule::one_f_one_b(3, 6);
+  const Schedule jit = schedule::with_jit_recompute(keep);
+  SimConfig c = unit(3);
+  c.costs.assign(3, StageCosts{.activation_bytes = 100});
+  const SimResult a = simulate(keep, c), b = simulate(jit, c);
+  // 1F1B holds p - s micro-batches; with jit recomputation every stage holds one.
+  EXPECT_THAT(a.peak_in_flight, ::testing::ElementsAre(3, 2, 1));
+  EXPECT_THAT(b.peak_in_flight, ::testing::ElementsAre(1, 1, 1));
+  EXPECT_THAT(b.peak_activation_bytes, ::testing::ElementsAre(100, 100, 100));
+  // Each R costs a forward: stage 0 is busier by one forward per recomputation.
+  int recomputes = 0;
+  for (const auto& in : jit.per_stage[0]) recomputes += in.op == Op::recompute;
+  EXPECT_GT(recomputes, 0);
+  EXPECT_DOUBLE_EQ(b.busy[0], a.busy[0] + recomputes * 1.0);
+  EXPECT_GE(b.makespan, a.makespan);
+  expect_consistent(b, &jit);
+}
+
 TEST(Simulator, StageJitterVariesOnlyItsStage) {
   Schedule s = schedule::one_f_one_b(3, 8);
   SimConfig c = unit(3);

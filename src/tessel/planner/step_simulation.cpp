@@ -11,6 +11,7 @@
 #include "tessel/planner/memory_model.h"
 #include "tessel/planner/search.h"
 #include "tessel/schedule/bubble.h"
+#include "tessel/schedule/generators.h"
 #include "tessel/schedule/named.h"
 
 namespace tessel::planner {
@@ -194,6 +195,7 @@ PipelineSchedule pipeline_schedule(const std::string& kind, const SimulateReques
                  "simulate: unknown schedule '{}' (known: {}, adaptive, greedy)", kind,
                  fmt::join(schedule::schedule_names(), ", "));
     ps.lists = schedule::make_schedule(kind, pp, m, v);
+    if (plan.jit_recompute) ps.lists = schedule::with_jit_recompute(ps.lists);
     ps.analytic_bubble = schedule::analytic_bubble(kind, pp, m, v);
     return ps;
   }

@@ -9,6 +9,7 @@
 #include "tessel/core/check.h"
 #include "tessel/core/clock.h"
 #include "tessel/schedule/dispatcher.h"
+#include "tessel/schedule/generators.h"
 #include "tessel/schedule/named.h"
 
 namespace tessel::runtime {
@@ -83,8 +84,9 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
 }
 
 std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
-  const schedule::Schedule s = schedule::make_schedule(
-      layout::schedule_name(plan.schedule), plan.pp, int(plan.micro_batches), plan.virtual_stages);
+  schedule::Schedule s = schedule::make_schedule(layout::schedule_name(plan.schedule), plan.pp,
+                                                 int(plan.micro_batches), plan.virtual_stages);
+  if (plan.jit_recompute) s = schedule::with_jit_recompute(s);
   return s.per_stage[size_t(pp)];
 }
 
@@ -102,6 +104,8 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
 }
 
 std::vector<int> activation_slots(const layout::Plan& plan, int pp) {
+  // Just-in-time recomputation keeps one micro-batch's activations per chunk.
+  if (plan.jit_recompute) return std::vector<int>(size_t(plan.virtual_stages), 1);
   if (plan.schedule != layout::ScheduleKind::adaptive)
     return activation_peaks(pipeline_program(plan, pp), plan.virtual_stages);
   const int64_t held = int64_t(plan.dispatch_cap(pp)) + plan.virtual_stages - 1;
@@ -116,6 +120,7 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
                    : pipeline_program(plan, pp)),
       slots_(runtime::activation_slots(plan, pp)),
       num_vs_(plan.num_stages()),
+      jit_(plan.jit_recompute),
       B_(plan.micro_batch),
       T_(seq_len),
       C_(hidden),
@@ -195,6 +200,7 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
                                  const int32_t* targets, float grad_scale) {
   Chunk& ch = stage.chunks()[size_t(c)];
   auto& m = *ch.model;
+  if (jit_) evict(ch);
   TESSEL_CHECK(ch.slot_of[size_t(mb)] < 0 && !ch.free_slots.empty(), Error,
                "internal: no free activation slot for micro-batch {} on virtual stage {} (the "
                "slots are sized from the schedule's peak in-flight micro-batches)",
@@ -219,6 +225,41 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
     std::copy(out, out + in.size(), in.begin());
   }
   return 0;
+}
+
+// Just-in-time recomputation: the chunk's one slot is given to the next forward or recompute,
+// dropping the activations of the micro-batch that held it (its backward recomputes them).
+void PipelineExecutor::evict(Chunk& ch) {
+  for (size_t mb = 0; mb < ch.slot_of.size(); ++mb) {
+    if (ch.slot_of[mb] < 0) continue;
+    ch.free_slots.push_back(ch.slot_of[mb]);
+    ch.slot_of[mb] = -1;
+  }
+}
+
+// Re-runs micro-batch mb's forward on chunk c from its kept input (the batch's tokens, or the
+// received or copied activation), unless its activations are still in the slot. The same
+// kernels on the same input give the same activations, so the backward is bit-identical to one
+// that kept them; on the head stage the loss is computed again and dropped.
+void PipelineExecutor::recompute(Stage& stage, int c, int mb, const int32_t* inputs,
+                                 const int32_t* targets, float grad_scale) {
+  Chunk& ch = stage.chunks()[size_t(c)];
+  if (ch.slot_of[size_t(mb)] >= 0) return;
+  evict(ch);
+  const int slot = ch.free_slots.back();
+  ch.free_slots.pop_back();
+  ch.slot_of[size_t(mb)] = slot;
+  auto& m = *ch.model;
+  if (!ch.range.has_embedding) {
+    const float* in = act_src_[size_t(c * M_ + mb)];
+    std::copy(in, in + B_ * T_ * C_, m.input_hidden(slot).data<float>());
+  }
+  const int32_t* tok = inputs + mb * B_ * T_;
+  const int32_t* first = ch.range.has_embedding ? tok : nullptr;
+  if (ch.range.has_head)
+    m.forward_stage(first, targets + mb * B_ * T_, grad_scale, slot);
+  else
+    m.forward_stage(first, nullptr, std::nullopt, slot);
 }
 
 // The input gradient a backward (or Bi) left, for the previous virtual stage when it is on this
@@ -304,6 +345,9 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
     case schedule::Op::backward_weight:
       backward_weight(stage, c, mb, last_backward);
       break;
+    case schedule::Op::recompute:
+      recompute(stage, c, mb, inputs, targets, grad_scale);
+      break;
     default:
       TESSEL_THROW(Error, "internal: {} is not a compute", schedule::to_string(ins));
   }
@@ -368,6 +412,7 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
       case schedule::Op::backward:
       case schedule::Op::backward_input:
       case schedule::Op::backward_weight:
+      case schedule::Op::recompute:
         r.loss_sum += compute(stage, ins, inputs, targets, grad_scale, last_backward);
         r.executed.push_back(ins);
         break;

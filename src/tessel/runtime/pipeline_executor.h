@@ -116,6 +116,9 @@ class PipelineExecutor {
   model::Transformer::GradsReady grads_ready(Chunk& ch, int c,
                                              const LastBackwardHook& last_backward);
   void release_slot(Chunk& ch, int mb);
+  void evict(Chunk& ch);
+  void recompute(Stage& stage, int c, int mb, const int32_t* inputs, const int32_t* targets,
+                 float grad_scale);
   // One compute of the list or the dispatcher (forward, B, Bi, Bw), then the injected delay.
   double compute(Stage& stage, const schedule::Instruction& ins, const int32_t* inputs,
                  const int32_t* targets, float grad_scale, const LastBackwardHook& last_backward);
@@ -138,6 +141,7 @@ class PipelineExecutor {
   std::vector<schedule::Instruction> program_;
   std::vector<int> slots_;
   int num_vs_ = 1;
+  bool jit_ = false;  // just-in-time recomputation: one slot per chunk, R before B
   int64_t B_ = 1, T_ = 1, C_ = 1, M_ = 1;  // micro-batch, seq_len, hidden, micro-batches
   int pp_ = 0;                             // this rank's pipeline coordinate
   std::vector<int> rank_of_vs_, chunk_of_vs_;

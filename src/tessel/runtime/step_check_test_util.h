@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -40,6 +41,7 @@
 #include "tessel/model/rounding_test_util.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/reference_trainer.h"
+#include "tessel/store/checkpoint_store.h"
 #include "tessel/testing/adam_divergence.h"
 #include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
@@ -71,6 +73,23 @@ inline std::map<int64_t, double> read_logged(const std::filesystem::path& metric
 // The loss logged for each step.
 inline std::map<int64_t, double> read_step_losses(const std::filesystem::path& metrics) {
   return read_logged(metrics, "loss", true);
+}
+
+// Two runs' latest checkpoints under `a` and `b` (checkpoint dirs) hold the same tensors, byte for
+// byte (parameters and Adam moments alike); returns the second's meta for further checks.
+inline nlohmann::json expect_same_latest_checkpoint(const std::filesystem::path& a,
+                                                    const std::filesystem::path& b) {
+  store::CheckpointReader x(*checkpoint::latest_sharded_checkpoint(a.string()));
+  store::CheckpointReader y(*checkpoint::latest_sharded_checkpoint(b.string()));
+  EXPECT_EQ(x.tensors().size(), y.tensors().size());
+  for (const auto& t : x.tensors()) {
+    const Tensor u = x.read(t.name), v = y.read(t.name);
+    EXPECT_EQ(u.numel(), v.numel()) << t.name;
+    if (u.numel() != v.numel()) continue;
+    EXPECT_EQ(std::memcmp(u.raw(), v.raw(), size_t(u.numel()) * dtype_size(u.dtype())), 0)
+        << t.name;
+  }
+  return y.meta();
 }
 
 // The eval loss logged for each step that evaluated (training.eval_every).

@@ -126,4 +126,36 @@ Schedule interleaved_one_f_one_b(int stages, int micro_batches, int chunks) {
   return schedule;
 }
 
+Schedule with_jit_recompute(const Schedule& s) {
+  Schedule out = s;
+  out.name = s.name + "+jit";
+  for (auto& list : out.per_stage) {
+    // Per chunk, the micro-batch whose activations are resident (-1: none).
+    std::vector<int> resident(size_t(s.chunks), -1);
+    std::vector<Instruction> with;
+    with.reserve(list.size() + size_t(s.micro_batches * s.chunks));
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Instruction& in = list[i];
+      TESSEL_CHECK(in.op != Op::backward_input && in.op != Op::backward_weight, ConfigError,
+                   "schedule '{}' splits its backward passes; just-in-time recomputation needs "
+                   "whole ones (gpipe, 1f1b, interleaved-1f1b)",
+                   s.name);
+      if (in.op == Op::forward) resident[size_t(in.chunk)] = in.micro_batch;
+      // The R goes before the B's receive, or before the B when it has none.
+      const bool starts_backward =
+          in.op == Op::recv_grad ||
+          (in.op == Op::backward &&
+           (with.empty() || with.back().op != Op::recv_grad ||
+            with.back().micro_batch != in.micro_batch || with.back().chunk != in.chunk));
+      if (starts_backward && resident[size_t(in.chunk)] != in.micro_batch) {
+        with.push_back({Op::recompute, in.micro_batch, in.chunk, -1});
+        resident[size_t(in.chunk)] = in.micro_batch;
+      }
+      with.push_back(in);
+    }
+    list = std::move(with);
+  }
+  return out;
+}
+
 }  // namespace tessel::schedule

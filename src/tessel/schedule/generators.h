@@ -28,4 +28,12 @@ Schedule one_f_one_b(int stages, int micro_batches);
 // chunks == 1 it is exactly one_f_one_b (Megatron-LM runs v = 1 through that schedule).
 Schedule interleaved_one_f_one_b(int stages, int micro_batches, int chunks);
 
+// Just-in-time recomputation (Varuna): `s` with every stage keeping one chunk's activations at a
+// time. A forward's activations stay until the next forward of that chunk overwrites them; each
+// B whose forward's were overwritten gets an R right before its receive of the gradient (before
+// the B itself when the gradient comes from this stage), so the recomputation runs while the
+// gradient travels. The name gains "+jit". Throws ConfigError for a schedule with split backward
+// passes (the Bw would need the activations after the B).
+Schedule with_jit_recompute(const Schedule& s);
+
 }  // namespace tessel::schedule

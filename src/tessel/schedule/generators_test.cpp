@@ -159,5 +159,52 @@ TEST(Generators, RejectSizesBelowOne) {
   EXPECT_THROW(interleaved_one_f_one_b(4, 8, 0), ConfigError);
 }
 
+TEST(JitRecompute, RecomputesRightBeforeWaitingForTheGradient) {
+  const Schedule s = with_jit_recompute(one_f_one_b(2, 3));
+  EXPECT_EQ(s.name, "1f1b+jit");
+  // Stage 0's forwards overwrite each other's activations: every backward but the one right
+  // after its forward recomputes first, before waiting for its gradient.
+  EXPECT_EQ(joined(s.per_stage[0]),
+            "F0.0 sendA0.0>1 F1.0 sendA1.0>1 R0.0 recvG0.0<1 B0.0 F2.0 sendA2.0>1 R1.0 "
+            "recvG1.0<1 B1.0 R2.0 recvG2.0<1 B2.0 step");
+  // The last stage runs each backward right after its forward: nothing to recompute.
+  EXPECT_EQ(compute_order(s.per_stage[1]), "F0.0 B0.0 F1.0 B1.0 F2.0 B2.0");
+  // Under GPipe the last forward's activations are gone by its backward too (R0 took the slot).
+  EXPECT_EQ(compute_order(with_jit_recompute(gpipe(2, 3)).per_stage[1]),
+            "F0.0 F1.0 F2.0 R0.0 B0.0 R1.0 B1.0 R2.0 B2.0");
+  // The text form carries it.
+  EXPECT_EQ(parse_schedule(to_string(s)), s);
+}
+
+TEST(JitRecompute, ValidatesOnGridAndNeedsWholeBackwards) {
+  for (int p : {1, 2, 3, 4})
+    for (int m : {1, 2, 4, 8}) {
+      validate(with_jit_recompute(gpipe(p, m)));
+      validate(with_jit_recompute(one_f_one_b(p, m)));
+      if (m % p == 0 && p > 1) validate(with_jit_recompute(interleaved_one_f_one_b(p, m, 2)));
+    }
+  Schedule zb = one_f_one_b(2, 2);
+  for (auto& list : zb.per_stage)
+    for (auto& in : list)
+      if (in.op == Op::backward) in.op = Op::backward_input;
+  EXPECT_THROW(with_jit_recompute(zb), ConfigError);
+  // A recomputation after its backward, or twice, is refused.
+  Schedule late = with_jit_recompute(one_f_one_b(2, 3));
+  auto& list = late.per_stage[0];
+  auto r = std::find_if(list.begin(), list.end(),
+                        [](const Instruction& in) { return in.op == Op::recompute; });
+  ASSERT_NE(r, list.end());
+  const Instruction moved = *r;
+  list.erase(r);
+  list.insert(list.end() - 1, moved);
+  EXPECT_THROW(validate(late), InvalidArgumentError);
+  Schedule twice = with_jit_recompute(one_f_one_b(2, 3));
+  auto& l2 = twice.per_stage[0];
+  auto r2 = std::find_if(l2.begin(), l2.end(),
+                         [](const Instruction& in) { return in.op == Op::recompute; });
+  l2.insert(r2, *r2);
+  EXPECT_THROW(validate(twice), InvalidArgumentError);
+}
+
 }  // namespace
 }  // namespace tessel::schedule

@@ -13,7 +13,7 @@ namespace tessel::schedule {
 namespace {
 
 // Longer codes first so that "Bi" is not read as "B" followed by garbage.
-constexpr std::array<std::pair<std::string_view, Op>, 9> kCodes = {{
+constexpr std::array<std::pair<std::string_view, Op>, 10> kCodes = {{
     {"sendA", Op::send_activation},
     {"recvA", Op::recv_activation},
     {"sendG", Op::send_grad},
@@ -23,6 +23,7 @@ constexpr std::array<std::pair<std::string_view, Op>, 9> kCodes = {{
     {"Bw", Op::backward_weight},
     {"F", Op::forward},
     {"B", Op::backward},
+    {"R", Op::recompute},
 }};
 
 // Reads a non-negative integer at the front of `s` and drops it; false if there is none.
@@ -70,7 +71,7 @@ int header_int(const std::string& word, std::string_view key, int line) {
 
 bool is_compute(Op op) {
   return op == Op::forward || op == Op::backward || op == Op::backward_input ||
-         op == Op::backward_weight;
+         op == Op::backward_weight || op == Op::recompute;
 }
 bool is_send(Op op) {
   return op == Op::send_activation || op == Op::send_grad;

@@ -29,6 +29,10 @@
 //     send_grad           sends B's (or Bi's) input gradient of vs to peer = the rank of vs - 1.
 //     recv_grad           receives the output gradient of vs from peer = the rank of vs + 1.
 //     optimizer_step      the last instruction of every stage (gradient all-reduce, update).
+//     recompute        R  re-runs the F of (micro_batch, chunk) from its kept input, right before
+//                         its B, because the forward's activations were dropped (just-in-time
+//                         recomputation, Varuna's: placed before the receive of the gradient, it
+//                         runs while the gradient is on its way). Costs one F.
 //   A send on rank s for (mb, chunk c) matches the receive on its peer for the same mb whose
 //   local chunk is the neighbouring virtual stage. When neighbouring virtual stages share a rank
 //   (p == 1) the data stays local: there is no send or receive.
@@ -58,6 +62,7 @@ enum class Op {
   send_grad,
   recv_grad,
   optimizer_step,
+  recompute,
 };
 
 // Unused fields stay -1: peer for compute, all three for optimizer_step.
@@ -95,7 +100,7 @@ inline int chunk_of(int stages, int virtual_stage, Placement placement = Placeme
   return virtual_stage / stages;
 }
 
-bool is_compute(Op op);  // forward, backward, backward_input, backward_weight
+bool is_compute(Op op);  // forward, backward, backward_input, backward_weight, recompute
 bool is_send(Op op);
 bool is_recv(Op op);
 

@@ -10,7 +10,7 @@
 namespace tessel::schedule {
 namespace {
 
-constexpr int kOps = int(Op::optimizer_step) + 1;
+constexpr int kOps = int(Op::recompute) + 1;
 
 // Sizes and neighbour relations of one schedule; (micro_batch, virtual stage) pairs index flat
 // tables as vs * m + mb.
@@ -86,6 +86,11 @@ void check_counts(const Schedule& s, const Shape& sh, int stage) {
                      s.name, stage, mb, chunk, n(op), op_code(op), want);
       };
       expect(Op::forward, 1);
+      TESSEL_CHECK(n(Op::recompute) <= 1 && (n(Op::recompute) == 0 || n(Op::backward) == 1),
+                   InvalidArgumentError,
+                   "schedule '{}' stage {}: micro_batch {} chunk {} has {} R; a recomputation "
+                   "runs at most once, before a whole B",
+                   s.name, stage, mb, chunk, n(Op::recompute));
       bool whole =
           n(Op::backward) == 1 && n(Op::backward_input) == 0 && n(Op::backward_weight) == 0;
       bool split =
@@ -183,6 +188,13 @@ class DryRunner {
         compute(in.op == Op::backward ? costs_.backward : costs_.backward_input);
         input_grad_[here] = clock;
         if (in.op == Op::backward) --in_flight_[stage];
+        return true;
+      case Op::recompute:
+        require(forward_[here] != kNotYet, "its F");
+        TESSEL_CHECK(input_grad_[here] == kNotYet, InvalidArgumentError,
+                     "{} runs after its B on this stage; a recomputation must come before it",
+                     at(s_, stage, i));
+        compute(costs_.forward);
         return true;
       case Op::backward_weight:
         require(input_grad_[here] != kNotYet, "its Bi");

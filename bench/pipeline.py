@@ -56,7 +56,10 @@ def write_config(args, work, schedule, m, tag, extra=""):
     P = args.stages
     metrics = work / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
-    v = 2 if schedule == "zb-v" else 1
+    v = 2 if schedule in ("zb-v", "adaptive-v") else 1
+    if schedule == "adaptive-v":
+        # The adaptive dispatcher on zb-v's V placement.
+        schedule, extra = "adaptive", extra + " v_shape: true,"
     cfg = work / f"{tag}.yaml"
     cfg.write_text(MODEL.format(hidden=args.hidden, ffn=4 * args.hidden) + f"""data: {{path: {args.data}, seq_len: {SEQ}, eval_fraction: 0.0}}
 training: {{steps: {args.steps}, global_batch: {2 * m}, micro_batch: 2, log_every: 1000,
@@ -214,12 +217,13 @@ def main():
     out = {"stages": P}
     parts = [a.only] if a.only else ["bubbles", "dispatcher", "transport", "recompute"]
     for m in ((8, 16) if "bubbles" in parts else ()):
-        for schedule in ("1f1b", "zb-h1", "zb-v"):
+        for schedule in ("1f1b", "zb-h1", "zb-v", "adaptive-v"):
             idle, step = run(a, work, schedule, m)
-            th = theory(schedule, P, m)
-            print(f"p={P} m={m:<3} {schedule:<6} bubble measured {idle:.3f}  theory {th:.3f}"
+            th = theory("zb-v" if schedule == "adaptive-v" else schedule, P, m)
+            print(f"p={P} m={m:<3} {schedule:<10} bubble measured {idle:.3f}  theory {th:.3f}"
                   + (f"  step {step * 1e3:.1f} ms" if step else ""))
-            key = {"1f1b": "1f1b", "zb-h1": "zbh1", "zb-v": "zbv"}[schedule]
+            key = {"1f1b": "1f1b", "zb-h1": "zbh1", "zb-v": "zbv", "adaptive-v": "adaptive_v"}[
+                schedule]
             suffix = "" if m == 8 else f"_m{m}"
             out[f"bubble_{key}{suffix}"] = round(idle, 4)
             out[f"bubble_{key}{suffix}_theory"] = round(th, 4)

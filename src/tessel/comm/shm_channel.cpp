@@ -138,7 +138,8 @@ std::unique_ptr<ShmChannel> ShmChannel::create(Role role, size_t capacity, std::
     TESSEL_THROW(IoError,
                  "shm channel to {}: cannot allocate {} bytes of shared memory: {}; free memory, "
                  "lower TransportOptions::shm_ring_bytes or turn shared memory off "
-                 "(TransportOptions::shared_memory = false)",
+                 "(TransportOptions::shared_memory = false; TESSEL_SHARED_MEMORY=0 for tessel "
+                 "train)",
                  ch->peer_, total, errno_text(e));
   }
   ch->map(fd, total);

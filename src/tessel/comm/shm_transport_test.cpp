@@ -6,6 +6,7 @@
 #include "tessel/comm/shm_transport.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <csignal>
@@ -125,6 +126,32 @@ TEST(ShmTransport, PairsShareMemoryUnlessOneSideTurnsItOff) {
     r.wait();
     s.wait();
     CHILD_CHECK(got[0] == (rank + 2) % 3 && got[4999] == (rank + 2) % 3, rank, "ring message");
+    return kChildOk;
+  });
+  for (const auto& o : out) EXPECT_TRUE(o.ok()) << testing::describe(out);
+}
+
+// A rank that cannot make its segments (here: a file-size limit below the ring's size, as a full
+// or too small shared-memory filesystem would refuse them) keeps the whole group on TCP, which
+// then works; it is not an error.
+TEST(ShmTransport, ARankThatCannotMakeItsSegmentsKeepsTheGroupOnTcp) {
+  tessel::testing::TempDir dir;
+  auto store = store_in(dir);
+  auto out = run_ranks(3, 60s, [&](int rank) {
+    if (rank == 1) {
+      std::signal(SIGXFSZ, SIG_IGN);
+      rlimit limit{64 * 1024, 64 * 1024};
+      CHILD_CHECK(setrlimit(RLIMIT_FSIZE, &limit) == 0, rank, "setrlimit");
+    }
+    TransportOptions big;
+    big.shm_ring_bytes = size_t(1) << 20;
+    auto c = Communicator::connect(store, "limited", rank, 3, 20s, big);
+    for (int p = 0; p < 3; ++p)
+      CHILD_CHECK(!c->shares_memory_with(p), rank, "peer " + std::to_string(p));
+    CHILD_CHECK(!c->collectives_share_memory(), rank, "collectives");
+    std::vector<float> v(100000, float(rank + 1));
+    c->all_reduce_sum(v.data(), v.size());
+    CHILD_CHECK(v[0] == 6.f && v[99999] == 6.f, rank, std::to_string(v[0]));
     return kChildOk;
   });
   for (const auto& o : out) EXPECT_TRUE(o.ok()) << testing::describe(out);

@@ -85,6 +85,7 @@ void read_plan(YamlSection& s, const TrainingConfig& training, layout::Plan& p) 
   s.read("zero_stage", p.zero_stage);
   s.read("memory_cap", p.memory_cap);
   s.read("jit_recompute", p.jit_recompute);
+  s.read("v_shape", p.v_shape);
   s.read("layers_per_stage", p.layers_per_stage);
   std::string schedule = std::string(layout::schedule_name(p.schedule));
   s.read("schedule", schedule);

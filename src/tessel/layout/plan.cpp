@@ -44,6 +44,7 @@ ScheduleKind parse_schedule(std::string_view name) {
 int Plan::dispatch_cap(int pp_rank) const {
   if (memory_cap > 0) return memory_cap;
   const int64_t v = virtual_stages, m = micro_batches, r = pp_rank;
+  if (v_shaped()) return int(std::max<int64_t>(1, std::min<int64_t>(v * m, 2 * pp)));
   if (v == 1) return int(std::max<int64_t>(1, std::min<int64_t>(m, pp - r)));
   return int(std::max<int64_t>(1, std::min<int64_t>(v * m, 2 * (pp - r - 1) + (v - 1) * pp + 1)));
 }
@@ -252,19 +253,20 @@ void Plan::validate(const model::ModelConfig& config, int64_t global_batch, int 
                  "of pp ({}); use micro_batches {} or {}",
                  micro_batches, pp, std::max<int64_t>(pp, micro_batches / pp * pp),
                  (micro_batches / pp + 1) * pp);
-  } else if (schedule == ScheduleKind::zb_v) {
+  } else if (v_shaped()) {
     TESSEL_CHECK(virtual_stages == 2, ConfigError,
-                 "plan: the zb-v schedule places two model chunks per pipeline rank as a V; set "
+                 "plan: the {} places two model chunks per pipeline rank as a V; set "
                  "virtual_stages to 2 (have {})",
+                 schedule == ScheduleKind::zb_v ? "zb-v schedule" : "v_shape placement",
                  virtual_stages);
     // Rank 0 holds the embedding (virtual stage 0) and the head (the last): tied, it would hold
     // the embedding twice.
     TESSEL_CHECK(
         !config.tie_embeddings, ConfigError,
-        "plan: the zb-v schedule puts the embedding and the head of model '{}' on pipeline "
-        "rank 0, and its head is tied to the embedding, which the runtime does not share "
-        "within a rank yet; use schedule zb-h1 or 1f1b, or a model with tie_embeddings: "
-        "false",
+        "plan: the V (schedule zb-v, or v_shape) puts the embedding and the head of model "
+        "'{}' on pipeline rank 0, and its head is tied to the embedding, which the runtime "
+        "does not share within a rank yet; use schedule zb-h1 or 1f1b (or no v_shape), or a "
+        "model with tie_embeddings: false",
         name);
   } else if (schedule != ScheduleKind::adaptive) {
     TESSEL_CHECK(virtual_stages == 1, ConfigError,
@@ -284,6 +286,10 @@ void Plan::validate(const model::ModelConfig& config, int64_t global_batch, int 
   TESSEL_CHECK(!jit_recompute || recompute == model::Recompute::none, ConfigError,
                "plan: jit_recompute recomputes whole stages; set recompute to none (it is {})",
                model::recompute_name(recompute));
+  TESSEL_CHECK(!v_shape || schedule == ScheduleKind::adaptive, ConfigError,
+               "plan: v_shape places the adaptive schedule's chunks as a V; the {} schedule "
+               "fixes its own placement (zb-v is the V of fixed lists); remove v_shape",
+               schedule_name(schedule));
   TESSEL_CHECK(memory_cap >= 0, ConfigError,
                "plan: memory_cap {} is negative; give the micro-batches of activations a "
                "pipeline rank may hold (>= 1), or 0 for 1F1B's budget",
@@ -326,6 +332,7 @@ std::string Plan::describe() const {
     s += recompute == model::Recompute::full ? " recompute" : " recompute=selective";
   if (memory_cap > 0) s += fmt::format(" cap={}", memory_cap);
   if (jit_recompute) s += " jit-recompute";
+  if (v_shape) s += " v-shape";
   if (order != RankOrder::tp_dp_pp) s += fmt::format(" order={}", rank_order_name(order));
   if (layers_per_stage.size() > 1) s += fmt::format(" units={}", fmt::join(layers_per_stage, ","));
   return s;
@@ -346,6 +353,7 @@ nlohmann::json to_json(const Plan& p) {
       {"rank_order", rank_order_name(p.order)},
       {"memory_cap", p.memory_cap},
       {"jit_recompute", p.jit_recompute},
+      {"v_shape", p.v_shape},
   };
 }
 
@@ -430,6 +438,12 @@ Plan plan_from_json(const nlohmann::json& doc) {
     TESSEL_CHECK(jit.is_boolean(), CorruptDataError,
                  "plan document: 'jit_recompute' is {}, not true or false", jit.dump());
     p.jit_recompute = jit.get<bool>();
+  }
+  if (doc.contains("v_shape")) {
+    const auto& v = doc.at("v_shape");
+    TESSEL_CHECK(v.is_boolean(), CorruptDataError,
+                 "plan document: 'v_shape' is {}, not true or false", v.dump());
+    p.v_shape = v.get<bool>();
   }
   return p;
 }

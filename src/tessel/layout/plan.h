@@ -82,6 +82,9 @@ struct Plan {
   // adaptive: micro-batches of activations a pipeline rank may hold at once (summed over its
   // chunks); 0 means 1F1B's budget on that rank (dispatch_cap).
   int memory_cap = 0;
+  // adaptive with virtual_stages 2: place the two chunks per rank as zb-v's V instead of
+  // interleaved (rank r holds virtual stages r and 2 pp - 1 - r).
+  bool v_shape = false;
   // Units (see above) per pipeline stage, num_stages() entries; empty means "the default split"
   // (with_defaults fills it in).
   std::vector<int> layers_per_stage;
@@ -100,7 +103,9 @@ struct Plan {
   // the stage a (pipeline rank, chunk) pair holds.
   // The map between virtual stages and (pipeline rank, local chunk): interleaved, or a V for
   // zb-v (see ScheduleKind).
-  bool v_shaped() const { return schedule == ScheduleKind::zb_v; }
+  bool v_shaped() const {
+    return schedule == ScheduleKind::zb_v || (schedule == ScheduleKind::adaptive && v_shape);
+  }
   // Whether the schedule splits each backward into its input and weight gradients (zero-bubble).
   bool split_backward() const {
     return schedule == ScheduleKind::zb_h1 || schedule == ScheduleKind::zb_v ||
@@ -108,7 +113,7 @@ struct Plan {
   }
   // The adaptive dispatcher's memory cap on pipeline rank `pp_rank`: memory_cap, or when 0 the
   // most micro-batches 1F1B (interleaved 1F1B for virtual_stages > 1) holds there:
-  // min(m, pp - r), or min(v m, 2 (pp - r - 1) + (v - 1) pp + 1).
+  // min(m, pp - r), or min(v m, 2 (pp - r - 1) + (v - 1) pp + 1); on a V, ZB-V's min(2 m, 2 pp).
   int dispatch_cap(int pp_rank) const;
   int pp_rank_of_stage(int stage) const {
     return v_shaped() && stage >= pp ? 2 * pp - 1 - stage : stage % pp;

@@ -397,6 +397,23 @@ TEST(Plan, AdaptiveScheduleCapsMemoryAtOneFOneBsBudgetUnlessTold) {
   nlohmann::json old = to_json(Plan{});
   old.erase("memory_cap");
   EXPECT_EQ(plan_from_json(old).memory_cap, 0);
+  // On a V: zb-v's placement and budget (2 pp chunk activations).
+  p.memory_cap = 0;
+  p.v_shape = true;
+  EXPECT_TRUE(p.v_shaped());
+  EXPECT_EQ(p.stage_of(0, 1), 7);
+  EXPECT_EQ(p.dispatch_cap(0), 8);
+  EXPECT_EQ(plan_from_json(to_json(p)), p);
+  const ModelConfig llama = ModelConfig::preset("llama-tiny");
+  EXPECT_NO_THROW(p.validate(llama, 8, 4));
+  EXPECT_THAT(config_error([&] { p.validate(ModelConfig::preset("gpt2-tiny"), 8, 4); }),
+              HasSubstr("tied to the embedding"));
+  p.virtual_stages = 3;
+  EXPECT_THAT(config_error([&] { p.validate(llama, 8, 4); }),
+              HasSubstr("v_shape placement places two model chunks"));
+  p.virtual_stages = 2;
+  p.schedule = ScheduleKind::interleaved_one_f_one_b;
+  EXPECT_THAT(config_error([&] { p.validate(llama, 8, 4); }), HasSubstr("remove v_shape"));
 }
 
 TEST(Plan, JitRecomputeSurvivesAPlanFileAndNeedsWholeBackwards) {

@@ -378,7 +378,9 @@ class ListRun {
 class GreedyRun {
  public:
   GreedyRun(const GreedyOptions& o, const SimConfig& config)
-      : o_(o), model_("simulate_greedy", "greedy", o.stages, o.micro_batches, o.chunks, config) {
+      : o_(o),
+        model_("simulate_greedy", "greedy", o.stages, o.micro_batches, o.chunks, config,
+               o.placement) {
     const size_t p = size_t(o.stages);
     stages_.reserve(p);
     for (int s = 0; s < o.stages; ++s) {

@@ -136,6 +136,8 @@ struct GreedyOptions {
   // gives every stage 1F1B's activation budget.
   std::vector<int> stage_memory_caps = {};
   bool split_backward = false;  // Bi then Bw instead of B
+  // Where the chunks sit: interleaved, or (chunks 2) zb-v's V.
+  schedule::Placement placement = schedule::Placement::interleaved;
 };
 
 // Throws ConfigError for sizes or a cap below 1 and for a config that does not fit. Any cap

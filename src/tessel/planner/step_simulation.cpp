@@ -206,6 +206,7 @@ PipelineSchedule pipeline_schedule(const std::string& kind, const SimulateReques
   ps.dispatcher.micro_batches = m;
   ps.dispatcher.chunks = v;
   ps.dispatcher.split_backward = kind == "adaptive";
+  if (plan.v_shaped()) ps.dispatcher.placement = schedule::Placement::v_shape;
   if (rq.memory_cap > 0) {
     ps.dispatcher.memory_cap = rq.memory_cap;
   } else if (kind == "adaptive") {

@@ -2,7 +2,8 @@
 // from what has arrived (schedule/dispatcher.h) instead of following a list. Per chunk it still
 // runs the forwards, the backwards and the weight-gradient passes in micro-batch order, so every
 // gradient sums its micro-batches in 1F1B's order: the run must be bit-identical to 1F1B
-// (interleaved 1F1B with virtual stages) -- the same logged losses and the same saved state,
+// (interleaved 1F1B with virtual stages, zb-v on the V placement) -- the same logged losses and
+// the same saved state,
 // byte for byte, Adam moments included -- whatever the timing. The timing is made adversarial
 // with TESSEL_PIPELINE_DELAY: every rank sleeps a random 0 to 6 times each compute's duration,
 // from its own seed, so arrivals interleave differently on every rank and every step, and the
@@ -41,9 +42,11 @@ struct Case {
   int dp = 1, tp = 1, pp = 2, v = 1;
   int cap = 0;  // 0: 1F1B's budget
   std::string delay;
+  bool v_shape = false;  // the V placement, against zb-v
+  std::string reference() const { return v_shape ? "zb-v" : v == 1 ? "1f1b" : "interleaved-1f1b"; }
   std::string name() const {
-    auto s = fmt::format("{}_dp{}_tp{}_pp{}_v{}_cap{}{}", preset, dp, tp, pp, v, cap,
-                         delay.empty() ? "" : "_delayed");
+    auto s = fmt::format("{}_dp{}_tp{}_pp{}_v{}{}_cap{}{}", preset, dp, tp, pp, v,
+                         v_shape ? "_vshape" : "", cap, delay.empty() ? "" : "_delayed");
     for (char& ch : s)
       if (ch == '-') ch = '_';
     return s;
@@ -75,8 +78,10 @@ TEST_P(AdaptiveRun, IsBitIdenticalToOneFOneB) {
     std::string out;
     EXPECT_EQ(train(cfg, c.dp * c.tp * c.pp, env, &out), 0) << out;
   };
-  run("list", c.v == 1 ? "1f1b" : "interleaved-1f1b", "", "");
-  run("adaptive", "adaptive", c.cap > 0 ? fmt::format(", memory_cap: {}", c.cap) : "",
+  run("list", c.reference(), "", "");
+  run("adaptive", "adaptive",
+      (c.cap > 0 ? fmt::format(", memory_cap: {}", c.cap) : "") +
+          (c.v_shape ? ", v_shape: true" : ""),
       c.delay.empty() ? "" : "TESSEL_PIPELINE_DELAY=" + c.delay);
   if (HasFailure()) return;
 
@@ -105,6 +110,9 @@ std::vector<Case> cases() {
       {.preset = "gpt2-tiny", .tp = 2, .pp = 2, .cap = 1, .delay = adversarial},
       {.preset = "llama-tiny", .tp = 2, .pp = 2, .v = 2, .delay = adversarial},
       {.preset = "gpt2-tiny", .dp = 2, .pp = 2, .v = 2, .cap = 1, .delay = adversarial},
+      // The V (untied models): against zb-v's fixed lists, whose Bw also run in micro-batch order.
+      {.preset = "llama-tiny", .pp = 2, .v = 2, .delay = adversarial, .v_shape = true},
+      {.preset = "llama-tiny", .pp = 3, .v = 2, .cap = 1, .delay = adversarial, .v_shape = true},
   };
 }
 

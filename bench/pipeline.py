@@ -210,6 +210,7 @@ def main():
     ap.add_argument("--only", choices=["bubbles", "dispatcher", "transport", "recompute"],
                     help="run one part only")
     a = ap.parse_args()
+    a.data = str(pathlib.Path(a.data).resolve())
     P = a.stages
     print(f"pipeline stages: {P} ({os.cpu_count()} cores)")
     work = pathlib.Path(a.work).resolve()

@@ -18,6 +18,7 @@
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/model/batch_test_util.h"
+#include "tessel/model/bit_identity_test_util.h"
 #include "tessel/model/local_tp_group_test_util.h"
 #include "tessel/model/recompute.h"
 #include "tessel/model/transformer.h"
@@ -28,39 +29,12 @@ namespace {
 using test_util::Batch;
 using test_util::copy_of;
 
-constexpr Recompute kModes[] = {Recompute::none, Recompute::selective, Recompute::full};
+using test_util::same_bits;
+using Case = test_util::ModelCase;
+constexpr auto& kModes = test_util::kRecomputeModes;
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-bool same_bits(const kernels::CrossEntropyResult& a, const kernels::CrossEntropyResult& b) {
-  return a.valid == b.valid && std::memcmp(&a.loss_sum, &b.loss_sum, sizeof(double)) == 0;
-}
-
-struct Case {
-  std::string name;
-  ModelConfig config;
-};
-
-// gpt2 (fused QKV, biases) and llama (GQA: 4 query heads on 2 kv heads), each tied and untied,
-// and multi-query llama (one kv head). Three blocks, so that a block between two others is
-// covered.
 std::vector<Case> cases() {
-  std::vector<Case> out;
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    for (bool tied : {true, false}) {
-      ModelConfig c = ModelConfig::preset(preset);
-      c.n_layer = 3;
-      c.tie_embeddings = tied;
-      out.push_back({std::string(family_name(c.family)) + (tied ? "_tied" : "_untied"), c});
-    }
-  }
-  ModelConfig mqa = ModelConfig::preset("llama-tiny");
-  mqa.n_layer = 3;
-  mqa.n_kv_head = 1;
-  out.push_back({"llama_mqa", mqa});
-  return out;
+  return test_util::three_block_cases();
 }
 
 // ---- whole models ------------------------------------------------------------------------------

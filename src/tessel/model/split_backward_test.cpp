@@ -23,6 +23,7 @@
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/model/batch_test_util.h"
+#include "tessel/model/bit_identity_test_util.h"
 #include "tessel/model/local_tp_group_test_util.h"
 #include "tessel/model/recompute.h"
 #include "tessel/model/transformer.h"
@@ -33,43 +34,12 @@ namespace {
 using test_util::Batch;
 using test_util::copy_of;
 
-constexpr Recompute kModes[] = {Recompute::none, Recompute::selective, Recompute::full};
+using test_util::same_bits;
+using Case = test_util::ModelCase;
+constexpr auto& kModes = test_util::kRecomputeModes;
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-bool same_bits(const kernels::CrossEntropyResult& a, const kernels::CrossEntropyResult& b) {
-  return a.valid == b.valid && std::memcmp(&a.loss_sum, &b.loss_sum, sizeof(double)) == 0;
-}
-
-struct Case {
-  std::string name;
-  ModelConfig config;
-};
-
-// gpt2 (fused QKV, biases) tied and untied, gpt2 without biases, llama (GQA: 4 query heads on 2
-// kv heads) tied and untied, and multi-query llama. Three blocks: one per stage of a three-stage
-// pipeline.
 std::vector<Case> cases() {
-  std::vector<Case> out;
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    for (bool tied : {true, false}) {
-      ModelConfig c = ModelConfig::preset(preset);
-      c.n_layer = 3;
-      c.tie_embeddings = tied;
-      out.push_back({std::string(family_name(c.family)) + (tied ? "_tied" : "_untied"), c});
-    }
-  }
-  ModelConfig nobias = ModelConfig::preset("gpt2-tiny");
-  nobias.n_layer = 3;
-  nobias.bias = false;
-  out.push_back({"gpt2_nobias", nobias});
-  ModelConfig mqa = ModelConfig::preset("llama-tiny");
-  mqa.n_layer = 3;
-  mqa.n_kv_head = 1;
-  out.push_back({"llama_mqa", mqa});
-  return out;
+  return test_util::three_block_cases();
 }
 
 // ---- pipelines of stages with interleaved slots ------------------------------------------------

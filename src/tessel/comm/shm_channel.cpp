@@ -501,8 +501,12 @@ void ShmChannel::abort(const std::string& reason) noexcept {
     set_failure("aborted by this process");
   }
   if (header_ == nullptr) return;
+  announce(role_ == Role::kSender ? kSenderAborted : kReceiverAborted);
+}
+
+void ShmChannel::announce(uint32_t flag) noexcept {
   Header& h = *header_;
-  h.state.fetch_or(role_ == Role::kSender ? kSenderAborted : kReceiverAborted);
+  h.state.fetch_or(flag);
   // Whoever sleeps on either word (the peer, or another thread of this process) wakes and sees
   // the flag.
   h.data_seq.fetch_add(1);
@@ -515,13 +519,7 @@ void ShmChannel::abort(const std::string& reason) noexcept {
 void ShmChannel::close() noexcept {
   if (header_ == nullptr) return;
   set_failure("closed by this process");
-  Header& h = *header_;
-  h.state.fetch_or(role_ == Role::kSender ? kSenderClosed : kReceiverClosed);
-  h.data_seq.fetch_add(1);
-  h.space_seq.fetch_add(1);
-  futex_wake(h.data_seq);
-  futex_wake(h.space_seq);
-  futex_wake(h.state);
+  announce(role_ == Role::kSender ? kSenderClosed : kReceiverClosed);
 }
 
 }  // namespace tessel::comm

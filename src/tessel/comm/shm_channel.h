@@ -160,6 +160,8 @@ class ShmChannel {
   void wait_for(const char* op, std::atomic<uint32_t>& seq, std::atomic<uint32_t>& sleeping,
                 Ready&& ready, size_t done, size_t total, Clock::time_point deadline);
   void set_failure(const std::string& message) noexcept;
+  // Sets `flag` in the state word and wakes every sleeper on the channel to see it.
+  void announce(uint32_t flag) noexcept;
   [[noreturn]] void fail(bool timeout, const std::string& message);
   void publish_head(uint64_t head);
   void publish_tail(uint64_t tail);

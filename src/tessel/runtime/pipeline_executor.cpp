@@ -194,12 +194,12 @@ float* PipelineExecutor::send_buffer(const float* data) {
   return buf;
 }
 
-// Runs the chunk's forward on micro-batch mb in a free activation slot (its received input copied
-// there); returns the loss sum on the head stage (0 elsewhere).
-double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inputs,
-                                 const int32_t* targets, float grad_scale) {
-  Chunk& ch = stage.chunks()[size_t(c)];
-  auto& m = *ch.model;
+// Gives micro-batch mb a free activation slot of the chunk (under just-in-time recomputation
+// its one slot, dropping the activations of the micro-batch that held it: that one's backward
+// recomputes them) and runs the chunk's forward there on its input: the batch's tokens, or the
+// received (or copied) activation. Returns the loss sum on the head stage (0 elsewhere).
+double PipelineExecutor::forward_into_slot(Chunk& ch, int c, int mb, const int32_t* inputs,
+                                           const int32_t* targets, float grad_scale) {
   if (jit_) evict(ch);
   TESSEL_CHECK(ch.slot_of[size_t(mb)] < 0 && !ch.free_slots.empty(), Error,
                "internal: no free activation slot for micro-batch {} on virtual stage {} (the "
@@ -208,23 +208,32 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
   const int slot = ch.free_slots.back();
   ch.free_slots.pop_back();
   ch.slot_of[size_t(mb)] = slot;
+  auto& m = *ch.model;
   if (!ch.range.has_embedding) {
     const float* in = act_src_[size_t(c * M_ + mb)];
     std::copy(in, in + B_ * T_ * C_, m.input_hidden(slot).data<float>());
   }
-  const int32_t* tok = inputs + mb * B_ * T_;
-  const int32_t* tgt = targets + mb * B_ * T_;
-  const int32_t* first = ch.range.has_embedding ? tok : nullptr;
-  if (ch.range.has_head) return m.forward_stage(first, tgt, grad_scale, slot).loss_sum;
+  const int32_t* first = ch.range.has_embedding ? inputs + mb * B_ * T_ : nullptr;
+  if (ch.range.has_head)
+    return m.forward_stage(first, targets + mb * B_ * T_, grad_scale, slot).loss_sum;
   m.forward_stage(first, nullptr, std::nullopt, slot);
+  return 0;
+}
+
+// Runs the chunk's forward on micro-batch mb in a free activation slot; returns the loss sum on
+// the head stage (0 elsewhere).
+double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inputs,
+                                 const int32_t* targets, float grad_scale) {
+  Chunk& ch = stage.chunks()[size_t(c)];
+  const double loss = forward_into_slot(ch, c, mb, inputs, targets, grad_scale);
   // The next virtual stage on this rank (the turn of a V) reads the output here, not from a
   // message.
   if (local_next(ch.vs)) {
-    const float* out = m.output_hidden(slot).data<float>();
+    const float* out = ch.model->output_hidden(ch.slot_of[size_t(mb)]).data<float>();
     auto& in = act_in_[size_t(chunk_of_vs(ch.vs + 1) * M_ + mb)];
     std::copy(out, out + in.size(), in.begin());
   }
-  return 0;
+  return loss;
 }
 
 // Just-in-time recomputation: the chunk's one slot is given to the next forward or recompute,
@@ -237,29 +246,15 @@ void PipelineExecutor::evict(Chunk& ch) {
   }
 }
 
-// Re-runs micro-batch mb's forward on chunk c from its kept input (the batch's tokens, or the
-// received or copied activation), unless its activations are still in the slot. The same
-// kernels on the same input give the same activations, so the backward is bit-identical to one
-// that kept them; on the head stage the loss is computed again and dropped.
+// Re-runs micro-batch mb's forward on chunk c, unless its activations are still in the slot. The
+// same kernels on the same input give the same activations, so the backward is bit-identical to
+// one that kept them; on the head stage the loss is computed again and dropped (the output for a
+// local next stage was copied by the first forward already).
 void PipelineExecutor::recompute(Stage& stage, int c, int mb, const int32_t* inputs,
                                  const int32_t* targets, float grad_scale) {
   Chunk& ch = stage.chunks()[size_t(c)];
   if (ch.slot_of[size_t(mb)] >= 0) return;
-  evict(ch);
-  const int slot = ch.free_slots.back();
-  ch.free_slots.pop_back();
-  ch.slot_of[size_t(mb)] = slot;
-  auto& m = *ch.model;
-  if (!ch.range.has_embedding) {
-    const float* in = act_src_[size_t(c * M_ + mb)];
-    std::copy(in, in + B_ * T_ * C_, m.input_hidden(slot).data<float>());
-  }
-  const int32_t* tok = inputs + mb * B_ * T_;
-  const int32_t* first = ch.range.has_embedding ? tok : nullptr;
-  if (ch.range.has_head)
-    m.forward_stage(first, targets + mb * B_ * T_, grad_scale, slot);
-  else
-    m.forward_stage(first, nullptr, std::nullopt, slot);
+  forward_into_slot(ch, c, mb, inputs, targets, grad_scale);
 }
 
 // The input gradient a backward (or Bi) left, for the previous virtual stage when it is on this

@@ -117,6 +117,8 @@ class PipelineExecutor {
                                              const LastBackwardHook& last_backward);
   void release_slot(Chunk& ch, int mb);
   void evict(Chunk& ch);
+  double forward_into_slot(Chunk& ch, int c, int mb, const int32_t* inputs, const int32_t* targets,
+                           float grad_scale);
   void recompute(Stage& stage, int c, int mb, const int32_t* inputs, const int32_t* targets,
                  float grad_scale);
   // One compute of the list or the dispatcher (forward, B, Bi, Bw), then the injected delay.

@@ -18,19 +18,17 @@ namespace {
 using namespace std::chrono_literals;
 using testing::catch_error;
 using testing::Caught;
+using testing::contains;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
+using testing::touch;
+using testing::wait_for_file;
 using testing::what_throws;
 
 StoreOptions store_in(const tessel::testing::TempDir& dir, int64_t generation = 0,
                       std::chrono::milliseconds timeout = 20s) {
-  StoreOptions o;
-  o.path = (dir.path() / "rendezvous").string();
-  o.job_id = "job-a";
-  o.generation = generation;
-  o.timeout = timeout;
-  return o;
+  return testing::file_store(dir, "job-a", generation, timeout);
 }
 
 // A value every rank can compute for any rank: small integers, so float sums are exact and the
@@ -417,15 +415,6 @@ TEST(CommunicatorTest, PerCallTimeoutOverridesDefault) {
   EXPECT_GE(timeouts, 1) << testing::describe(outcomes);
 }
 
-void touch(const tessel::testing::TempDir& dir, const std::string& name) {
-  std::ofstream(dir.path() / name).put('x');
-}
-
-// Waits for a file another child creates; the parent's deadline bounds the wait.
-void wait_for_file(const tessel::testing::TempDir& dir, const std::string& name) {
-  while (!std::filesystem::exists(dir.path() / name)) std::this_thread::sleep_for(1ms);
-}
-
 // A peer dies while a large message to or from it is half transferred. Gloo does not wake such a
 // transfer when the connection breaks (only queued ones); the watchdog must, long before the
 // 30 s timeout.
@@ -596,10 +585,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, SigkillTest,
                                return std::string("SendRecv");
                            }
                          });
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // Rank 0 waits for a message rank 1 never sends while another of its threads aborts the
 // communicator: the wait must end with PeerLostError naming the reason. Rank 1 (in an all-reduce

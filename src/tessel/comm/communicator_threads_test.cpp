@@ -31,10 +31,13 @@ namespace {
 using namespace std::chrono_literals;
 using testing::catch_error;
 using testing::Caught;
+using testing::contains;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
 using testing::thrown_name;
+using testing::touch;
+using testing::wait_for_file;
 
 constexpr size_t kRingBytes = size_t(64) << 10;
 // Sizes cycle through these: empty, small (copied into the ring at once), about a ring, and up to
@@ -45,24 +48,7 @@ constexpr size_t kMaxBytes = size_t(256) << 10;
 constexpr int kWindow = 4;  // an arrival thread posts 1..kWindow receives, then waits for them
 
 StoreOptions store_in(const tessel::testing::TempDir& dir) {
-  StoreOptions o;
-  o.path = (dir.path() / "rendezvous").string();
-  o.job_id = "threads-job";
-  o.timeout = 20s;
-  return o;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-void touch(const tessel::testing::TempDir& dir, const std::string& name) {
-  std::ofstream(dir.path() / name).put('x');
-}
-
-// Waits for a file another child creates; the parent's deadline bounds the wait.
-void wait_for_file(const tessel::testing::TempDir& dir, const std::string& name) {
-  while (!std::filesystem::exists(dir.path() / name)) std::this_thread::sleep_for(1ms);
+  return testing::file_store(dir, "threads-job");
 }
 
 // The k-th message rank `from` sends rank `to`: its size, its bytes and its tag (a sequence per

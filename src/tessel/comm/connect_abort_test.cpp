@@ -41,24 +41,14 @@ namespace {
 using namespace std::chrono_literals;
 using testing::catch_error;
 using testing::Caught;
+using testing::contains;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
+using testing::touch;
+using testing::wait_for_file;
 
 constexpr auto kStoreTimeout = 60s;
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-void touch(const tessel::testing::TempDir& dir, const std::string& name) {
-  std::ofstream(dir.path() / name).put('x');
-}
-
-// Waits for a file another child creates; the parent's deadline bounds the wait.
-void wait_for_file(const tessel::testing::TempDir& dir, const std::string& name) {
-  while (!std::filesystem::exists(dir.path() / name)) std::this_thread::sleep_for(1ms);
-}
 
 enum class StoreKind { kFile, kControl };
 

@@ -12,14 +12,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "tessel/comm/store.h"
 #include "tessel/core/error.h"
 #include "tessel/process/fork_children.h"
+#include "tessel/testing/testing.h"
 
 namespace tessel::comm::testing {
 
@@ -98,6 +102,33 @@ Caught catch_error(int rank, F&& f) {
 template <typename F>
 Thrown what_throws(int rank, F&& f) {
   return catch_error(rank, std::forward<F>(f)).kind;
+}
+
+// A file store in `dir` for job `job_id`: the rendezvous of the tests' communicators.
+inline StoreOptions file_store(const tessel::testing::TempDir& dir, const std::string& job_id,
+                               int64_t generation = 0,
+                               std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  StoreOptions o;
+  o.path = (dir.path() / "rendezvous").string();
+  o.job_id = job_id;
+  o.generation = generation;
+  o.timeout = timeout;
+  return o;
+}
+
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Children signal each other through files in the test's directory.
+inline void touch(const tessel::testing::TempDir& dir, const std::string& name) {
+  std::ofstream(dir.path() / name).put('x');
+}
+
+// Waits for a file another child creates; the parent's deadline bounds the wait.
+inline void wait_for_file(const tessel::testing::TempDir& dir, const std::string& name) {
+  while (!std::filesystem::exists(dir.path() / name))
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 }  // namespace tessel::comm::testing

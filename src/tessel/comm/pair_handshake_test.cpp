@@ -27,6 +27,7 @@ namespace tessel::comm {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::contains;
 using Clock = std::chrono::steady_clock;
 using testing::kChildOk;
 using testing::run_ranks;
@@ -35,10 +36,6 @@ constexpr auto kStoreTimeout = 20s;
 constexpr auto kDeadline = 60s;  // the parent's bound on every test's children
 const std::string kSecret = "the-job-secret-0123456789";
 const std::string kOtherSecret = "another-secret-9876543210";
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 enum class StoreKind { kFile, kControl };
 

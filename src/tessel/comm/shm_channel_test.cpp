@@ -23,6 +23,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::catch_error;
 using testing::Caught;
+using testing::contains;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
@@ -32,10 +33,6 @@ using Role = ShmChannel::Role;
 
 constexpr size_t kMiB = size_t(1) << 20;
 constexpr size_t kRing = 64 * 1024;  // small, so that most messages wrap or stream
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // One pipe per rank, made before the fork: how a test hands a channel's name to the rank that
 // opens it (the Communicator uses its Gloo mesh instead).

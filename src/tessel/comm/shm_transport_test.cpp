@@ -46,27 +46,20 @@ namespace {
 using namespace std::chrono_literals;
 using testing::catch_error;
 using testing::Caught;
+using testing::contains;
 using testing::kChildOk;
 using testing::run_ranks;
 using testing::Thrown;
 using testing::thrown_name;
 
 StoreOptions store_in(const tessel::testing::TempDir& dir) {
-  StoreOptions o;
-  o.path = (dir.path() / "rendezvous").string();
-  o.job_id = "shm-job";
-  o.timeout = 20s;
-  return o;
+  return testing::file_store(dir, "shm-job");
 }
 
 TransportOptions tcp_only() {
   TransportOptions t;
   t.shared_memory = false;
   return t;
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 uint64_t fnv(const void* p, size_t n) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "tessel/config/train_config.h"
+#include "tessel/core/error.h"
 #include "tessel/data/tokenizer.h"
 #include "tessel/testing/testing.h"
 
@@ -36,6 +37,24 @@ inline std::string write_config(const tessel::testing::TempDir& dir, const std::
                       << "data: {path: " << data_path << ", seq_len: 16, eval_fraction: 0.1}\n"
                       << extra;
   return path;
+}
+
+// The ConfigError a `parallel:` section (YAML flow map) gets when the config is loaded and its
+// plan validated (steps 1, global batch 4, micro-batch 1, gpt2-tiny or `preset`), or "" when it is
+// accepted.
+inline std::string parallel_config_error(const tessel::testing::TempDir& dir,
+                                         const std::string& data_path, const std::string& parallel,
+                                         const std::string& preset = "gpt2-tiny") {
+  try {
+    auto cfg = TrainConfig::load(write_config(
+        dir, data_path,
+        "training: {steps: 1, global_batch: 4, micro_batch: 1}\nparallel: " + parallel + "\n",
+        "parallel_check.yaml", preset));
+    cfg.plan.validate(cfg.model, cfg.training.global_batch, cfg.plan.world());
+    return "";
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
 }
 
 }  // namespace tessel::config::testing

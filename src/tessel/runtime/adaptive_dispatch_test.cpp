@@ -30,13 +30,6 @@ using config::testing::make_corpus;
 using config::testing::write_config;
 using tessel::testing::TempDir;
 
-int train(const std::string& cfg, int nproc, const std::string& env, std::string* out) {
-  return tessel::testing::run_command(
-      fmt::format("OMP_NUM_THREADS=1 {} {} train {} --nproc {}", env,
-                  tessel::testing::tessel_binary().string(), cfg, nproc),
-      out);
-}
-
 struct Case {
   std::string preset;
   int dp = 1, tp = 1, pp = 2, v = 1;
@@ -76,7 +69,7 @@ TEST_P(AdaptiveRun, IsBitIdenticalToOneFOneB) {
                     tag, c.dp, c.tp, c.pp, c.v, schedule, extra),
         tag + ".yaml", c.preset);
     std::string out;
-    EXPECT_EQ(train(cfg, c.dp * c.tp * c.pp, env, &out), 0) << out;
+    EXPECT_EQ(testing::run_train(cfg, c.dp * c.tp * c.pp, &out, env), 0) << out;
   };
   run("list", c.reference(), "", "");
   run("adaptive", "adaptive",
@@ -142,16 +135,8 @@ TEST(DelayInjection, ParsesEveryFieldAndNamesABadOne) {
 TEST(AdaptiveRunConfig, AMemoryCapNeedsTheAdaptiveScheduleAndAPositiveValue) {
   TempDir dir;
   const auto corpus = make_corpus(dir);
-  const std::string training = "training: {steps: 1, global_batch: 4, micro_batch: 1}\n";
-  auto message = [&](const std::string& parallel) -> std::string {
-    try {
-      auto cfg = config::TrainConfig::load(
-          write_config(dir, corpus, training + "parallel: " + parallel + "\n", "bad.yaml"));
-      cfg.plan.validate(cfg.model, cfg.training.global_batch, cfg.plan.world());
-      return "";
-    } catch (const ConfigError& e) {
-      return e.what();
-    }
+  auto message = [&](const std::string& parallel) {
+    return config::testing::parallel_config_error(dir, corpus, parallel);
   };
   EXPECT_NE(message("{pp: 2, schedule: 1f1b, memory_cap: 2}").find("set schedule: adaptive"),
             std::string::npos);

@@ -41,11 +41,7 @@ std::string training(int stop_at, bool async = false) {
 
 void run_workers(const std::string& cfg, int nproc) {
   std::string out;
-  int rc = tessel::testing::run_command(
-      fmt::format("OMP_NUM_THREADS=1 {} train {} --nproc {}",
-                  tessel::testing::tessel_binary().string(), cfg, nproc),
-      &out);
-  ASSERT_EQ(rc, 0) << out;
+  ASSERT_EQ(testing::run_train(cfg, nproc, &out), 0) << out;
   EXPECT_NE(out.find("saved checkpoint"), std::string::npos) << out;
 }
 

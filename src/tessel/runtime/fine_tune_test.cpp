@@ -60,11 +60,7 @@ std::string fine_tune_config(const TempDir& dir, const std::string& corpus, cons
 
 void run_workers(const std::string& cfg, int nproc) {
   std::string out;
-  const int rc = tessel::testing::run_command(
-      fmt::format("OMP_NUM_THREADS=1 {} train {} --nproc {}",
-                  tessel::testing::tessel_binary().string(), cfg, nproc),
-      &out);
-  ASSERT_EQ(rc, 0) << out;
+  ASSERT_EQ(testing::run_train(cfg, nproc, &out), 0) << out;
   EXPECT_NE(out.find("initialised from Hugging Face model"), std::string::npos) << out;
 }
 

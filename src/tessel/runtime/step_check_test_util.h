@@ -48,6 +48,16 @@
 
 namespace tessel::runtime::testing {
 
+// `tessel train CONFIG --nproc N` with one OpenMP thread per worker and `env` (VAR=value ...)
+// before it; returns the exit code, the output in *out.
+inline int run_train(const std::string& config, int nproc, std::string* out,
+                     const std::string& env = "") {
+  return tessel::testing::run_command(
+      fmt::format("OMP_NUM_THREADS=1 {} {} train {} --nproc {}", env,
+                  tessel::testing::tessel_binary().string(), config, nproc),
+      out);
+}
+
 // The checkpoint lines a config needs for expect_steps_match_one_process over `steps` steps.
 inline std::string every_step_checkpoints(int64_t steps, const std::string& dir = "steps") {
   return fmt::format("checkpoint: {{dir: {}, every: 1, keep: {}}}\n", dir, steps + 1);

@@ -14,6 +14,26 @@
 
 namespace tessel::elastic {
 
+namespace {
+
+// What a failure's reports say caused it. One process's failure is met by others as its
+// consequence: a peer that times out aborts its channels, and the peers blocked on it then fail
+// with "peer lost" at once -- often reporting first. A timeout is where a failure was met first;
+// a peer lost is most often a consequence, so it names the cause only when nothing else does.
+const FailureReport* root_report(const std::vector<FailureReport>& reports) {
+  const auto rank = [](const FailureReport& r) {
+    if (r.kind == "timeout") return 0;
+    if (r.kind == "peer lost") return 2;
+    return 1;
+  };
+  const FailureReport* best = nullptr;
+  for (const auto& r : reports)
+    if (best == nullptr || rank(r) < rank(*best)) best = &r;
+  return best;
+}
+
+}  // namespace
+
 Decider::Decider(config::TrainConfig cfg, std::shared_ptr<comm::ControlStore> store,
                  std::string job, int initial_workers, int64_t start_step, std::vector<Host> hosts)
     : cfg_(std::move(cfg)),
@@ -446,15 +466,19 @@ std::vector<Decider::Start> Decider::update() {
     std::erase_if(reports, [&](const comm::KeyValue& kv) {
       return !running_.contains(key_number(reports_prefix(job_, failures_ + 1), kv.key));
     });
-    if (!reports.empty()) {
-      std::string error = "a failure";
+    std::vector<FailureReport> parsed;
+    for (const auto& kv : reports) {
       try {
-        error = FailureReport::from_json(nlohmann::json::parse(reports.front().value),
-                                         reports.front().key)
-                    .error;
-      } catch (const std::exception&) {
+        parsed.push_back(FailureReport::from_json(nlohmann::json::parse(kv.value), kv.key));
+      } catch (const std::exception& e) {
+        spdlog::warn("ignoring {}: {}", kv.key, e.what());
       }
+    }
+    if (!reports.empty()) {
+      const auto* root = root_report(parsed);
+      const std::string error = root != nullptr ? root->error : "a failure";
       start_recovery(fmt::format("a worker met: {}", error));
+      recovery_->reported = error;
     }
   }
   if (recovery_) return recover();
@@ -527,6 +551,13 @@ std::vector<Decider::Start> Decider::recover() {
     spdlog::info("{}: every other worker had finished the run; nothing to recover", p.cause);
     recovery_.reset();
     return {};
+  }
+  // Every report is in: the one that names the failure may have come after the first.
+  if (const auto* root = root_report(reports);
+      root != nullptr && !p.reported.empty() && root->error != p.reported) {
+    if (auto at = p.cause.find(p.reported); at != std::string::npos)
+      p.cause.replace(at, p.reported.size(), root->error);
+    p.reported = root->error;
   }
   const auto t0 = Clock::now();
   RecoveryInput in;

@@ -209,6 +209,7 @@ class Decider {
   struct Recovery {
     std::set<int> expected, dead;
     std::string cause;
+    std::string reported;  // the error of the report that started it ("": a death did)
     bool someone_finished = false;  // a worker exited 0 meanwhile (the job may be over)
     Clock::time_point detected, deadline;
   };

@@ -44,7 +44,9 @@ struct Job {
     if (!kv) return std::nullopt;
     return Reconfiguration::from_json(nlohmann::json::parse(kv->value), kv->key);
   }
-  void report(int64_t failure, int process, int generation, int64_t step, bool valid = true) {
+  void report(int64_t failure, int process, int generation, int64_t step, bool valid = true,
+              std::string error = "all_reduce_sum on group 'dp.0' timed out",
+              std::string kind = "timeout") {
     FailureReport r;
     r.process = process;
     r.valid = valid;
@@ -54,7 +56,8 @@ struct Job {
     r.rank = process;
     r.step = step;
     r.cursor = step * 12;
-    r.error = "all_reduce_sum on group 'dp.0' timed out";
+    r.error = std::move(error);
+    r.kind = std::move(kind);
     store->set(report_key("j", failure, process), r.to_json().dump());
   }
 };
@@ -153,6 +156,22 @@ TEST(Decider, AReportedFailureWithoutADeathIsRecoveredFrom) {
   EXPECT_EQ(m->to.world(), 2);
   EXPECT_NE(m->cause.find("timed out"), std::string::npos) << m->cause;
   EXPECT_NE(d.status().find("1 failures"), std::string::npos);
+}
+
+// The peers of a process that timed out fail at once when it aborts its channels, and may report
+// before it does: the recovery's cause is the timeout, whichever report came first.
+TEST(Decider, TheCauseIsTheTimeoutNotThePeerLostItCausedWhateverReportsFirst) {
+  Job job;
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  job.report(1, 1, 0, 9, true, "shm channel to 0: recv of 64 bytes failed: the peer aborted",
+             "peer lost");
+  EXPECT_TRUE(d.update().empty());
+  job.report(1, 0, 0, 9, true, "all_reduce_sum on group 'dp.0' timed out after 2 s", "timeout");
+  EXPECT_TRUE(d.update().empty());
+  const auto m = job.record(1);
+  ASSERT_TRUE(m);
+  EXPECT_NE(m->cause.find("timed out after 2 s"), std::string::npos) << m->cause;
+  EXPECT_EQ(m->cause.find("aborted"), std::string::npos) << m->cause;
 }
 
 // A checkpoint of step 5 (only its meta matters to the decider).

@@ -78,7 +78,8 @@ nlohmann::json FailureReport::to_json() const {
           {"step", step},
           {"cursor", cursor},
           {"applied_request", applied_request},
-          {"error", error}};
+          {"error", error},
+          {"kind", kind}};
 }
 
 FailureReport FailureReport::from_json(const nlohmann::json& d, const std::string& what) {
@@ -94,6 +95,7 @@ FailureReport FailureReport::from_json(const nlohmann::json& d, const std::strin
     r.cursor = d.at("cursor").get<int64_t>();
     r.applied_request = d.at("applied_request").get<int64_t>();
     r.error = d.at("error").get<std::string>();
+    r.kind = d.value("kind", std::string());
     return r;
   } catch (const nlohmann::json::exception& e) {
     TESSEL_THROW(CorruptDataError, "{} is not a valid failure report: {}", what, e.what());

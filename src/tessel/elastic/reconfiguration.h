@@ -95,6 +95,7 @@ struct FailureReport {
   int64_t step = 0, cursor = 0;
   int64_t applied_request = 0;
   std::string error;  // what it met
+  std::string kind;   // its Error::kind() ("timeout", "peer lost", ...; empty in older reports)
 
   nlohmann::json to_json() const;
   static FailureReport from_json(const nlohmann::json& doc, const std::string& what);

@@ -789,7 +789,7 @@ void ElasticWorker::restore_from_checkpoint(const Reconfiguration& sw, int new_r
   }
 }
 
-void ElasticWorker::recover(const std::string& what) {
+void ElasticWorker::recover(const std::string& what, const std::string& kind) {
   drop_preparation();
   // Nobody is left to decide a recovery, and the world that met `what` cannot save together.
   if (launcher_gone()) leave_without_saving(what);
@@ -798,6 +798,7 @@ void ElasticWorker::recover(const std::string& what) {
   FailureReport r;
   r.process = env.rank;
   r.error = what;
+  r.kind = kind;
   r.applied_request = applied_request;
   r.generation = generation;
   r.plan = plan;

@@ -234,7 +234,7 @@ struct ElasticWorker {
   // reports what state it holds to the coordinator, waits for the coordinator's decision and
   // carries it out (transition). Throws TimeoutError when no decision comes, and
   // CoordinatorLostError when the launcher serving the store is gone (nobody is left to decide).
-  void recover(const std::string& what);
+  void recover(const std::string& what, const std::string& kind);
 };
 
 }  // namespace tessel::runtime

@@ -86,12 +86,13 @@ TrainSummary ParallelTrainer::run() {
   // In an elastic job a failed peer (PeerLostError, TimeoutError) is not the end: the process
   // recovers (Impl::recover) and goes on in the generation the coordinator decides.
   std::optional<std::string> failed;
+  std::string failed_kind;  // Error::kind() of what failed: the decider ranks the reports by it
   for (;;) {
     try {
       if (failed) {
         const std::string what = *failed;
         failed.reset();
-        s.recover(what);
+        s.recover(what, failed_kind);
       } else if (s.joining) {
         std::optional<elastic::Reconfiguration> sw = std::move(s.joining);
         s.joining.reset();
@@ -255,9 +256,11 @@ TrainSummary ParallelTrainer::run() {
     } catch (const PeerLostError& e) {
       if (!s.elastic()) throw;
       failed = e.what();
+      failed_kind = e.kind();
     } catch (const TimeoutError& e) {
       if (!s.elastic() || s.fatal) throw;
       failed = e.what();
+      failed_kind = e.kind();
     }
     // Before anything else: peers blocked on this process must fail now, not at their timeout.
     if (s.world) s.world->abort(*failed);

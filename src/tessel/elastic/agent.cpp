@@ -441,7 +441,7 @@ class Agent {
   void exited(const process::WorkerExit& e) {
     auto it = workers_.find(e.id);
     if (it == workers_.end()) return;
-    ExitReport r{it->second.process, host_, e.ok(), e.signaled, e.describe()};
+    ExitReport r{it->second.process, host_, e.ok(), e.signaled, e.describe(), e.crashed()};
     spdlog::info("agent: process {} of job {} {}", r.process, it->second.job, r.how);
     unreported_.emplace_back(it->second.job, r);
     workers_.erase(it);

@@ -67,13 +67,15 @@ Placement Placement::from_json(const nlohmann::json& d, const std::string& what)
 }
 
 nlohmann::json ExitReport::to_json() const {
-  return {{"process", process}, {"host", host}, {"ok", ok}, {"signaled", signaled}, {"how", how}};
+  return {{"process", process},   {"host", host}, {"ok", ok},
+          {"signaled", signaled}, {"how", how},   {"crashed", crashed}};
 }
 
 ExitReport ExitReport::from_json(const nlohmann::json& d, const std::string& what) {
   return parse_record(what, "exit report", [&] {
-    return ExitReport{d.at("process").get<int>(), d.at("host").get<int>(), d.at("ok").get<bool>(),
-                      d.at("signaled").get<bool>(), d.at("how").get<std::string>()};
+    return ExitReport{d.at("process").get<int>(),     d.at("host").get<int>(),
+                      d.at("ok").get<bool>(),         d.at("signaled").get<bool>(),
+                      d.at("how").get<std::string>(), d.value("crashed", false)};
   });
 }
 

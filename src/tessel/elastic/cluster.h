@@ -91,7 +91,8 @@ struct ExitReport {
   int host = 0;
   bool ok = false;
   bool signaled = false;
-  std::string how;  // "exited with code 3", "was killed by signal 9 (SIGKILL)"
+  std::string how;       // "exited with code 3", "was killed by signal 9 (SIGKILL)"
+  bool crashed = false;  // WorkerExit::crashed()
 
   nlohmann::json to_json() const;
   static ExitReport from_json(const nlohmann::json& doc, const std::string& what);

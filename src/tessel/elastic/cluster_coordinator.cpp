@@ -121,7 +121,7 @@ std::optional<JobEnd> ClusterCoordinator::tick() {
       if (p < 0 || !exits_seen_.insert(p).second) continue;
       const auto e = ExitReport::from_json(nlohmann::json::parse(kv.value), kv.key);
       if (!decider_->running(p)) continue;
-      if (!decider_->on_exit(p, e.ok, e.signaled, e.how) && failure_.empty()) {
+      if (!decider_->on_exit(p, e.ok, e.signaled, e.how, e.crashed) && failure_.empty()) {
         failure_ = fmt::format("worker {} on host {} {}", p, e.host, e.how);
         decider_->stop(failure_);
       }

@@ -283,7 +283,7 @@ void Coordinator::tick(const process::LaunchOptions::Workers& workers) {
 }
 
 bool Coordinator::on_exit(const process::WorkerExit& e) {
-  return decider_->on_exit(e.rank, e.ok(), e.signaled, e.describe());
+  return decider_->on_exit(e.rank, e.ok(), e.signaled, e.describe(), e.crashed());
 }
 
 std::string send_control_command(const std::string& job_id, const std::string& command,

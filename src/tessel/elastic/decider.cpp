@@ -325,7 +325,7 @@ std::string Decider::status() const {
                      members_.size(), requests_, generation_, failures_);
 }
 
-bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& how) {
+bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& how, bool crashed) {
   // Already counted out (lost with its host, whose agent reports the exit once back): its death
   // was recovered from then.
   if (!running_.contains(process)) return true;
@@ -351,6 +351,8 @@ bool Decider::on_exit(int process, bool ok, bool signaled, const std::string& ho
   else
     start_recovery(cause);
   recovery_->dead.insert(process);
+  // A fenced process was stuck (a restore that hangs fails as surely as one that throws).
+  if (signaled && !crashed && fenced == fenced_.end()) recovery_->killed = true;
   recovery_->expected = state_holders();
   return true;
 }
@@ -582,8 +584,13 @@ std::vector<Decider::Start> Decider::recover() {
   auto m = decide_recovery(cfg_, in);
   const bool no_progress = !m.checkpoint.empty() && m.checkpoint == repeated_checkpoint_ &&
                            m.record.value("steps_lost", int64_t(0)) == 0;
-  repeated_restores_ = no_progress ? repeated_restores_ + 1 : (m.checkpoint.empty() ? 0 : 1);
-  repeated_checkpoint_ = m.checkpoint;
+  // A kill from outside during a restore is a new failure, not the restore failing: a job
+  // preempted faster than it restores goes on while the kills do (the OOM killer's SIGKILL is
+  // one of them, and is not told apart: a restore that runs out of memory every time repeats).
+  if (!(no_progress && p.killed)) {
+    repeated_restores_ = no_progress ? repeated_restores_ + 1 : (m.checkpoint.empty() ? 0 : 1);
+    repeated_checkpoint_ = m.checkpoint;
+  }
   TESSEL_CHECK(repeated_restores_ <= kMaxRepeatedRestores, Error,
                "{}: the job was restored from checkpoint {} {} times in a row and no worker got "
                "past it, so the restore itself fails (see the workers' logs: a checkpoint that "

@@ -133,7 +133,8 @@ class Decider {
 
   // A worker process ended. Returns true when the job goes on without it (it finished, or died of
   // a signal: a lost machine, recovered from); false for an error exit, which ends the job.
-  bool on_exit(int process, bool ok, bool signaled, const std::string& how);
+  // `crashed`: the signal was of its own making (WorkerExit::crashed()), not sent from outside.
+  bool on_exit(int process, bool ok, bool signaled, const std::string& how, bool crashed = false);
 
   // Reads the workers' reports and makes every decision now due; returns the processes to
   // start. Throws TimeoutError when survivors of a failure did not report in time, and Error
@@ -208,8 +209,11 @@ class Decider {
   int repeated_restores_ = 0;
   struct Recovery {
     std::set<int> expected, dead;
+    // A process of the job was killed from outside (a signal it did not raise, its host lost):
+    // a new failure, which says nothing about whether restoring works.
+    bool killed = false;
     std::string cause;
-    std::string reported;  // the error of the report that started it ("": a death did)
+    std::string reported;           // the error of the report that started it ("": a death did)
     bool someone_finished = false;  // a worker exited 0 meanwhile (the job may be over)
     Clock::time_point detected, deadline;
   };

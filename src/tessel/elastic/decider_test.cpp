@@ -218,6 +218,44 @@ TEST(Decider, ARestoreThatKeepsFailingStopsTheJobInsteadOfRetryingForEver) {
   }
 }
 
+// Kills from outside while the job restores (preemptions faster than a restore) are new
+// failures, not the restore failing: the job goes on as long as they do. A worker that crashes
+// while restoring (a fault of its own) counts, and stops the job as a failing restore does.
+// Returns the number of restores decided before the job stopped (or `kills` if it never did).
+int restores_through_deaths(int kills, bool crashed) {
+  Job job("elastic: {replace_failed: true}\n");
+  const std::string ck = checkpoint_of_step_5(job);
+  Decider d(job.cfg, job.store, "j", 2, 0);
+  d.set_checkpoint_finder([ck] { return std::optional<std::string>(ck); });
+  int generation = 0, victim = 1;
+  for (int failure = 1; failure <= kills; ++failure) {
+    try {
+      EXPECT_TRUE(d.on_exit(
+          victim, false, true,
+          crashed ? "was killed by signal 11 (SIGSEGV)" : "was killed by signal 9 (SIGKILL)",
+          crashed));
+      job.report(failure, 0, generation, 0, /*valid=*/false);  // restoring: no state yet
+      const auto starts = d.update();
+      const auto m = job.record(generation + 1);
+      if (!m) return failure - 1;
+      EXPECT_EQ(m->checkpoint, ck);
+      EXPECT_EQ(starts.size(), 1u);  // the replacement
+      if (starts.empty()) return failure - 1;
+      victim = starts[0].process;
+      generation = m->generation;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("times in a row"), std::string::npos) << e.what();
+      return failure - 1;
+    }
+  }
+  return kills;
+}
+
+TEST(Decider, KillsDuringRestoresAreNewFailuresButCrashesAreAFailingRestore) {
+  EXPECT_EQ(restores_through_deaths(3 * kMaxRepeatedRestores, false), 3 * kMaxRepeatedRestores);
+  EXPECT_EQ(restores_through_deaths(3 * kMaxRepeatedRestores, true), kMaxRepeatedRestores);
+}
+
 // A rollback to the same checkpoint after the workers got past it is a new failure, not the
 // restore failing: it does not count towards the limit.
 TEST(Decider, RollingBackToOneCheckpointAfterProgressIsNoRepeatedRestore) {

@@ -110,6 +110,11 @@ struct WorkerExit {
   std::chrono::milliseconds wall{0};  // from spawn to reap
 
   bool ok() const { return !signaled && code == 0 && !status_lost; }
+  // Ended by a signal of its own making (a fault, an abort), not one sent from outside.
+  bool crashed() const {
+    return signaled && (signal == SIGSEGV || signal == SIGBUS || signal == SIGFPE ||
+                        signal == SIGILL || signal == SIGABRT || signal == SIGSYS);
+  }
   // "exited with code 3", "was killed by signal 9 (SIGKILL)", "could not run 'x': No such file
   // or directory (exit code 127)", "was reaped by someone else; status unknown".
   std::string describe(const std::string& program = "") const;

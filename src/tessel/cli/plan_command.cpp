@@ -72,17 +72,17 @@ std::string table(const planner::SearchRequest& req, const planner::SearchResult
         "{:>9}\n",
         ++i, p.dp, p.tp, p.pp, p.virtual_stages,
         fmt::format("{} x {}", p.micro_batch, p.micro_batches), layout::schedule_name(p.schedule),
-        p.zero_stage, model::recompute_name(p.recompute), cand.step_s, cand.tokens_per_s,
-        100 * cand.mfu, gib(cand.memory_bytes));
+        p.zero_stage, p.jit_recompute ? "jit" : model::recompute_name(p.recompute), cand.step_s,
+        cand.tokens_per_s, 100 * cand.mfu, gib(cand.memory_bytes));
   }
   const auto& b = res.ranked.front();
   s += fmt::format("\nbest: {}\n", b.plan.describe());
   s += fmt::format(
-      "  step {:.3f} s = pipeline {:.3f} s ({} x slowest stage {:.4f} s; bubble {:.1f}%) + dp sync "
-      "{:.3f} s + optimizer {:.3f} s; {:.1f} of {} GiB per device\n",
-      b.step_s, b.pipeline_s, b.plan.virtual_stages * b.plan.micro_batches + b.plan.pp - 1,
-      b.max_stage_s, 100 * b.bubble, b.dp_exposed_s, b.optimizer_s,
-      b.memory_bytes / (1024.0 * 1024 * 1024), gib(b.capacity_bytes));
+      "  step {:.3f} s = pipeline {:.3f} s ({} x slowest stage {:.4f} s with bubble {:.1f}%) + dp "
+      "sync {:.3f} s + optimizer {:.3f} s; {:.1f} of {} GiB per device\n",
+      b.step_s, b.pipeline_s, b.plan.virtual_stages * b.plan.micro_batches, b.max_stage_s,
+      100 * b.bubble, b.dp_exposed_s, b.optimizer_s, b.memory_bytes / (1024.0 * 1024 * 1024),
+      gib(b.capacity_bytes));
   return s;
 }
 

@@ -45,8 +45,13 @@ int Plan::dispatch_cap(int pp_rank) const {
   if (memory_cap > 0) return memory_cap;
   const int64_t v = virtual_stages, m = micro_batches, r = pp_rank;
   if (v_shaped()) return int(std::max<int64_t>(1, std::min<int64_t>(v * m, 2 * pp)));
-  if (v == 1) return int(std::max<int64_t>(1, std::min<int64_t>(m, pp - r)));
+  if (v == 1) return int(std::max<int64_t>(1, std::min<int64_t>(m, pp)));
   return int(std::max<int64_t>(1, std::min<int64_t>(v * m, 2 * (pp - r - 1) + (v - 1) * pp + 1)));
+}
+
+int Plan::dispatch_backward_cap(int pp_rank) const {
+  if (memory_cap > 0 || virtual_stages != 1) return 0;
+  return int(std::max<int64_t>(1, std::min<int64_t>(micro_batches, pp - pp_rank)));
 }
 
 std::string_view rank_order_name(RankOrder o) {

@@ -112,9 +112,14 @@ struct Plan {
            schedule == ScheduleKind::adaptive;
   }
   // The adaptive dispatcher's memory cap on pipeline rank `pp_rank`: memory_cap, or when 0 the
-  // most micro-batches 1F1B (interleaved 1F1B for virtual_stages > 1) holds there:
-  // min(m, pp - r), or min(v m, 2 (pp - r - 1) + (v - 1) pp + 1); on a V, ZB-V's min(2 m, 2 pp).
+  // budget of the schedule the dispatcher stands in for: with one chunk ZB-H1's min(m, pp) (its
+  // peak is 1F1B's, rank 0's), interleaved 1F1B's min(v m, 2 (pp - r - 1) + (v - 1) pp + 1), and
+  // on a V ZB-V's min(2 m, 2 pp).
   int dispatch_cap(int pp_rank) const;
+  // ... and the cap on micro-batches whose backward has not run (schedule::DispatchOptions::
+  // backward_cap): with one chunk and memory_cap 0, 1F1B's min(m, pp - r), the rest of
+  // dispatch_cap being room for deferred weight passes (ZB-H1's budget); else 0, none.
+  int dispatch_backward_cap(int pp_rank) const;
   int pp_rank_of_stage(int stage) const {
     return v_shaped() && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
   }

@@ -371,7 +371,7 @@ TEST(Plan, NamesAndDescription) {
   EXPECT_EQ(p.describe(), "dp=2 tp=2 pp=1 v=1 mb=4x2 1f1b zero1");
 }
 
-TEST(Plan, AdaptiveScheduleCapsMemoryAtOneFOneBsBudgetUnlessTold) {
+TEST(Plan, AdaptiveScheduleCapsMemoryAtZbH1sBudgetUnlessTold) {
   Plan p;
   p.pp = 4;
   p.micro_batches = 8;
@@ -379,17 +379,27 @@ TEST(Plan, AdaptiveScheduleCapsMemoryAtOneFOneBsBudgetUnlessTold) {
   EXPECT_EQ(p.schedule, ScheduleKind::adaptive);
   EXPECT_TRUE(p.split_backward());
   EXPECT_FALSE(p.v_shaped());
-  // 1F1B holds min(m, p - r) on rank r; interleaved 1F1B min(v m, 2 (p - r - 1) + (v - 1) p + 1).
+  // One chunk: ZB-H1's min(m, p) on every rank (1F1B's peak, rank 0's), and 1F1B's backward
+  // budget min(m, p - r); interleaved 1F1B's min(v m, 2 (p - r - 1) + (v - 1) p + 1) and no
+  // backward cap.
   EXPECT_EQ(p.dispatch_cap(0), 4);
-  EXPECT_EQ(p.dispatch_cap(3), 1);
+  EXPECT_EQ(p.dispatch_cap(3), 4);
+  EXPECT_EQ(p.dispatch_backward_cap(0), 4);
+  EXPECT_EQ(p.dispatch_backward_cap(3), 1);
   p.micro_batches = 2;
   EXPECT_EQ(p.dispatch_cap(0), 2);
+  EXPECT_EQ(p.dispatch_backward_cap(1), 2);
+  EXPECT_EQ(p.dispatch_backward_cap(3), 1);
   p.micro_batches = 8;
   p.virtual_stages = 2;
   EXPECT_EQ(p.dispatch_cap(0), 11);
   EXPECT_EQ(p.dispatch_cap(3), 5);
+  EXPECT_EQ(p.dispatch_backward_cap(0), 0);
   p.memory_cap = 3;
   EXPECT_EQ(p.dispatch_cap(0), 3);
+  p.virtual_stages = 1;
+  EXPECT_EQ(p.dispatch_backward_cap(0), 0);  // a cap the user set is the only one
+  p.virtual_stages = 2;
   EXPECT_NE(p.describe().find("adaptive"), std::string::npos);
   EXPECT_NE(p.describe().find("cap=3"), std::string::npos);
   // The cap survives a plan file; plans written before it read as 0.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <compare>
 #include <limits>
 #include <map>
 #include <memory>
@@ -15,7 +16,9 @@
 #include <unordered_map>
 
 #include "tessel/core/check.h"
+#include "tessel/planner/simulator.h"
 #include "tessel/schedule/bubble.h"
+#include "tessel/schedule/generators.h"
 #include "tessel/schedule/named.h"
 
 namespace tessel::planner {
@@ -110,8 +113,18 @@ struct Record {
   int64_t b, m;
   ScheduleKind schedule;
   bool recompute;
-  double step, pipeline, dp_exposed, optimizer, max_stage, memory;
+  bool jit = false;      // just-in-time recomputation
+  bool v_shape = false;  // adaptive on zb-v's V
+  double step, pipeline, dp_exposed, optimizer, max_stage, memory, bubble = 0;
   const StageSplit* split;
+};
+
+// What a layout's pipeline is, besides its sizes: the schedule, and its variants.
+struct Variant {
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;
+  bool recompute = false;
+  bool jit = false;
+  bool v_shape = false;
 };
 
 struct SplitKey {
@@ -150,8 +163,11 @@ class Searcher {
   }
   const StageSplit& split(int stages, int tp, int64_t b, bool recompute);
   // Scores one layout; returns whether it fits and appends it to records_ when it does.
-  bool evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, ScheduleKind s, int zero,
-                bool rc);
+  bool evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, const Variant& x, int zero);
+  // The pipeline's time per unit of busy time (>= 1), given the plan's virtual stages' costs and
+  // its one-way stage-to-stage message time; see stretch() below.
+  double stretch(const layout::Plan& plan, const std::vector<StageCosts>& stages,
+                 double link) const;
   // Time and memory of a plan with layers_per_stage filled, whose slowest stage costs
   // max_stage_cost (forward + backward [+ recompute]); `mem` receives the memory estimate.
   Record score(const layout::Plan& plan, double max_stage_cost, MemoryEstimate& mem) const;
@@ -172,6 +188,18 @@ class Searcher {
   const double flops_per_step_;
 
   std::unordered_map<SplitKey, std::unique_ptr<StageSplit>, SplitKeyHash> splits_;
+  // Simulated makespans (stretch()).
+  struct Simulated {
+    int schedule, p;
+    int64_t m;
+    int v;
+    bool v_shape, jit;
+    int cap;  // on rank 0
+    double link;
+    std::vector<double> costs;  // F, B per virtual stage
+    auto operator<=>(const Simulated&) const = default;
+  };
+  mutable std::map<Simulated, double> makespans_;
   std::vector<Record> records_;
   SearchResult result_;
 
@@ -191,9 +219,11 @@ const StageSplit& Searcher::split(int stages, int tp, int64_t b, bool recompute)
   return *splits_.emplace(key, std::move(res)).first->second;
 }
 
-bool Searcher::evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, ScheduleKind s,
-                        int zero, bool rc) {
+bool Searcher::evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, const Variant& x,
+                        int zero) {
   ++result_.evaluated;
+  const ScheduleKind s = x.schedule;
+  const bool rc = x.recompute;
   const StageSplit& sp = split(pp * v, tp, b, rc);
   layout::Plan plan;
   plan.dp = dp;
@@ -205,6 +235,8 @@ bool Searcher::evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, Sch
   plan.schedule = s;
   plan.zero_stage = zero;
   plan.recompute = rc ? model::Recompute::full : model::Recompute::none;
+  plan.jit_recompute = x.jit;
+  plan.v_shape = x.v_shape;
   plan.layers_per_stage = sp.units_per_stage;
   MemoryEstimate mem;
   Record rec = score(plan, sp.max_cost, mem);
@@ -212,9 +244,9 @@ bool Searcher::evaluate(int tp, int pp, int dp, int v, int64_t b, int64_t m, Sch
   const double peak = rec.memory;
   if (peak < smallest_bytes_) {
     smallest_bytes_ = peak;
-    smallest_what_ =
-        fmt::format("tp {}, pp {}, dp {}{}, zero {}{}, micro-batch {}", tp, pp, dp,
-                    v > 1 ? fmt::format(", v {}", v) : "", zero, rc ? ", recompute" : "", b);
+    smallest_what_ = fmt::format("tp {}, pp {}, dp {}{}, zero {}{}, micro-batch {}", tp, pp, dp,
+                                 v > 1 ? fmt::format(", v {}", v) : "", zero,
+                                 rc ? ", recompute" : (x.jit ? ", just-in-time recompute" : ""), b);
     smallest_reason_ = mem.reason();
   }
   if (!mem.fits()) {
@@ -233,19 +265,31 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
   const int S = plan.num_stages(), seq = req_.seq;
   mem = estimate_memory(m_, plan, seq, req_.precision, req_.cluster.device, req_.memory);
 
-  // Pipeline: v m slots of the slowest virtual stage, stretched by the schedule's bubble with
-  // equal stages (schedule/named.h): (v m + p - 1) slots for gpipe, 1F1B and interleaved 1F1B;
-  // a third of 1F1B's fill and drain for ZB-H1 and a sixth for ZB-V, whose split backward fills
-  // them with weight gradients.
+  // Pipeline: v m slots of the slowest virtual stage, stretched by the schedule's idle time with
+  // equal stages (stretch()).
   const double p2p = pp > 1 ? cost_.p2p(b, seq, N_) : 0;
   const double slot = max_stage_cost + 2 * p2p;
-  const double bubble =
-      schedule::analytic_bubble(layout::schedule_name(plan.schedule), pp, int(m), v);
-  const double pipeline = double(int64_t(v) * m) * slot / (1.0 - bubble);
-
-  // Per pipeline rank: parameters (for the dp sync and optimizer) and one micro-batch's backward.
   const PassTimes emb = cost_.embedding(b, seq, tp), blk = cost_.block(b, seq, tp),
                   head = cost_.head(b, seq, tp);
+  std::vector<StageCosts> stages;  // for just-in-time recomputation's simulation
+  if (plan.jit_recompute) {
+    int first = 0;
+    for (int st = 0; st < S; ++st) {
+      const int last = first + plan.layers_per_stage[st];
+      const int blocks = std::min(last, U_ - 1) - std::max(first, 1);
+      StageCosts c;
+      c.forward =
+          blocks * blk.forward + (first == 0 ? emb.forward : 0) + (last == U_ ? head.forward : 0);
+      c.backward = blocks * blk.backward() + (first == 0 ? emb.backward() : 0) +
+                   (last == U_ ? head.backward() : 0);
+      stages.push_back(c);
+      first = last;
+    }
+  }
+  const double stretched = stretch(plan, stages, p2p);
+  const double pipeline = double(int64_t(v) * m) * slot * stretched;
+
+  // Per pipeline rank: parameters (for the dp sync and optimizer) and one micro-batch's backward.
   const double blk_back = blk.backward() + (rc ? blk.recompute : 0);
   const double p_block = double(unit_params(m_, 1, tp)), p_emb = double(unit_params(m_, 0, tp)),
                p_head = double(unit_params(m_, U_ - 1, tp));
@@ -291,13 +335,90 @@ Record Searcher::score(const layout::Plan& plan, double max_stage_cost, MemoryEs
                 m,
                 plan.schedule,
                 rc,
+                plan.jit_recompute,
+                plan.v_shape,
                 step,
                 pipeline,
                 dp_part,
                 opt_part,
                 slot,
                 mem.peak().total(),
+                1.0 - 1.0 / stretched,
                 nullptr};
+}
+
+// A pipeline of equal stages takes `stretch` times its busy time, v m (F + B) per rank:
+//   1 / (1 - bubble) with the named schedules' analytic bubbles (schedule/named.h): (p - 1) of
+//     v m + p - 1 slots for gpipe, 1F1B and interleaved 1F1B; a third of 1F1B's fill and drain
+//     for ZB-H1 and a sixth for ZB-V, whose split backward fills them with weight gradients;
+//   the adaptive dispatcher (its caps, split backward): simulated (simulator.h) on unit stages,
+//     F = Bi = Bw = 1, B = 2, with free links as the analytic bubbles assume;
+//   just-in-time recomputation: its schedule's stretch times the makespan of its lists with the
+//     recomputations over the makespan without them, both simulated on the plan's own virtual
+//     stages (`stages`: their F and B; a recompute re-runs the stage's F) with its links (`link`
+//     seconds one way). What a recompute costs depends on both: it runs while its gradient is
+//     on the way (Varuna), so a slow link hides it and a fast one does not, and the last stage,
+//     whose backward follows its forward, recomputes nothing.
+// Neither simulation has a closed form. Beyond m = 9p micro-batches the makespan grows by the
+// same amount per p micro-batches (the steady state repeats), so it is simulated at 8p (plus
+// m mod p, keeping interleaving's multiple of p) and 9p and extended linearly.
+double Searcher::stretch(const layout::Plan& plan, const std::vector<StageCosts>& stages,
+                         double link) const {
+  const int p = plan.pp, v = plan.virtual_stages;
+  const int64_t m = plan.micro_batches;
+  const bool adaptive = plan.schedule == ScheduleKind::adaptive;
+  const auto name = layout::schedule_name(plan.schedule);
+  const double busy = 3.0 * double(v) * double(m);  // F + B per micro-batch and chunk
+  const double analytic =
+      adaptive ? 0 : 1.0 / (1.0 - schedule::analytic_bubble(name, p, int(m), v));
+  if (!adaptive && (!plan.jit_recompute || p == 1)) return analytic;
+  // The dispatcher on unit stages with free links; the lists with and without just-in-time
+  // recomputation on the plan's stages.
+  const std::vector<StageCosts> costs =
+      adaptive ? uniform_config(p, v, StageCosts{}).costs : stages;  // F 1, B 2, Bi 1, Bw 1
+  if (adaptive) link = 0;
+  auto makespan = [&](int64_t ms, bool jit) {
+    layout::Plan sized = plan;
+    sized.micro_batches = ms;
+    Simulated key{int(plan.schedule),    p,    ms, v, plan.v_shaped(), jit,
+                  sized.dispatch_cap(0), link, {}};
+    for (const auto& c : costs) key.costs.insert(key.costs.end(), {c.forward, c.backward});
+    if (auto it = makespans_.find(key); it != makespans_.end()) return it->second;
+    SimConfig cfg;
+    cfg.costs = costs;
+    cfg.record_timeline = false;
+    cfg.link.latency = link;
+    SimResult r;
+    if (adaptive) {
+      GreedyOptions g;
+      g.stages = p;
+      g.micro_batches = int(ms);
+      g.chunks = v;
+      g.split_backward = true;
+      g.placement =
+          sized.v_shaped() ? schedule::Placement::v_shape : schedule::Placement::interleaved;
+      for (int rank = 0; rank < p; ++rank) {
+        g.stage_memory_caps.push_back(sized.dispatch_cap(rank));
+        g.stage_backward_caps.push_back(sized.dispatch_backward_cap(rank));
+      }
+      r = simulate_greedy(g, cfg);
+    } else {
+      const auto lists = schedule::make_schedule(name, p, int(ms), v);
+      r = simulate(jit ? schedule::with_jit_recompute(lists) : lists, cfg);
+    }
+    return makespans_.emplace(key, r.makespan).first->second;
+  };
+  auto extended = [&](bool jit) {
+    const int64_t limit = 8 * int64_t(p);
+    if (m <= limit + p) return makespan(m, jit);
+    const int64_t ms = limit + m % p;
+    const double at = makespan(ms, jit), per_round = makespan(ms + p, jit) - at;
+    return at + per_round * double(m - ms) / double(p);
+  };
+  if (adaptive) return std::max(1.0, extended(false) / busy);
+  // The recomputations' share is taken from real costs; the schedule's own bubble stays the
+  // analytic one every named schedule is scored with.
+  return analytic * std::max(1.0, extended(true) / extended(false));
 }
 
 std::vector<double> Searcher::unit_costs(int tp, int64_t b, bool recompute) const {
@@ -321,13 +442,15 @@ Candidate Searcher::candidate(const Record& r, const std::vector<int>& units) co
   c.plan.schedule = r.schedule;
   c.plan.zero_stage = r.zero;
   c.plan.recompute = r.recompute ? model::Recompute::full : model::Recompute::none;
+  c.plan.jit_recompute = r.jit;
+  c.plan.v_shape = r.v_shape;
   c.plan.layers_per_stage = units;
   c.step_s = r.step;
   c.pipeline_s = r.pipeline;
   c.dp_exposed_s = r.dp_exposed;
   c.optimizer_s = r.optimizer;
   c.max_stage_s = r.max_stage;
-  c.bubble = schedule::bubble_fraction(r.pp, int(std::min<int64_t>(r.m, 1 << 30)), r.v);
+  c.bubble = r.bubble;
   c.tokens_per_s = double(req_.global_batch) * req_.seq / r.step;
   c.mfu = flops_per_step_ / (r.step * N_ * cost_.peak_flops());
   c.memory_bytes = r.memory;
@@ -354,6 +477,7 @@ Candidate Searcher::predict(const layout::Plan& given) {
   const Record r = score(plan, max_cost, mem);
   Candidate c = candidate(r, plan.layers_per_stage);
   c.plan.order = plan.order;
+  c.plan.memory_cap = plan.memory_cap;
   return c;
 }
 
@@ -429,26 +553,41 @@ SearchResult Searcher::run() {
         if (o.max_micro_batch > 0 && b > o.max_micro_batch) break;
         const int64_t m = per_replica / b;
         bool any_fit = false;
+        // Two chunks as a V; rank 0 would hold a tied embedding twice (layout/plan.h).
+        const bool v_fits = !m_.tie_embeddings && U_ >= 2 * pp;
         for (bool rc : o.recompute) {
           for (ScheduleKind s : o.schedules) {
             // Without a pipeline, gpipe is 1f1b holding more activations: not an alternative.
             if (s == ScheduleKind::gpipe && pp == 1 && has_1f1b) continue;
-            // Zero-bubble schedules only help a pipeline.
-            if ((s == ScheduleKind::zb_h1 || s == ScheduleKind::zb_v) && pp == 1) continue;
+            // Zero-bubble schedules and the dispatcher only help a pipeline.
+            if ((s == ScheduleKind::zb_h1 || s == ScheduleKind::zb_v ||
+                 s == ScheduleKind::adaptive) &&
+                pp == 1)
+              continue;
             int v_lo = 1, v_hi = 1;
             if (s == ScheduleKind::interleaved_one_f_one_b) {
               if (pp < 2 || m % pp != 0) continue;
               v_lo = 2;
               v_hi = std::min(o.max_virtual_stages, U_ / pp);
             } else if (s == ScheduleKind::zb_v) {
-              // Two chunks as a V; rank 0 would hold a tied embedding twice (layout/plan.h).
-              if (m_.tie_embeddings || U_ < 2 * pp) continue;
+              if (!v_fits) continue;
               v_lo = v_hi = 2;
             }
-            for (int v = v_lo; v <= v_hi; ++v) {
-              for (int zero : o.zero_stages) {
-                if (zero >= 1 && dp == 1) continue;  // nothing to shard
-                any_fit |= evaluate(t, pp, dp, v, b, m, s, zero, rc);
+            // The dispatcher runs one chunk per rank, or zb-v's V.
+            const int shapes = s == ScheduleKind::adaptive && v_fits ? 2 : 1;
+            // Just-in-time recomputation: whole backwards, no other recompute, a pipeline.
+            const bool jit_able = !rc && pp > 1 &&
+                                  (s == ScheduleKind::gpipe || s == ScheduleKind::one_f_one_b ||
+                                   s == ScheduleKind::interleaved_one_f_one_b);
+            for (int shape = 0; shape < shapes; ++shape) {
+              for (int v = shape == 1 ? 2 : v_lo; v <= (shape == 1 ? 2 : v_hi); ++v) {
+                for (bool jit : o.jit_recompute) {
+                  if (jit && !jit_able) continue;
+                  for (int zero : o.zero_stages) {
+                    if (zero >= 1 && dp == 1) continue;  // nothing to shard
+                    any_fit |= evaluate(t, pp, dp, v, b, m, Variant{s, rc, jit, shape == 1}, zero);
+                  }
+                }
               }
             }
           }
@@ -463,7 +602,7 @@ SearchResult Searcher::run() {
   std::stable_sort(records_.begin(), records_.end(), [](const Record& a, const Record& b) {
     if (a.step != b.step) return a.step < b.step;
     if (a.memory != b.memory) return a.memory < b.memory;
-    return std::tie(a.zero, a.recompute, a.v) < std::tie(b.zero, b.recompute, b.v);
+    return std::tie(a.zero, a.recompute, a.jit, a.v) < std::tie(b.zero, b.recompute, b.jit, b.v);
   });
   std::set<std::tuple<int, int, int, int64_t, int>> seen;
   for (const Record& r : records_) {
@@ -542,7 +681,7 @@ SearchResult search(const SearchRequest& req) {
                "choose a --seq in that range",
                req.seq, req.model.name, req.model.max_seq_len);
   TESSEL_CHECK(!req.options.zero_stages.empty() && !req.options.recompute.empty() &&
-                   !req.options.schedules.empty(),
+                   !req.options.schedules.empty() && !req.options.jit_recompute.empty(),
                ConfigError,
                "plan search: the schedule, ZeRO and recompute choices must not be empty");
   for (int z : req.options.zero_stages) {

@@ -5,16 +5,21 @@
 // vocabulary and dividing n_kv_head or being a multiple of it, pp at most the n_layer + 2 units,
 // dp dividing the global batch; every micro-batch size dividing the per-replica batch; schedules
 // gpipe, 1f1b and interleaved-1f1b (v = 2..max_virtual_stages chunks per rank, micro-batches a
-// multiple of pp; gpipe only with pp > 1, where it differs from 1f1b); ZeRO stage 0 and 1 (1 only
-// with dp > 1); recompute off and on.
+// multiple of pp; gpipe only with pp > 1, where it differs from 1f1b), and with pp > 1 zb-h1,
+// zb-v (untied embeddings) and the adaptive dispatcher (one chunk per rank at 1F1B's memory, and
+// on zb-v's V); ZeRO stage 0 and 1 (1 only with dp > 1); recompute off and on, and just-in-time
+// recomputation (Varuna) for gpipe, 1f1b and interleaved-1f1b with pp > 1.
 //
 // Stage boundaries: balance_stages cuts the units (embedding, blocks, head, each with its own
 // cost) into pp * v contiguous, non-empty stages minimising the largest stage's forward + backward
 // (+ recompute) time: an exact dynamic programme, cached per (stages, tp, micro-batch, recompute).
 //
 // Step time estimate (seconds):
-//   pipeline  (v*m + p - 1) * max over stages of (F + B [+ R] + 2 * p2p) — gpipe and 1f1b with
-//             v = 1; the largest stage sets the pace, not the average
+//   pipeline  v*m * max over stages of (F + B [+ R] + 2 * p2p) * stretch, where stretch is the
+//             schedule's time over its busy time with equal stages: (v*m + p - 1) / (v*m) for
+//             gpipe and 1f1b, the analytic bubbles of the zero-bubble schedules, and for the
+//             dispatcher and just-in-time recomputation a simulation on unit stages
+//             (search.cpp: Searcher::stretch); the largest stage sets the pace, not the average
 //   + max over pipeline ranks of (the data-parallel gradient sync left after hiding up to
 //     dp_overlap of it behind the rank's last backward and its drain slack, plus the optimizer)
 //   + the tied embedding's gradient sum between the first and last rank (pp > 1)
@@ -57,12 +62,15 @@ StageSplit balance_stages(std::span<const double> unit_costs, int stages);
 struct SearchOptions {
   int top_k = 10;  // alternatives returned (distinct dp, tp, pp, v, micro-batch, schedule)
   int max_virtual_stages = 8;  // interleaved-1f1b chunks per rank tried: 2..max
-  std::vector<layout::ScheduleKind> schedules = {
-      layout::ScheduleKind::gpipe, layout::ScheduleKind::one_f_one_b,
-      layout::ScheduleKind::interleaved_one_f_one_b, layout::ScheduleKind::zb_h1,
-      layout::ScheduleKind::zb_v};
+  std::vector<layout::ScheduleKind> schedules = {layout::ScheduleKind::gpipe,
+                                                 layout::ScheduleKind::one_f_one_b,
+                                                 layout::ScheduleKind::interleaved_one_f_one_b,
+                                                 layout::ScheduleKind::zb_h1,
+                                                 layout::ScheduleKind::zb_v,
+                                                 layout::ScheduleKind::adaptive};
   std::vector<int> zero_stages = {0, 1};
   std::vector<bool> recompute = {false, true};
+  std::vector<bool> jit_recompute = {false, true};
   int64_t max_micro_batch = 0;  // 0: no limit
 };
 
@@ -85,7 +93,7 @@ struct Candidate {
   double dp_exposed_s = 0;  // data-parallel sync left on the critical path
   double optimizer_s = 0;
   double max_stage_s = 0;  // the slowest stage's slot: forward + backward (+ recompute) + p2p
-  double bubble = 0;       // analytic bubble fraction of the schedule
+  double bubble = 0;       // idle share of the pipeline with equal stages (1 - 1 / stretch)
   double tokens_per_s = 0;
   double mfu = 0;
   double memory_bytes = 0;  // peak per device (the fullest pipeline rank)

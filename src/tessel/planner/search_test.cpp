@@ -10,6 +10,8 @@
 #include <random>
 
 #include "tessel/core/error.h"
+#include "tessel/planner/simulator.h"
+#include "tessel/schedule/generators.h"
 #include "tessel/schedule/named.h"
 
 namespace tessel::planner {
@@ -131,22 +133,24 @@ TEST(Search, FindsAFeasiblePlanForGpt2OnFourCpus) {
     EXPECT_LE(c.mfu, 1);
     EXPECT_NEAR(c.tokens_per_s, 16.0 * 256 / c.step_s, 1e-6 * c.tokens_per_s);
     // The pipeline runs v*m slots of the slowest stage stretched by the schedule's bubble (for
-    // gpipe, 1F1B and interleaved 1F1B: v*m + p - 1 slots); dp sync and optimizer follow.
-    const double bubble =
-        schedule::analytic_bubble(layout::schedule_name(c.plan.schedule), c.plan.pp,
-                                  int(c.plan.micro_batches), c.plan.virtual_stages);
-    EXPECT_NEAR(c.pipeline_s,
-                double(c.plan.virtual_stages * c.plan.micro_batches) * c.max_stage_s / (1 - bubble),
-                1e-12 * c.pipeline_s);
-    if (c.plan.schedule == ScheduleKind::one_f_one_b) {
+    // gpipe, 1F1B and interleaved 1F1B: v*m + p - 1 slots); dp sync and optimizer follow. The
+    // named schedules' bubbles are analytic; the dispatcher's and just-in-time recomputation's
+    // are simulated (Search.SimulatedBubbles...).
+    EXPECT_NEAR(
+        c.pipeline_s,
+        double(c.plan.virtual_stages * c.plan.micro_batches) * c.max_stage_s / (1 - c.bubble),
+        1e-12 * c.pipeline_s);
+    if (c.plan.schedule != ScheduleKind::adaptive && !c.plan.jit_recompute) {
+      EXPECT_NEAR(c.bubble,
+                  schedule::analytic_bubble(layout::schedule_name(c.plan.schedule), c.plan.pp,
+                                            int(c.plan.micro_batches), c.plan.virtual_stages),
+                  1e-12);
+    }
+    if (c.plan.schedule == ScheduleKind::one_f_one_b && !c.plan.jit_recompute) {
       EXPECT_NEAR(c.pipeline_s, double(c.plan.micro_batches + c.plan.pp - 1) * c.max_stage_s,
                   1e-12 * c.pipeline_s);
     }
     EXPECT_GE(c.step_s, c.pipeline_s + c.dp_exposed_s + c.optimizer_s - 1e-12);
-    EXPECT_NEAR(c.bubble,
-                double(c.plan.pp - 1) /
-                    double(c.plan.virtual_stages * c.plan.micro_batches + c.plan.pp - 1),
-                1e-12);
     // The memory agrees with the memory model on the returned plan.
     const auto mem = estimate_memory(req.model, c.plan, req.seq, req.precision, req.cluster.device);
     EXPECT_DOUBLE_EQ(mem.peak().total(), c.memory_bytes);
@@ -240,6 +244,145 @@ TEST(Search, ZeroBubbleSchedulesShortenThePipeline) {
   EXPECT_GT(compared, 0);
   req.model.tie_embeddings = true;
   for (const auto& c : search(req).ranked) EXPECT_NE(c.plan.schedule, ScheduleKind::zb_v);
+}
+
+// The dispatcher and just-in-time recomputation have no closed-form bubble: the search simulates
+// them (the dispatcher on unit stages, F = Bi = Bw = 1, B = 2; the recomputations on the plan's
+// stages and links) and, beyond m = 9p, extends the makespan linearly from m = 8p + m mod p.
+// Checked here against a direct simulation at the full m, and against the named schedules at
+// the same layout: the dispatcher, at 1F1B's memory with split backward, is faster than 1F1B and
+// not faster than ZB-H1 (which holds more on later ranks); just-in-time recomputation is slower
+// than keeping activations and faster than full recomputation, which recomputes inside every
+// backward, the last stage's included; and the slower the links, the more of it the wait for
+// the gradient hides.
+layout::Plan pipeline_plan(ScheduleKind s, int64_t m) {
+  layout::Plan p;
+  p.pp = 4;
+  p.dp = 1;
+  p.tp = 1;
+  p.micro_batch = 1;
+  p.micro_batches = m;
+  p.schedule = s;
+  return p;
+}
+
+TEST(Search, DispatcherAndJustInTimeRecomputeHaveSimulatedBubbles) {
+  SearchRequest req = gpt2_on_cpus();
+  for (int64_t m : {int64_t(16), int64_t(64)}) {
+    req.global_batch = m;
+    SCOPED_TRACE(m);
+    const auto one_f_one_b = predict(req, pipeline_plan(ScheduleKind::one_f_one_b, m));
+    const auto zb_h1 = predict(req, pipeline_plan(ScheduleKind::zb_h1, m));
+    const auto adaptive = predict(req, pipeline_plan(ScheduleKind::adaptive, m));
+    auto jit_plan = pipeline_plan(ScheduleKind::one_f_one_b, m);
+    jit_plan.jit_recompute = true;
+    const auto jit = predict(req, jit_plan);
+    auto full_plan = pipeline_plan(ScheduleKind::one_f_one_b, m);
+    full_plan.recompute = model::Recompute::full;
+    const auto full = predict(req, full_plan);
+
+    // The same as simulating the whole step (the linear extension is exact: the steady state
+    // repeats every p micro-batches).
+    GreedyOptions g;
+    g.stages = 4;
+    g.micro_batches = int(m);
+    g.split_backward = true;
+    for (int r = 0; r < 4; ++r) g.stage_memory_caps.push_back(adaptive.plan.dispatch_cap(r));
+    SimConfig cfg = uniform_config(4, 1, StageCosts{});
+    EXPECT_NEAR(adaptive.bubble, 1 - 3.0 * double(m) / simulate_greedy(g, cfg).makespan, 1e-12);
+    EXPECT_LT(adaptive.pipeline_s, one_f_one_b.pipeline_s);
+    EXPECT_GE(adaptive.pipeline_s, zb_h1.pipeline_s * (1 - 1e-12));
+    EXPECT_LE(adaptive.memory_bytes, zb_h1.memory_bytes);
+    EXPECT_GT(jit.pipeline_s, one_f_one_b.pipeline_s);
+    EXPECT_LT(jit.pipeline_s, full.pipeline_s);
+    EXPECT_LT(jit.memory_bytes, one_f_one_b.memory_bytes);
+    EXPECT_TRUE(jit.plan.jit_recompute);
+
+    SearchRequest slow = req;
+    nlohmann::json doc = {
+        {"workers", 4},
+        {"memory_bytes", int64_t(16) << 30},
+        {"memory_bandwidth_bytes_per_s", 2e10},
+        {"flops", {{"fp32", 3e11}}},
+        {"p2p", {{"bandwidth_bytes_per_s", 4e7}, {"latency_s", 3e-3}}},
+        {"all_reduce", {{"bus_bandwidth_bytes_per_s", 1.5e9}, {"latency_s", 8e-5}}},
+    };
+    slow.cluster = from_profile_json(doc);
+    const double jit_cost = jit.pipeline_s / one_f_one_b.pipeline_s;
+    const double slow_jit_cost =
+        predict(slow, jit_plan).pipeline_s /
+        predict(slow, pipeline_plan(ScheduleKind::one_f_one_b, m)).pipeline_s;
+    EXPECT_LT(slow_jit_cost, jit_cost);
+  }
+}
+
+// `tessel plan` chooses them where they are the fastest that fits: the dispatcher over 1F1B when
+// the zero-bubble lists are not among the choices, and just-in-time recomputation when keeping
+// every micro-batch's activations does not fit.
+TEST(Search, ChoosesTheDispatcherAndJustInTimeRecomputeWhereTheyWin) {
+  SearchRequest req = gpt2_on_cpus();
+  req.options.schedules = {ScheduleKind::one_f_one_b, ScheduleKind::adaptive};
+  req.options.jit_recompute = {false};
+  req.options.top_k = 200;
+  const SearchResult res = search(req);
+  ASSERT_TRUE(res.feasible()) << res.infeasible;
+  // Per pipelined layout, the dispatcher ranks before 1F1B.
+  std::map<std::tuple<int, int, int, int64_t, int>, size_t> first;
+  for (size_t i = 0; i < res.ranked.size(); ++i) {
+    const auto& p = res.ranked[i].plan;
+    if (p.pp > 1) first.try_emplace({p.dp, p.tp, p.pp, p.micro_batch, int(p.schedule)}, i);
+  }
+  int compared = 0;
+  for (const auto& [k, i] : first) {
+    const auto& [dp, tp, pp, b, s] = k;
+    if (s != int(ScheduleKind::one_f_one_b)) continue;
+    auto it = first.find({dp, tp, pp, b, int(ScheduleKind::adaptive)});
+    if (it == first.end()) continue;
+    EXPECT_LT(it->second, i) << res.ranked[i].plan.describe();
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
+
+  // Memory for 1F1B keeping activations at pp 4, m 16, but not for the micro-batches after the
+  // first on rank 0: just-in-time recomputation fits and beats full recomputation.
+  req = gpt2_on_cpus();
+  req.global_batch = 16;
+  req.options.schedules = {ScheduleKind::one_f_one_b};
+  req.options.zero_stages = {0};
+  req.options.max_micro_batch = 1;
+  req.options.top_k = 200;
+  const auto keep = predict(req, pipeline_plan(ScheduleKind::one_f_one_b, 16));
+  auto jit_plan = pipeline_plan(ScheduleKind::one_f_one_b, 16);
+  jit_plan.jit_recompute = true;
+  const auto jit = predict(req, jit_plan);
+  ASSERT_LT(jit.memory_bytes, keep.memory_bytes);
+  const double gib = 1024.0 * 1024 * 1024;
+  req.cluster = cpu_workers(
+      4, (jit.memory_bytes + 0.25 * (keep.memory_bytes - jit.memory_bytes)) / gib / 0.9);
+  // The device's usable share: from_profile_json keeps 10% back (checked, not assumed).
+  const double usable = double(req.cluster.device.usable_bytes());
+  ASSERT_LT(jit.memory_bytes, usable);
+  ASSERT_GT(keep.memory_bytes, usable);
+  const SearchResult tight = search(req);
+  ASSERT_TRUE(tight.feasible()) << tight.infeasible;
+  bool any_jit = false;
+  for (const auto& c : tight.ranked) {
+    EXPECT_LE(c.memory_bytes, usable);
+    if (c.plan.jit_recompute) {
+      any_jit = true;
+      EXPECT_EQ(c.plan.recompute, model::Recompute::none);
+      EXPECT_NO_THROW(c.plan.validate(req.model, req.global_batch, 4));
+    }
+  }
+  EXPECT_TRUE(any_jit);
+  // The pipeline of 4 stages that `keep` was: just-in-time recomputation is its best variant.
+  bool found = false;
+  for (const auto& c : tight.ranked) {
+    if (c.plan.pp != 4 || c.plan.dp != 1) continue;
+    found = true;
+    EXPECT_TRUE(c.plan.jit_recompute) << c.plan.describe();
+  }
+  EXPECT_TRUE(found);
 }
 
 TEST(Search, TensorParallelStaysOnAHost) {

@@ -384,10 +384,12 @@ class GreedyRun {
     const size_t p = size_t(o.stages);
     stages_.reserve(p);
     for (int s = 0; s < o.stages; ++s) {
-      schedule::DispatchOptions d{.chunks = o.chunks,
-                                  .micro_batches = o.micro_batches,
-                                  .memory_cap = cap(s),
-                                  .split_backward = o.split_backward};
+      schedule::DispatchOptions d{
+          .chunks = o.chunks,
+          .micro_batches = o.micro_batches,
+          .memory_cap = cap(s),
+          .backward_cap = o.stage_backward_caps.empty() ? 0 : o.stage_backward_caps[size_t(s)],
+          .split_backward = o.split_backward};
       if (model_.rank(0) == s) d.first_chunk = model_.chunk(0);
       if (model_.rank(model_.last()) == s) d.last_chunk = model_.chunk(model_.last());
       stages_.push_back({schedule::StageDispatcher(d)});
@@ -590,6 +592,14 @@ SimResult simulate_greedy(const GreedyOptions& o, const SimConfig& config) {
                "simulate_greedy: stage_memory_caps has {} entries, needs none or one per stage "
                "({})",
                o.stage_memory_caps.size(), o.stages);
+  TESSEL_CHECK(o.stage_backward_caps.empty() || o.stage_backward_caps.size() == size_t(o.stages),
+               ConfigError,
+               "simulate_greedy: stage_backward_caps has {} entries, needs none or one per stage "
+               "({})",
+               o.stage_backward_caps.size(), o.stages);
+  for (int c : o.stage_backward_caps)
+    TESSEL_CHECK(c >= 0, ConfigError,
+                 "simulate_greedy: stage_backward_caps must be 0 (none) or at least 1, got {}", c);
   for (int c : o.stage_memory_caps)
     TESSEL_CHECK(c >= 1, ConfigError,
                  "simulate_greedy: stage_memory_caps must be at least 1 activation, got {}", c);

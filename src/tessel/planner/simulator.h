@@ -113,20 +113,21 @@ SimResult simulate(const schedule::Schedule& schedule, const SimConfig& config);
 
 // The greedy dispatcher: no fixed lists. Each stage's choices come from a
 // schedule::StageDispatcher (schedule/dispatcher.h, the rule the runtime's adaptive executor
-// runs too): whenever a stage is idle it starts the ready backward (B, or Bi when split) with
-// the lowest micro-batch (for equal micro-batches the later chunk), else the ready forward with
-// the lowest (micro_batch, chunk) whose start keeps the stage's in-flight activations <=
-// memory_cap -- or that belongs to the oldest micro-batch holding activations there, which
-// keeps the pipeline moving --, else (split only) the oldest pending Bw. Events at the same time
-// are all applied before any stage picks. After its last compute a stage runs its optimizer
-// step.
+// runs too, where the rule is spelled out): whenever a stage is idle it starts, by and large,
+// the ready backward (B, or Bi when split) with the lowest micro-batch, else the ready forward
+// with the lowest (micro_batch, chunk) that the stage's caps admit, else (split only) the oldest
+// pending Bw -- with forwards first while a backward cap is not reached, and on the first
+// virtual stage. Events at the same time are all applied before any stage picks. After its last
+// compute a stage runs its optimizer step.
 //
 // How it compares with 1F1B's fixed order (simulator_test.cpp checks each): with equal stages
 // and caps p - s it runs exactly 1F1B's timeline, and with cap p 1F1B's makespan. With a slow
 // stage and cap p it can win, by running forwards in the room above 1F1B's p - s while a stage
-// waits for a gradient, but it can also lose: when both are ready, backward first delays the
-// forward that feeds the next stage, which 1F1B's steady state (F before B) does not, so a slow
-// first stage makes it slower than 1F1B. A slow last stage gives both the same makespan.
+// waits for a gradient. The first virtual stage runs a forward the cap admits before its own
+// backward (which unblocks no one), so a slow first stage paces it as it paces 1F1B. A slow
+// last stage gives both the same makespan. With split backward, memory caps min(m, p) and
+// backward caps 1F1B's min(m, p - s) (layout::Plan's defaults for `adaptive`), equal stages run
+// at ZB-H1's makespan.
 struct GreedyOptions {
   int stages = 1;
   int micro_batches = 1;
@@ -135,6 +136,8 @@ struct GreedyOptions {
   // Per-stage caps (size stages, each >= 1) instead of memory_cap when not empty; e.g. p - s
   // gives every stage 1F1B's activation budget.
   std::vector<int> stage_memory_caps = {};
+  // Per-stage backward caps (schedule::DispatchOptions::backward_cap; empty: none).
+  std::vector<int> stage_backward_caps = {};
   bool split_backward = false;  // Bi then Bw instead of B
   // Where the chunks sit: interleaved, or (chunks 2) zb-v's V.
   schedule::Placement placement = schedule::Placement::interleaved;

@@ -210,7 +210,10 @@ PipelineSchedule pipeline_schedule(const std::string& kind, const SimulateReques
   if (rq.memory_cap > 0) {
     ps.dispatcher.memory_cap = rq.memory_cap;
   } else if (kind == "adaptive") {
-    for (int s = 0; s < pp; ++s) ps.dispatcher.stage_memory_caps.push_back(plan.dispatch_cap(s));
+    for (int s = 0; s < pp; ++s) {
+      ps.dispatcher.stage_memory_caps.push_back(plan.dispatch_cap(s));
+      ps.dispatcher.stage_backward_caps.push_back(plan.dispatch_backward_cap(s));
+    }
   } else {
     for (int s = 0; s < pp; ++s)
       ps.dispatcher.stage_memory_caps.push_back(v == 1 ? pp - s

@@ -121,8 +121,11 @@ TEST(DelayInjection, ParsesEveryFieldAndNamesABadOne) {
   EXPECT_TRUE(d.active());
   EXPECT_FALSE(DelayInjection::parse("").active());
   EXPECT_FALSE(DelayInjection::parse("stage=2").active());
+  const auto dilated = DelayInjection::parse("dilate=8,stage=3,slowdown=1.5");
+  EXPECT_DOUBLE_EQ(dilated.dilate, 8);
+  EXPECT_TRUE(DelayInjection::parse("dilate=2").active());
   for (const char* bad : {"slowdown=0.5", "jitter=-1", "jitter=0.5", "slowdown=2,jitter=1",
-                          "stage=x", "speed=2", "stage", "seed=1.5"}) {
+                          "stage=x", "speed=2", "stage", "seed=1.5", "dilate=0.5", "dilate=inf"}) {
     try {
       DelayInjection::parse(bad);
       ADD_FAILURE() << "accepted " << bad;

@@ -51,7 +51,7 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
     const size_t eq = item.find('=');
     TESSEL_CHECK(eq != std::string_view::npos, ConfigError,
                  "TESSEL_PIPELINE_DELAY '{}': '{}' is not key=value (keys: stage, slowdown, "
-                 "jitter, seed)",
+                 "jitter, seed, dilate)",
                  spec, item);
     const std::string_view key = item.substr(0, eq), value = item.substr(eq + 1);
     const double x = parse_number(key, value, spec);
@@ -65,6 +65,12 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
       TESSEL_CHECK(x >= 0 && x < 1, ConfigError,
                    "TESSEL_PIPELINE_DELAY '{}': jitter {} must be in [0, 1)", spec, x);
       d.jitter = x;
+    } else if (key == "dilate") {
+      TESSEL_CHECK(std::isfinite(x) && x >= 1, ConfigError,
+                   "TESSEL_PIPELINE_DELAY '{}': dilate {} must be >= 1 (a delay can only add "
+                   "time)",
+                   spec, x);
+      d.dilate = x;
     } else if (key == "seed") {
       TESSEL_CHECK(x >= 0 && x == double(uint64_t(x)), ConfigError,
                    "TESSEL_PIPELINE_DELAY '{}': seed must be a non-negative integer", spec);
@@ -72,7 +78,7 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
     } else {
       TESSEL_THROW(ConfigError,
                    "TESSEL_PIPELINE_DELAY '{}': unknown key '{}' (keys: stage, slowdown, jitter, "
-                   "seed)",
+                   "seed, dilate)",
                    spec, key);
     }
   }
@@ -139,6 +145,7 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
   adaptive_ = plan.schedule == layout::ScheduleKind::adaptive;
   if (!adaptive_) return;
   cap_ = plan.dispatch_cap(pp);
+  backward_cap_ = plan.dispatch_backward_cap(pp);
   // One arrival per distinct neighbouring rank, expecting M messages per chunk edge it feeds.
   const size_t boundary = size_t(B_ * T_ * C_);
   auto expect = [&](int peer) {
@@ -346,10 +353,14 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
     default:
       TESSEL_THROW(Error, "internal: {} is not a compute", schedule::to_string(ins));
   }
-  if (delay_.active() && (delay_.stage < 0 || delay_.stage == pp_)) {
+  if (delay_.active()) {
     const double took = seconds_since(t0);
-    const double u = std::uniform_real_distribution<double>(0, 1)(delay_rng_);
-    const double extra = took * (delay_.slowdown * (1 + delay_.jitter * (2 * u - 1)) - 1);
+    double factor = delay_.dilate;
+    if (delay_.stage < 0 || delay_.stage == pp_) {
+      const double u = std::uniform_real_distribution<double>(0, 1)(delay_rng_);
+      factor *= delay_.slowdown * (1 + delay_.jitter * (2 * u - 1));
+    }
+    const double extra = took * (factor - 1);
     if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
   }
   return loss;
@@ -483,6 +494,7 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
   o.chunks = v;
   o.micro_batches = int(M_);
   o.memory_cap = cap_;
+  o.backward_cap = backward_cap_;
   o.split_backward = true;
   for (int c = 0; c < v; ++c) {
     if (chunks[size_t(c)].vs == 0) o.first_chunk = c;

@@ -49,18 +49,23 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
 std::vector<int> activation_slots(const layout::Plan& plan, int pp);
 
 // Delays injected after computes, to run the schedules under jitter in tests and benchmarks
-// (the environment's TESSEL_PIPELINE_DELAY, "stage=S,slowdown=F,jitter=J,seed=N", any subset):
-// on pipeline rank S (every rank when absent or -1) a compute that took d seconds is stretched to
-// d * F * (1 + J (2u - 1)), u uniform in [0, 1) drawn per compute from a generator seeded with
-// N + the pipeline rank, by sleeping the difference: the simulator's slowdown and jitter
-// (planner/simulator.h), so its prediction of a run is like for like. Sleeping can only add
-// time, so F (1 - J) must be >= 1: e.g. F = 1.5 alone, or F = 2, J = 0.5 (2x +- 50%).
+// (the environment's TESSEL_PIPELINE_DELAY, "stage=S,slowdown=F,jitter=J,seed=N,dilate=D", any
+// subset): on pipeline rank S (every rank when absent or -1) a compute that took d seconds is
+// stretched to d * F * (1 + J (2u - 1)), u uniform in [0, 1) drawn per compute from a generator
+// seeded with N + the pipeline rank, by sleeping the difference: the simulator's slowdown and
+// jitter (planner/simulator.h), so its prediction of a run is like for like. Sleeping can only
+// add time, so F (1 - J) must be >= 1: e.g. F = 1.5 alone, or F = 2, J = 0.5 (2x +- 50%).
+// D (>= 1) stretches every compute on every rank D times on top (d * D * ...): a pipeline of
+// more ranks than the machine has cores then computes a D-th of the time and sleeps the rest,
+// so its ranks no longer take turns on the cores, and its order and waits are those of a
+// machine with a core per rank whose computes are D times slower (messages are not dilated).
 struct DelayInjection {
   int stage = -1;
   double slowdown = 1;
   double jitter = 0;
   uint64_t seed = 1;
-  bool active() const { return slowdown != 1 || jitter != 0; }
+  double dilate = 1;
+  bool active() const { return slowdown != 1 || jitter != 0 || dilate != 1; }
   // Throws ConfigError naming the bad field.
   static DelayInjection parse(std::string_view spec);
 };
@@ -162,6 +167,7 @@ class PipelineExecutor {
   // Adaptive schedule.
   bool adaptive_ = false;
   int cap_ = 1;
+  int backward_cap_ = 0;                       // layout::Plan::dispatch_backward_cap
   static constexpr size_t kTrailerFloats = 4;  // kind, micro-batch, receiving chunk, 0
   struct Arrival {
     int peer = -1;

@@ -13,6 +13,9 @@ StageDispatcher::StageDispatcher(const DispatchOptions& options) : o_(options) {
   TESSEL_CHECK(o_.memory_cap >= 1, ConfigError,
                "StageDispatcher: memory_cap must be at least 1 micro-batch of activations, got {}",
                o_.memory_cap);
+  TESSEL_CHECK(o_.backward_cap >= 0, ConfigError,
+               "StageDispatcher: backward_cap must be 0 (none) or at least 1, got {}",
+               o_.backward_cap);
   TESSEL_CHECK(o_.first_chunk >= -1 && o_.first_chunk < o_.chunks && o_.last_chunk >= -1 &&
                    o_.last_chunk < o_.chunks,
                ConfigError,
@@ -80,7 +83,8 @@ int StageDispatcher::oldest_held() const {
 }
 
 bool StageDispatcher::admits(int micro_batch) const {
-  return in_flight_ < o_.memory_cap || micro_batch <= oldest_held();
+  if (in_flight_ > 0 && micro_batch <= oldest_held()) return true;
+  return in_flight_ < o_.memory_cap && (o_.backward_cap == 0 || awaiting_ < o_.backward_cap);
 }
 
 std::optional<Instruction> StageDispatcher::next() {
@@ -89,37 +93,50 @@ std::optional<Instruction> StageDispatcher::next() {
                to_string(current_));
   if (started_ == computes_total()) return std::nullopt;
   const int m = o_.micro_batches;
-  // 1. The oldest ready backward; for equal micro-batches the later chunk (scanned first).
-  int mb = m, chunk = -1;
-  for (int c = o_.chunks - 1; c >= 0; --c) {
+  // The oldest ready backward of `c`, or m.
+  auto ready_backward = [&](int c) {
     const int k = next_backward_[size_t(c)];
-    if (k < m && k < mb && backward_seen_[index(k, c)]) mb = k, chunk = c;
+    return k < m && backward_seen_[index(k, c)] ? k : m;
+  };
+  // The oldest ready backward past the first virtual stage; for equal micro-batches the later
+  // chunk (scanned first).
+  int back_mb = m, back_chunk = -1;
+  for (int c = o_.chunks - 1; c >= 0; --c) {
+    if (c == o_.first_chunk) continue;
+    if (const int k = ready_backward(c); k < back_mb) back_mb = k, back_chunk = c;
   }
+  // The lowest ready (micro_batch, chunk) forward. The caps' test depends only on the
+  // micro-batch and admits older ones more easily, so if it refuses this one it refuses all.
+  int fwd_mb = m, fwd_chunk = -1;
+  for (int c = 0; c < o_.chunks; ++c) {
+    const int k = next_forward_[size_t(c)];
+    if (k < m && k < fwd_mb && forward_seen_[index(k, c)]) fwd_mb = k, fwd_chunk = c;
+  }
+  const bool forward_admitted = fwd_chunk >= 0 && admits(fwd_mb);
   Instruction in;
-  if (chunk >= 0) {
-    in = {o_.split_backward ? Op::backward_input : Op::backward, mb, chunk, -1};
-    ++next_backward_[size_t(chunk)];
+  auto backward = [&](int k, int c) {
+    in = {o_.split_backward ? Op::backward_input : Op::backward, k, c, -1};
+    ++next_backward_[size_t(c)];
+  };
+  if (forward_admitted && (o_.backward_cap > 0 || back_chunk < 0)) {
+    // 1a (backward cap) / 2. The forward.
+    in = {Op::forward, fwd_mb, fwd_chunk, -1};
+    ++next_forward_[size_t(fwd_chunk)];
+    --forwards_waiting_;
+    if (in_flight_ == 0 || fwd_mb < oldest_) oldest_ = fwd_mb;
+    ++held_[size_t(fwd_mb)];
+    ++in_flight_;
+    ++awaiting_;
+  } else if (back_chunk >= 0) {
+    backward(back_mb, back_chunk);  // 1.
+  } else if (!weight_.empty()) {
+    // 3. Weight gradients fill the time nothing else may use.
+    in = weight_.front();
+    weight_.pop();
+  } else if (const int k = o_.first_chunk >= 0 ? ready_backward(o_.first_chunk) : m; k < m) {
+    backward(k, o_.first_chunk);  // 1b.
   } else {
-    // 2. The lowest ready (micro_batch, chunk) forward. The cap's test depends only on the
-    // micro-batch and admits older ones more easily, so if it refuses this one it refuses all.
-    for (int c = 0; c < o_.chunks; ++c) {
-      const int k = next_forward_[size_t(c)];
-      if (k < m && k < mb && forward_seen_[index(k, c)]) mb = k, chunk = c;
-    }
-    if (chunk >= 0 && admits(mb)) {
-      in = {Op::forward, mb, chunk, -1};
-      ++next_forward_[size_t(chunk)];
-      --forwards_waiting_;
-      if (in_flight_ == 0 || mb < oldest_) oldest_ = mb;
-      ++held_[size_t(mb)];
-      ++in_flight_;
-    } else if (!weight_.empty()) {
-      // 3. Weight gradients fill the time nothing else may use.
-      in = weight_.front();
-      weight_.pop();
-    } else {
-      return std::nullopt;  // 4. waits for data (or for memory: the oldest will free some)
-    }
+    return std::nullopt;  // 4. waits for data (or for memory: the oldest will free some)
   }
   ++started_;
   running_ = true;
@@ -143,9 +160,13 @@ void StageDispatcher::finished(const Instruction& compute) {
       if (compute.chunk == o_.last_chunk) backward_seen_[i] = 1;  // the loss is here
       break;
     case Op::backward_input:
+      --awaiting_;
       weight_.push({Op::backward_weight, compute.micro_batch, compute.chunk, -1});
       break;
     case Op::backward:
+      --awaiting_;
+      release();
+      break;
     case Op::backward_weight:
       release();
       break;

@@ -3,22 +3,36 @@
 // (simulate_greedy) and the runtime's executor both ask this class, so the rule they run is one.
 //
 // The rule, whenever the stage is idle:
-//   1. the ready backward (B, or Bi when split) with the lowest micro-batch, for equal
-//      micro-batches the later chunk (it is nearer the loss);
-//   2. else the ready forward with the lowest (micro_batch, chunk) that the memory cap admits;
-//   3. else (split backward only) the oldest pending Bw: weight gradients fill idle time;
-//   4. else nothing: the stage waits for data (or, after its last compute, is done).
+//   1. with a backward cap (below): the ready forward with the lowest (micro_batch, chunk) that
+//      the caps admit -- 1F1B's own order, whose warm-up and steady state put the forward first
+//      while the stage is within its budget;
+//   2. the ready backward (B, or Bi when split) with the lowest micro-batch, for equal
+//      micro-batches the later chunk (it is nearer the loss) -- except the first virtual
+//      stage's, which unblocks no other stage (step 5);
+//   3. the ready forward the caps admit (as in 1);
+//   4. (split backward only) the oldest pending Bw: weight gradients fill idle time, and free
+//      memory;
+//   5. the first virtual stage's oldest ready backward;
+//   6. else nothing: the stage waits for data (or, after its last compute, is done).
+// Why not backward first everywhere, as the simplest greedy rule would have it: with equal
+// stages it trails ZB-H1's fixed lists by a forward or two per step (a middle stage that runs a
+// backward while its forward's successor idles), and on a slow first stage it loses to 1F1B (the
+// forward that feeds the next stage waits behind a backward nobody needs). With these caps and
+// order, at equal stage times the dispatcher's makespan is ZB-H1's (planner's simulator_test),
+// and under delays it adapts.
 //
 // Memory cap: `memory_cap` micro-batches' activations held on the stage at once, summed over its
-// chunks (a forward holds them until its B, or its Bw when split). A forward the cap refuses is
-// still admitted when its micro-batch is no newer than the oldest micro-batch holding activations
-// here. Why: the globally oldest unfinished micro-batch then always finds room wherever it goes
-// next (every micro-batch holding memory on that stage is at least as new), so the pipeline
-// always progresses, for any p, m, v and cap >= 1 and whatever the timings. With one chunk the
-// exception never applies (a stage holding the oldest micro-batch has already run its forward),
-// so the cap is exact; with v chunks it only ever admits a later chunk of the oldest micro-batch
-// held here (that micro-batch's earlier chunks hold memory until its backward passes them), so
-// the stage holds at most cap + v - 1.
+// chunks (a forward holds them until its B, or its Bw when split). Backward cap: at most
+// `backward_cap` micro-batches whose backward (B or Bi) has not ended (0: none); with split
+// backward the room between the two caps is for deferred weight passes. A forward the caps
+// refuse is still admitted when its micro-batch is no newer than the oldest micro-batch holding
+// activations here. Why: the globally oldest unfinished micro-batch then always finds room
+// wherever it goes next (every micro-batch holding memory on that stage is at least as new), so
+// the pipeline always progresses, for any p, m, v and caps >= 1 and whatever the timings. With
+// one chunk the exception never applies (a stage holding the oldest micro-batch has already run
+// its forward), so the caps are exact; with v chunks it only ever admits a later chunk of the
+// oldest micro-batch held here (that micro-batch's earlier chunks hold memory until its backward
+// passes them), so the stage holds at most cap + v - 1.
 //
 // Determinism: per chunk, forwards run in micro-batch order, backwards likewise, and Bw passes
 // in the order of their Bi. So every parameter's gradient sums its micro-batches in the same
@@ -44,9 +58,13 @@
 namespace tessel::schedule {
 
 struct DispatchOptions {
-  int chunks = 1;               // local chunks on this stage
-  int micro_batches = 1;        // of the step
-  int memory_cap = 1;           // micro-batches of activations held, >= 1
+  int chunks = 1;         // local chunks on this stage
+  int micro_batches = 1;  // of the step
+  int memory_cap = 1;     // micro-batches of activations held, >= 1
+  // Micro-batches whose backward (B, or Bi when split) has not ended, at once; 0: no such cap.
+  // With split backward, memory_cap above it leaves room for deferred weight passes only:
+  // ZB-H1's discipline (backward_cap p - s, memory_cap p) rather than more forwards in flight.
+  int backward_cap = 0;
   bool split_backward = false;  // Bi then Bw instead of B
   // The local chunk that is virtual stage 0 (reads the batch: its forwards are ready at once),
   // and the one that is the last virtual stage (its backward is ready when its forward ends);
@@ -82,6 +100,7 @@ class StageDispatcher {
   bool done() const;
   bool running() const { return running_; }
   int in_flight() const { return in_flight_; }
+  int awaiting_backward() const { return awaiting_; }
   int computes_run() const { return started_; }
   int computes_total() const;
   // For stall messages: "k of n computes run, h activations held of cap c, f forwards ready".
@@ -104,6 +123,7 @@ class StageDispatcher {
   mutable int oldest_ = 0;    // no micro-batch below it holds activations (a lazy lower bound)
   int forwards_waiting_ = 0;  // arrived, not started
   int in_flight_ = 0;
+  int awaiting_ = 0;  // forwards started whose backward has not ended
   int started_ = 0;
   bool running_ = false;
   Instruction current_;  // the running compute

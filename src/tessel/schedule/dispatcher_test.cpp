@@ -43,9 +43,34 @@ TEST(StageDispatcher, OneStageAlternatesForwardAndBackward) {
   // Split: Bw holds the activations, so with cap 1 it must run before the next forward.
   o.split_backward = true;
   EXPECT_EQ(run_alone(o), "F0.0 Bi0.0 Bw0.0 F1.0 Bi1.0 Bw1.0 F2.0 Bi2.0 Bw2.0 F3.0 Bi3.0 Bw3.0");
-  // Cap 2: a forward goes before a pending Bw while there is room; Bw fills in when there is not.
+  // Cap 2: one stage is the first virtual stage, whose backward unblocks no other stage, so a
+  // forward the cap admits goes first, and a pending Bw (it frees memory) before the next Bi.
   o.memory_cap = 2;
-  EXPECT_EQ(run_alone(o), "F0.0 Bi0.0 F1.0 Bi1.0 Bw0.0 F2.0 Bi2.0 Bw1.0 F3.0 Bi3.0 Bw2.0 Bw3.0");
+  EXPECT_EQ(run_alone(o), "F0.0 F1.0 Bi0.0 Bw0.0 F2.0 Bi1.0 Bw1.0 F3.0 Bi2.0 Bw2.0 Bi3.0 Bw3.0");
+  // A backward cap of 1 holds the second forward until the first Bi has run; the memory cap's
+  // second slot then keeps one Bw pending (ZB-H1's deferred weight pass).
+  o.backward_cap = 1;
+  EXPECT_EQ(run_alone(o), "F0.0 Bi0.0 F1.0 Bw0.0 Bi1.0 F2.0 Bw1.0 Bi2.0 F3.0 Bw2.0 Bi3.0 Bw3.0");
+}
+
+// Past the first virtual stage the rule is backward first: chunk 1 of one stage (p = 1, v = 2)
+// runs its backward as soon as it is ready.
+TEST(StageDispatcher, LaterVirtualStagesRunBackwardFirst) {
+  DispatchOptions o{.chunks = 2, .micro_batches = 2, .memory_cap = 4};
+  o.first_chunk = 0;
+  o.last_chunk = 1;
+  StageDispatcher d(o);
+  std::vector<Instruction> order;
+  while (!d.done()) {
+    auto in = d.next();
+    ASSERT_TRUE(in.has_value()) << d.describe();
+    order.push_back(*in);
+    d.finished(*in);
+    if (in->op == Op::forward && in->chunk == 0) d.forward_ready(in->micro_batch, 1);
+    if (in->op == Op::backward && in->chunk == 1) d.backward_ready(in->micro_batch, 0);
+  }
+  // F0.1's backward (chunk 1) goes before F1.1; chunk 0's backwards wait for the forwards.
+  EXPECT_EQ(order_string(order), "F0.0 F0.1 B0.1 F1.0 F1.1 B1.1 B0.0 B1.0");
 }
 
 TEST(StageDispatcher, OneStageTwoChunksUsesTheOldestMicroBatchExemption) {
@@ -75,7 +100,8 @@ TEST(StageDispatcher, OneStageTwoChunksUsesTheOldestMicroBatchExemption) {
 struct Pipeline {
   int p = 1, m = 1, v = 1;
   Placement placement = Placement::interleaved;
-  std::vector<int> caps;  // per stage
+  std::vector<int> caps;           // per stage
+  std::vector<int> backward_caps;  // per stage, empty: none
   bool split = false;
   // Random: every compute takes 0.1 .. 10 (log-uniform) and every message 0 .. 5 (uniform, so
   // later data can overtake earlier data). Otherwise computes take `forward` / `backward` (Bi
@@ -100,6 +126,7 @@ PipelineRun run_pipeline(const Pipeline& c) {
     DispatchOptions o{.chunks = c.v,
                       .micro_batches = c.m,
                       .memory_cap = c.caps[size_t(s)],
+                      .backward_cap = c.backward_caps.empty() ? 0 : c.backward_caps[size_t(s)],
                       .split_backward = c.split};
     if (stage_of(c.p, 0, c.placement) == s) o.first_chunk = chunk_of(c.p, 0, c.placement);
     if (stage_of(c.p, last, c.placement) == s) o.last_chunk = chunk_of(c.p, last, c.placement);
@@ -215,15 +242,19 @@ TEST(StageDispatcher, PipelineAlwaysFinishesInOrderWithinTheCap) {
         for (int cap : {1, 2, p, 2 * p})
           for (bool split : {false, true})
             for (uint64_t seed = 0; seed < 6; ++seed) {
-              // Seed 0: unit computes and free messages (many ties); the others random.
+              // Seed 0: unit computes and free messages (many ties); the others random. Odd
+              // seeds add 1F1B's backward caps p - s (ZB-H1's discipline under `cap`).
               Pipeline c{.p = p,
                          .m = m,
                          .v = v,
                          .placement = placement,
                          .caps = std::vector<int>(size_t(p), cap),
+                         .backward_caps = {},
                          .split = split,
                          .random = seed > 0,
                          .seed = seed * 7919 + uint64_t(p * 100 + m * 10 + cap)};
+              if (seed % 2 == 1)
+                for (int s = 0; s < p; ++s) c.backward_caps.push_back(p - s);
               SCOPED_TRACE(fmt::format("p={} m={} v={} {} cap={} split={} seed={}", p, m, v,
                                        placement == Placement::v_shape ? "v_shape" : "interleaved",
                                        cap, split, seed));
@@ -259,8 +290,13 @@ TEST(StageDispatcher, OneFOneBCapsReproduceOneFOneBOrder) {
       for (auto [forward, backward] : {std::pair{1.0, 2.0}, {1.0, 1.0}, {2.0, 1.0}})
         for (double delay : {0.0, 0.5, 3.0}) {
           SCOPED_TRACE(fmt::format("p={} m={} F={} B={} delay={}", p, m, forward, backward, delay));
-          Pipeline c{
-              .p = p, .m = m, .caps = {}, .forward = forward, .backward = backward, .delay = delay};
+          Pipeline c{.p = p,
+                     .m = m,
+                     .caps = {},
+                     .backward_caps = {},
+                     .forward = forward,
+                     .backward = backward,
+                     .delay = delay};
           for (int s = 0; s < p; ++s) c.caps.push_back(p - s);
           PipelineRun r = run_pipeline(c);
           ASSERT_THAT(r.unfinished, ::testing::IsEmpty());

@@ -3,10 +3,14 @@
 theory, on real worker processes (see bench/README.md).
 
 Trains a small untied GPT (gpt2 family, L=8, C=256 (--hidden), 4 heads, byte-level vocabulary, seq 64; untied
-so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) with pp=4 (pp=2 on a
-machine with fewer than 4 cores, where 4 single-threaded workers would time-slice and every rank
-would wait at least half the time whatever the schedule; --stages overrides) under each
-schedule, m = 8 and m = 16 micro-batches of 2 samples, one thread per worker, and reads the
+so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) with pp=4
+(--stages) under each schedule, m = 8 and m = 16 micro-batches of 2 samples, one thread per
+worker. On a machine with fewer cores than stages the workers would take turns on the cores and
+every rank would wait whatever the schedule; there every compute is dilated D times
+(TESSEL_PIPELINE_DELAY dilate=D, D = ceil(4 stages / cores), --dilate overrides): a rank computes
+a D-th of the time and sleeps the rest, so the ranks rarely share a core, and the run's order and
+waits are those of a machine with a core per rank whose computes are D times slower (messages
+are not dilated, so they weigh D times less than on such a machine). It reads the
 bubble each step measured: the share of the pipeline phase the ranks spent waiting for receives
 and for their last sends (the metrics' pipeline_idle), median over the timed steps. Theory, with
 equal stages and free links: 1F1B (p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1), ZB-V's bound
@@ -79,8 +83,10 @@ def run(args, work, schedule, m, delay=None, tag=None, extra=""):
     tag = tag or f"{schedule}-m{m}"
     cfg, metrics = write_config(args, work, schedule, m, tag, extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    if delay:
-        env["TESSEL_PIPELINE_DELAY"] = delay
+    spec = ",".join(x for x in ((f"dilate={args.dilate}" if args.dilate > 1 else ""), delay or "")
+                    if x)
+    if spec:
+        env["TESSEL_PIPELINE_DELAY"] = spec
     r = subprocess.run([args.tessel, "train", str(cfg), "--nproc", str(P)], env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -107,22 +113,42 @@ def dispatcher_rows(args, work, out):
     """The adaptive dispatcher against 1F1B with one stage slowed: by a fixed 1.5x, and by a
     random 2x +- 50% per compute (TESSEL_PIPELINE_DELAY), each beside the simulator's prediction
     for the same delays on this machine's profile (`tessel profile`)."""
-    P, m = args.stages, 8
+    P, m, D = args.stages, 8, args.dilate
     cfg, _ = write_config(args, work, "adaptive", m, "profile-cfg")
     profile = work / "profile.json"
-    r = subprocess.run([args.tessel, "profile", "--config", str(cfg), "--workers", str(P),
+    cores = os.cpu_count() or 1
+    # Undilated, the profile measures the workers the cores hold; a dilated run computes as if
+    # each rank had a core, so its simulation shares no cores (cores = stages).
+    r = subprocess.run([args.tessel, "profile", "--config", str(cfg), "--workers",
+                        str(min(P, cores) if D > 1 else P),
                         "--threads", "1", "--micro-batches", "2", "--out", str(profile)],
                        env=dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"),
                        capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"profile failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    if D > 1:
+        doc = json.loads(profile.read_text())
+        doc["cores"] = P
+        profile = work / "profile-dilated.json"
+        profile.write_text(json.dumps(doc))
     slow = P - 1
+
+    def slowed(stage_factors):
+        """--slow-stage flags: every stage dilated D times, some further slowed."""
+        flags = []
+        for s in range(P):
+            f = D * stage_factors.get(s, 1.0)
+            if f != 1:
+                flags += ["--slow-stage", f"{s}:{f:g}"]
+        return flags
+
+    args.sim_profile, args.sim_dilated = profile, slowed({})
     cases = [
-        ("none", None, []),
-        ("slow_first", "stage=0,slowdown=1.5", ["--slow-stage", "0:1.5"]),
-        ("slow_stage", f"stage={slow},slowdown=1.5", ["--slow-stage", f"{slow}:1.5"]),
+        ("none", None, slowed({})),
+        ("slow_first", "stage=0,slowdown=1.5", slowed({0: 1.5})),
+        ("slow_stage", f"stage={slow},slowdown=1.5", slowed({slow: 1.5})),
         ("jitter", f"stage={slow},slowdown=2,jitter=0.5,seed=7",
-         ["--slow-stage", f"{slow}:2", "--stage-jitter", f"{slow}:0.5", "--seed", "7"]),
+         slowed({slow: 2}) + ["--stage-jitter", f"{slow}:0.5", "--seed", "7"]),
     ]
     ratios, errors = {}, []
     for name, delay, sim_args in cases:
@@ -163,11 +189,12 @@ def jit_rows(args, work, out):
         for name in (("keep", "jit") if k % 2 == 0 else ("jit", "keep")):
             _, step = run(args, work, "1f1b", m, None, f"1f1b-{name}", variants[name])
             steps[name].append(step)
-    profile = work / "profile.json"
+    profile = getattr(args, "sim_profile", work / "profile.json")
     sim = {}
     for name in variants:
         r = subprocess.run([args.tessel, "simulate", "--config", str(work / f"1f1b-{name}.yaml"),
-                            "--profile", str(profile), "--json"], capture_output=True, text=True)
+                            "--profile", str(profile), "--json"]
+                           + getattr(args, "sim_dilated", []), capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"simulate {name} failed:\n{r.stderr[-2000:]}")
         d = json.loads(r.stdout)
@@ -204,18 +231,24 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=256,
                     help="n_embd (ffn 4x): larger makes each pass longer against a message")
-    ap.add_argument("--stages", type=int, default=4 if (os.cpu_count() or 1) >= 4 else 2)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--dilate", type=int, default=0,
+                    help="stretch every compute D times (default: 1 with a core per stage, else "
+                         "ceil(4 stages / cores))")
+    ap.add_argument("--rounds", type=int, default=5,
                     help="dispatcher rows: runs of each schedule per case, alternated")
     ap.add_argument("--only", choices=["bubbles", "dispatcher", "transport", "recompute"],
                     help="run one part only")
     a = ap.parse_args()
     a.data = str(pathlib.Path(a.data).resolve())
     P = a.stages
-    print(f"pipeline stages: {P} ({os.cpu_count()} cores)")
+    cores = os.cpu_count() or 1
+    if a.dilate <= 0:
+        a.dilate = 1 if cores >= P else -(-4 * P // cores)
+    print(f"pipeline stages: {P} ({cores} cores), computes dilated {a.dilate}x")
     work = pathlib.Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    out = {"stages": P}
+    out = {"stages": P, "dilate": a.dilate}
     parts = [a.only] if a.only else ["bubbles", "dispatcher", "transport", "recompute"]
     for m in ((8, 16) if "bubbles" in parts else ()):
         for schedule in ("1f1b", "zb-h1", "zb-v", "adaptive-v"):
@@ -238,7 +271,7 @@ def main():
         t = bench_json(a, "bench_shm_transport", ["--rounds", "5"])
         out.update({k: t[k] for k in t if k.startswith("shm_")})
     if "recompute" in parts:
-        if (work / "profile.json").exists():
+        if hasattr(a, "sim_profile") or (a.dilate == 1 and (work / "profile.json").exists()):
             jit_rows(a, work, out)
         # Activation memory with and without recomputation against the planner's memory model
         # (bench/bench_recompute_memory.cpp).

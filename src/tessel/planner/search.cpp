@@ -194,7 +194,7 @@ class Searcher {
     int64_t m;
     int v;
     bool v_shape, jit;
-    int cap;  // on rank 0
+    int memory_cap;  // the plan's (0: the default caps)
     double link;
     std::vector<double> costs;  // F, B per virtual stage
     auto operator<=>(const Simulated&) const = default;
@@ -380,8 +380,8 @@ double Searcher::stretch(const layout::Plan& plan, const std::vector<StageCosts>
   auto makespan = [&](int64_t ms, bool jit) {
     layout::Plan sized = plan;
     sized.micro_batches = ms;
-    Simulated key{int(plan.schedule),    p,    ms, v, plan.v_shaped(), jit,
-                  sized.dispatch_cap(0), link, {}};
+    // The caps follow from (p, m, v, placement) and memory_cap (layout::Plan::dispatch_cap).
+    Simulated key{int(plan.schedule), p, ms, v, plan.v_shaped(), jit, plan.memory_cap, link, {}};
     for (const auto& c : costs) key.costs.insert(key.costs.end(), {c.forward, c.backward});
     if (auto it = makespans_.find(key); it != makespans_.end()) return it->second;
     SimConfig cfg;

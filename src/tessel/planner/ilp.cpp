@@ -1,0 +1,155 @@
+#include "tessel/planner/ilp.h"
+
+#include <coin/Cbc_C_Interface.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <set>
+
+#include "tessel/core/check.h"
+
+namespace tessel::planner {
+
+const char* ilp_status_name(IlpStatus s) {
+  switch (s) {
+    case IlpStatus::optimal:
+      return "optimal";
+    case IlpStatus::feasible:
+      return "feasible";
+    case IlpStatus::infeasible:
+      return "infeasible";
+    case IlpStatus::no_solution:
+      return "no solution";
+  }
+  return "unknown";
+}
+
+int64_t IlpResult::integer(int var) const {
+  TESSEL_CHECK(has_solution() && var >= 0 && size_t(var) < values.size(), InvalidArgumentError,
+               "IlpResult::integer: variable {} of {} ({})", var, values.size(),
+               ilp_status_name(status));
+  return int64_t(std::llround(values[size_t(var)]));
+}
+
+int Ilp::add_var(const std::string& name, double lb, double ub, double cost, bool integer) {
+  TESSEL_CHECK(!std::isnan(lb) && !std::isnan(ub) && lb <= ub && std::isfinite(cost),
+               InvalidArgumentError,
+               "Ilp: variable '{}' has bounds [{}, {}] and cost {}; need lb <= ub and a finite "
+               "cost",
+               name, lb, ub, cost);
+  // With every cost bounded in the direction it lowers the objective, the objective is bounded
+  // below: "infeasible" from CBC then means infeasible (its LP path reports an unbounded
+  // programme as infeasible too).
+  TESSEL_CHECK((cost >= 0 || std::isfinite(ub)) && (cost <= 0 || std::isfinite(lb)),
+               InvalidArgumentError,
+               "Ilp: variable '{}' with cost {} is unbounded in the direction that lowers the "
+               "objective (bounds [{}, {}]); bound it",
+               name, cost, lb, ub);
+  vars_.push_back({name, lb, ub, cost, integer});
+  return int(vars_.size()) - 1;
+}
+
+int Ilp::add_binary(const std::string& name, double cost) {
+  return add_var(name, 0, 1, cost, true);
+}
+
+int Ilp::add_integer(const std::string& name, double lb, double ub, double cost) {
+  return add_var(name, lb, ub, cost, true);
+}
+
+int Ilp::add_continuous(const std::string& name, double lb, double ub, double cost) {
+  return add_var(name, lb, ub, cost, false);
+}
+
+void Ilp::add_constraint(std::span<const Term> terms, double lb, double ub,
+                         const std::string& name) {
+  TESSEL_CHECK(
+      !std::isnan(lb) && !std::isnan(ub) && lb <= ub && (std::isfinite(lb) || std::isfinite(ub)),
+      InvalidArgumentError,
+      "Ilp: constraint '{}' has bounds [{}, {}]; need lb <= ub, one of them finite", name, lb, ub);
+  Row row{name, {}, {}, lb, ub};
+  std::set<int> seen;
+  for (const auto& [var, coef] : terms) {
+    TESSEL_CHECK(var >= 0 && var < variables(), InvalidArgumentError,
+                 "Ilp: constraint '{}' names variable {} of {}", name, var, variables());
+    TESSEL_CHECK(std::isfinite(coef), InvalidArgumentError,
+                 "Ilp: constraint '{}' gives variable {} the coefficient {}", name, var, coef);
+    TESSEL_CHECK(seen.insert(var).second, InvalidArgumentError,
+                 "Ilp: constraint '{}' names variable {} twice; add the coefficients", name, var);
+    if (coef == 0) continue;
+    row.cols.push_back(var);
+    row.coefs.push_back(coef);
+  }
+  rows_.push_back(std::move(row));
+}
+
+IlpResult Ilp::solve(const IlpOptions& o) const {
+  TESSEL_CHECK(o.time_limit_s > 0 && o.relative_gap >= 0, InvalidArgumentError,
+               "Ilp::solve: time limit {} s and relative gap {}; need a time limit > 0 and a gap "
+               ">= 0",
+               o.time_limit_s, o.relative_gap);
+  TESSEL_CHECK(!vars_.empty(), ConfigError, "Ilp::solve: the problem has no variable");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_ptr<Cbc_Model, void (*)(Cbc_Model*)> model(Cbc_newModel(), Cbc_deleteModel);
+  TESSEL_CHECK(model != nullptr, Error, "Ilp::solve: CBC could not make a model");
+  Cbc_setLogLevel(model.get(), 0);
+  for (const Var& v : vars_) {
+    // CBC takes DBL_MAX-sized bounds as infinite; its C interface takes infinities too.
+    Cbc_addCol(model.get(), v.name.c_str(), v.lb, v.ub, v.cost, v.integer ? 1 : 0, 0, nullptr,
+               nullptr);
+  }
+  for (const Row& r : rows_) {
+    const int nz = int(r.cols.size());
+    if (r.lb == r.ub) {
+      Cbc_addRow(model.get(), r.name.c_str(), nz, r.cols.data(), r.coefs.data(), 'E', r.lb);
+      continue;
+    }
+    // Two one-sided rows rather than a ranged one: the C interface's 'R' rows take their range
+    // from a separate call this version lacks.
+    if (std::isfinite(r.lb))
+      Cbc_addRow(model.get(), (r.name + ".lb").c_str(), nz, r.cols.data(), r.coefs.data(), 'G',
+                 r.lb);
+    if (std::isfinite(r.ub))
+      Cbc_addRow(model.get(), (r.name + ".ub").c_str(), nz, r.cols.data(), r.coefs.data(), 'L',
+                 r.ub);
+  }
+  Cbc_setMaximumSeconds(model.get(), o.time_limit_s);
+  if (o.relative_gap > 0) Cbc_setAllowableFractionGap(model.get(), o.relative_gap);
+  Cbc_solve(model.get());
+
+  IlpResult res;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int secondary = Cbc_secondaryStatus(model.get());
+  TESSEL_CHECK(secondary != 7 && !Cbc_isContinuousUnbounded(model.get()), Error,
+               "internal: CBC found the problem unbounded ({} variables, {} constraints) although "
+               "every cost is bounded",
+               variables(), constraints());
+  TESSEL_CHECK(!Cbc_isAbandoned(model.get()), Error,
+               "Ilp::solve: CBC abandoned the problem (numerical difficulties; {} variables, {} "
+               "constraints)",
+               variables(), constraints());
+  // A programme without integer variables is an LP: CBC solves it without branching and keeps
+  // its solution as the column solution, not as a best integer solution.
+  const bool lp = Cbc_getNumIntegers(model.get()) == 0;
+  const double* best =
+      lp ? (Cbc_isProvenOptimal(model.get()) ? Cbc_getColSolution(model.get()) : nullptr)
+         : Cbc_bestSolution(model.get());
+  if (Cbc_isProvenInfeasible(model.get())) {
+    res.status = IlpStatus::infeasible;
+  } else if (best == nullptr) {
+    res.status = IlpStatus::no_solution;
+  } else {
+    res.status = Cbc_isProvenOptimal(model.get()) || secondary == 2 ? IlpStatus::optimal
+                                                                    : IlpStatus::feasible;
+    res.values.assign(best, best + vars_.size());
+    res.objective = 0;
+    for (size_t i = 0; i < vars_.size(); ++i) res.objective += vars_[i].cost * res.values[i];
+  }
+  res.bound = Cbc_getBestPossibleObjValue(model.get());
+  if (res.status == IlpStatus::optimal && o.relative_gap == 0) res.bound = res.objective;
+  return res;
+}
+
+}  // namespace tessel::planner

@@ -119,7 +119,7 @@ std::optional<Instruction> StageDispatcher::next() {
     ++next_backward_[size_t(c)];
   };
   if (forward_admitted && (o_.backward_cap > 0 || back_chunk < 0)) {
-    // 1a (backward cap) / 2. The forward.
+    // 1 (with a backward cap) or 3 (no backward ready): the forward.
     in = {Op::forward, fwd_mb, fwd_chunk, -1};
     ++next_forward_[size_t(fwd_chunk)];
     --forwards_waiting_;
@@ -128,15 +128,15 @@ std::optional<Instruction> StageDispatcher::next() {
     ++in_flight_;
     ++awaiting_;
   } else if (back_chunk >= 0) {
-    backward(back_mb, back_chunk);  // 1.
+    backward(back_mb, back_chunk);  // 2.
   } else if (!weight_.empty()) {
-    // 3. Weight gradients fill the time nothing else may use.
+    // 4. Weight gradients fill the time nothing else may use.
     in = weight_.front();
     weight_.pop();
   } else if (const int k = o_.first_chunk >= 0 ? ready_backward(o_.first_chunk) : m; k < m) {
-    backward(k, o_.first_chunk);  // 1b.
+    backward(k, o_.first_chunk);  // 5.
   } else {
-    return std::nullopt;  // 4. waits for data (or for memory: the oldest will free some)
+    return std::nullopt;  // 6. waits for data (or for memory: the oldest will free some)
   }
   ++started_;
   running_ = true;

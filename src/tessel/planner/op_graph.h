@@ -50,8 +50,12 @@ struct OpNode {
   std::vector<int64_t> shape = {};                 // of the output
   std::vector<std::vector<int64_t>> weights = {};  // parameters it owns (weight, bias)
   int weights_of = -1;  // reads the weights of that node instead (a head tied to the embedding)
-  double flops = 0;     // forward
-  int layer = -1;       // transformer block, -1 outside blocks
+  // Layout operators (reshape, transpose, split, concat): for each dimension of the first input,
+  // the output dimension holding its outermost part (-1: none), so a split along input
+  // dimension d is a split along output dimension dim_of[d] (op_sharding.h).
+  std::vector<int> dim_of = {};
+  double flops = 0;          // forward
+  int layer = -1;            // transformer block, -1 outside blocks
   std::string op_type = {};  // the source's own name for it (an ONNX op_type)
 };
 

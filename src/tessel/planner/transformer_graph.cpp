@@ -31,6 +31,17 @@ class Builder {
     return g_.add(std::move(n));
   }
   const Shape& shape(int id) const { return g_.node(id).shape; }
+  // A layout operator whose input dimension d becomes output dimension dim_of[d].
+  int layout(const std::string& name, OpKind kind, int x, Shape out, std::vector<int> dim_of) {
+    OpNode n;
+    n.name = layer >= 0 ? fmt::format("h.{}.{}", layer, name) : name;
+    n.kind = kind;
+    n.inputs = {x};
+    n.shape = std::move(out);
+    n.layer = layer;
+    n.dim_of = std::move(dim_of);
+    return g_.add(std::move(n));
+  }
 
   // x [..., K] times a [K, N] weight (+ a bias of N): [..., N].
   int linear(const std::string& name, int x, int64_t n, bool bias) {
@@ -91,7 +102,8 @@ OpGraph transformer_graph(const model::ModelConfig& m, int64_t B, int T) {
     const int p =
         b.node("softmax", OpKind::softmax, {scaled}, scores, 5.0 * double(elements(scores)));
     const int pv = b.node("pv", OpKind::matmul, {p, v}, heads, score_flops);
-    return b.node("merge_heads", OpKind::reshape, {pv}, {B, T, C}, 0);
+    // [B, H, T, D] -> [B, T, C]: heads are C's outer part, D its inner one.
+    return b.layout("merge_heads", OpKind::reshape, pv, {B, T, C}, {0, 2, 1, -1});
   };
   for (int l = 0; l < m.n_layer; ++l) {
     b.layer = l;
@@ -101,8 +113,11 @@ OpGraph transformer_graph(const model::ModelConfig& m, int64_t B, int T) {
       const int qkv = b.linear("attn.c_attn", ln1, 3 * C, bias);
       int part[3];
       for (int i = 0; i < 3; ++i) {
-        const int s = b.node(fmt::format("split.{}", "qkv"[i]), OpKind::split, {qkv}, {B, T, C}, 0);
-        part[i] = b.node(fmt::format("heads.{}", "qkv"[i]), OpKind::reshape, {s}, heads, 0);
+        // c_attn's columns as Megatron lays them out per partition (q_i, k_i, v_i), so a split
+        // of its output is a split of each of q, k and v.
+        const int s =
+            b.layout(fmt::format("split.{}", "qkv"[i]), OpKind::split, qkv, {B, T, C}, {0, 1, 2});
+        part[i] = b.layout(fmt::format("heads.{}", "qkv"[i]), OpKind::reshape, s, heads, {0, 2, 1});
       }
       const int att = attention(part[0], part[1], part[2]);
       const int proj = b.linear("attn.c_proj", att, C, bias);
@@ -118,14 +133,14 @@ OpGraph transformer_graph(const model::ModelConfig& m, int64_t B, int T) {
       const int k = b.linear("self_attn.k_proj", n1, Hkv * D, false);
       const int v = b.linear("self_attn.v_proj", n1, Hkv * D, false);
       const Shape kv_heads = {B, Hkv, T, D};
-      const int qh = b.node("heads.q", OpKind::reshape, {q}, heads, 0);
-      int kh = b.node("heads.k", OpKind::reshape, {k}, kv_heads, 0);
-      int vh = b.node("heads.v", OpKind::reshape, {v}, kv_heads, 0);
+      const int qh = b.layout("heads.q", OpKind::reshape, q, heads, {0, 2, 1});
+      int kh = b.layout("heads.k", OpKind::reshape, k, kv_heads, {0, 2, 1});
+      int vh = b.layout("heads.v", OpKind::reshape, v, kv_heads, {0, 2, 1});
       const int qr = b.node("rope.q", OpKind::rope, {qh}, heads, 3.0 * double(elements(heads)));
       kh = b.node("rope.k", OpKind::rope, {kh}, kv_heads, 3.0 * double(elements(kv_heads)));
       if (Hkv != H) {  // grouped-query attention: each kv head serves H / Hkv query heads
-        kh = b.node("repeat_kv.k", OpKind::concat, {kh}, heads, 0);
-        vh = b.node("repeat_kv.v", OpKind::concat, {vh}, heads, 0);
+        kh = b.layout("repeat_kv.k", OpKind::concat, kh, heads, {0, 1, 2, 3});
+        vh = b.layout("repeat_kv.v", OpKind::concat, vh, heads, {0, 1, 2, 3});
       }
       const int att = attention(qr, kh, vh);
       const int o = b.linear("self_attn.o_proj", att, C, false);

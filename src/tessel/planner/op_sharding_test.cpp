@@ -1,0 +1,272 @@
+#include "tessel/planner/op_sharding.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "tessel/core/error.h"
+#include "tessel/planner/transformer_graph.h"
+
+namespace tessel::planner {
+namespace {
+
+// A small dense matrix, to run each strategy on t emulated devices and check that what they
+// hold, read back in the strategy's output layout, is the unsharded result.
+struct Mat {
+  int64_t rows = 0, cols = 0;
+  std::vector<double> v;
+  double& at(int64_t r, int64_t c) { return v[size_t(r * cols + c)]; }
+  double at(int64_t r, int64_t c) const { return v[size_t(r * cols + c)]; }
+};
+
+Mat random_mat(int64_t rows, int64_t cols, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  Mat m{rows, cols, std::vector<double>(size_t(rows * cols))};
+  for (double& x : m.v) x = u(rng);
+  return m;
+}
+
+Mat zeros(int64_t rows, int64_t cols) {
+  return {rows, cols, std::vector<double>(size_t(rows * cols))};
+}
+
+Mat matmul(const Mat& a, const Mat& b) {
+  Mat c = zeros(a.rows, b.cols);
+  for (int64_t i = 0; i < a.rows; ++i)
+    for (int64_t k = 0; k < a.cols; ++k)
+      for (int64_t j = 0; j < b.cols; ++j) c.at(i, j) += a.at(i, k) * b.at(k, j);
+  return c;
+}
+
+Mat transpose(const Mat& a) {
+  Mat t = zeros(a.cols, a.rows);
+  for (int64_t i = 0; i < a.rows; ++i)
+    for (int64_t j = 0; j < a.cols; ++j) t.at(j, i) = a.at(i, j);
+  return t;
+}
+
+// Device i's part of `m` in layout s (partial: device 0 holds it, the others zeros).
+Mat part(const Mat& m, const Shard& s, int i, int t) {
+  if (s.kind == Shard::Kind::replicated) return m;
+  if (s.kind == Shard::Kind::partial) return i == 0 ? m : zeros(m.rows, m.cols);
+  const bool by_rows = s.dim == 0;
+  const int64_t n = (by_rows ? m.rows : m.cols) / t;
+  Mat p = by_rows ? zeros(n, m.cols) : zeros(m.rows, n);
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; c < p.cols; ++c)
+      p.at(r, c) = m.at(by_rows ? i * n + r : r, by_rows ? c : i * n + c);
+  return p;
+}
+
+// The whole tensor the devices' parts make in layout s.
+Mat whole(const std::vector<Mat>& parts, const Shard& s) {
+  const int t = int(parts.size());
+  if (s.kind == Shard::Kind::replicated) {
+    for (const Mat& p : parts)
+      for (size_t k = 0; k < p.v.size(); ++k) EXPECT_NEAR(p.v[k], parts[0].v[k], 1e-12);
+    return parts[0];
+  }
+  if (s.kind == Shard::Kind::partial) {
+    Mat sum = zeros(parts[0].rows, parts[0].cols);
+    for (const Mat& p : parts)
+      for (size_t k = 0; k < p.v.size(); ++k) sum.v[k] += p.v[k];
+    return sum;
+  }
+  const bool by_rows = s.dim == 0;
+  Mat w =
+      by_rows ? zeros(parts[0].rows * t, parts[0].cols) : zeros(parts[0].rows, parts[0].cols * t);
+  for (int i = 0; i < t; ++i)
+    for (int64_t r = 0; r < parts[size_t(i)].rows; ++r)
+      for (int64_t c = 0; c < parts[size_t(i)].cols; ++c)
+        w.at(by_rows ? i * parts[size_t(i)].rows + r : r,
+             by_rows ? c : i * parts[size_t(i)].cols + c) = parts[size_t(i)].at(r, c);
+  return w;
+}
+
+void expect_equal(const Mat& a, const Mat& b, const std::string& what) {
+  ASSERT_EQ(a.rows, b.rows) << what;
+  ASSERT_EQ(a.cols, b.cols) << what;
+  for (size_t k = 0; k < a.v.size(); ++k) EXPECT_NEAR(a.v[k], b.v[k], 1e-12) << what;
+}
+
+std::map<std::string, OpStrategy> by_name(const std::vector<OpStrategy>& s) {
+  std::map<std::string, OpStrategy> m;
+  for (const auto& x : s) m.emplace(x.name, x);
+  return m;
+}
+
+// x[M, K] W[K, N] on t devices under every strategy, and a head reading a table [N, K].
+TEST(OpSharding, LinearStrategiesComputeTheProduct) {
+  std::mt19937 rng(1);
+  const int64_t M = 6, K = 12, N = 6;
+  for (int t : {2, 3}) {
+    for (bool tied : {false, true}) {
+      SCOPED_TRACE(fmt::format("t={} tied={}", t, tied));
+      OpGraph g;
+      const int x = g.add({.name = "x", .kind = OpKind::input, .shape = {M, K}});
+      int table = -1;
+      if (tied)
+        table = g.add({.name = "table",
+                       .kind = OpKind::gather,
+                       .inputs = {x},
+                       .shape = {M, K},
+                       .weights = {{N, K}}});
+      const int y = g.add({.name = "y",
+                           .kind = OpKind::matmul,
+                           .inputs = {x},
+                           .shape = {M, N},
+                           .weights = tied ? std::vector<std::vector<int64_t>>{}
+                                           : std::vector<std::vector<int64_t>>{{K, N}},
+                           .weights_of = table,
+                           .flops = 2.0 * M * K * N});
+      const auto strategies = op_strategies(g, y, t);
+      const auto names = by_name(strategies);
+      ASSERT_TRUE(names.contains("replicated"));
+      ASSERT_TRUE(names.contains("column"));
+      ASSERT_TRUE(names.contains("row"));
+      ASSERT_TRUE(names.contains("batch(0)"));
+      const Mat X = random_mat(M, K, rng);
+      const Mat stored = tied ? random_mat(N, K, rng) : random_mat(K, N, rng);
+      const Mat W = tied ? transpose(stored) : stored;
+      const Mat want = matmul(X, W);
+      for (const OpStrategy& s : strategies) {
+        std::vector<Mat> parts;
+        for (int i = 0; i < t; ++i) {
+          const Mat w = part(stored, s.weights[0], i, t);
+          parts.push_back(matmul(part(X, s.in[0], i, t), tied ? transpose(w) : w));
+        }
+        expect_equal(whole(parts, s.out), want, s.name);
+        const double full = double(K * N);
+        EXPECT_DOUBLE_EQ(s.weight_elements,
+                         s.weights[0].kind == Shard::Kind::split ? full / t : full)
+            << s.name;
+        EXPECT_DOUBLE_EQ(s.flops, s.name == "replicated" ? 2.0 * M * K * N : 2.0 * M * K * N / t);
+      }
+    }
+  }
+}
+
+// q k^T (b given as [N, K]) and p v (b as [K, N]): batch-free 2-D cases of the contraction split.
+TEST(OpSharding, ContractionOfTwoActivationsLeavesPartialSums) {
+  std::mt19937 rng(2);
+  for (bool transposed : {true, false}) {
+    const int64_t M = 4, K = 6, N = 4;
+    OpGraph g;
+    const int a = g.add({.name = "a", .kind = OpKind::input, .shape = {M, K}});
+    const int b = g.add(
+        {.name = "b",
+         .kind = OpKind::input,
+         .shape = transposed ? std::vector<int64_t>{N + 1, K} : std::vector<int64_t>{K, N + 1}});
+    const int y =
+        g.add({.name = "y", .kind = OpKind::matmul, .inputs = {a, b}, .shape = {M, N + 1}});
+    const auto names = by_name(op_strategies(g, y, 2));
+    ASSERT_TRUE(names.contains("contraction"));
+    const OpStrategy& s = names.at("contraction");
+    const Mat A = random_mat(M, K, rng);
+    const Mat B = transposed ? random_mat(N + 1, K, rng) : random_mat(K, N + 1, rng);
+    std::vector<Mat> parts;
+    for (int i = 0; i < 2; ++i) {
+      const Mat bi = part(B, s.in[1], i, 2);
+      parts.push_back(matmul(part(A, s.in[0], i, 2), transposed ? transpose(bi) : bi));
+    }
+    EXPECT_EQ(s.out, Shard::P());
+    expect_equal(whole(parts, s.out), matmul(A, transposed ? transpose(B) : B), "contraction");
+  }
+}
+
+// The embedding: vocab-parallel rows leave each device the rows it holds and zeros elsewhere,
+// whose sum is the lookup; hidden-parallel columns leave the output split along C.
+TEST(OpSharding, GatherStrategiesLookUpTheTable) {
+  std::mt19937 rng(3);
+  const int64_t V = 8, C = 6, M = 5;
+  const std::vector<int> ids = {7, 0, 3, 3, 5};
+  OpGraph g;
+  const int x = g.add({.name = "ids", .kind = OpKind::input, .shape = {M}});
+  const int e = g.add(
+      {.name = "wte", .kind = OpKind::gather, .inputs = {x}, .shape = {M, C}, .weights = {{V, C}}});
+  const Mat table = random_mat(V, C, rng);
+  Mat want = zeros(M, C);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) want.at(m, c) = table.at(ids[size_t(m)], c);
+  for (int t : {2}) {
+    const auto names = by_name(op_strategies(g, e, t));
+    for (const std::string name : {"vocab", "hidden"}) {
+      ASSERT_TRUE(names.contains(name)) << name;
+      const OpStrategy& s = names.at(name);
+      std::vector<Mat> parts;
+      for (int i = 0; i < t; ++i) {
+        const Mat rows = part(table, s.weights[0], i, t);
+        const int64_t offset = s.weights[0].dim == 0 ? i * rows.rows : 0;
+        Mat y = zeros(M, rows.cols);
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t r = ids[size_t(m)] - offset;
+          if (r < 0 || r >= rows.rows) continue;
+          for (int64_t c = 0; c < rows.cols; ++c) y.at(m, c) = rows.at(r, c);
+        }
+        parts.push_back(y);
+      }
+      expect_equal(whole(parts, s.out), want, name);
+    }
+  }
+}
+
+TEST(OpSharding, ElementwiseNormsAndLayoutOperators) {
+  const auto m = model::ModelConfig::preset("gpt2-124m");
+  const OpGraph g = transformer_graph(m, 4, 64);
+  std::map<std::string, int> id;
+  for (int i = 0; i < g.size(); ++i) id[g.node(i).name] = i;
+  auto names = [&](const std::string& node, int t) {
+    return by_name(op_strategies(g, id.at(node), t));
+  };
+  // A residual add: split along any dimension, or partial in and out (row-parallel outputs).
+  auto add = names("h.0.residual_1", 4);
+  for (const char* s : {"replicated", "split(0)", "split(1)", "split(2)", "partial"})
+    EXPECT_TRUE(add.contains(s)) << s;
+  // gelu is not linear: no partial. LayerNorm normalises the last dimension: no split there.
+  EXPECT_FALSE(names("h.0.gelu", 4).contains("partial"));
+  EXPECT_FALSE(names("h.0.ln_1", 4).contains("split(2)"));
+  EXPECT_TRUE(names("h.0.ln_1", 4).contains("split(1)"));
+  // Heads: a split of C (the hidden dimension) is a split of the heads dimension.
+  const auto heads = names("h.0.heads.q", 4);
+  ASSERT_TRUE(heads.contains("split(2)"));
+  EXPECT_EQ(heads.at("split(2)").out, Shard::S(1));
+  // 12 heads do not split 5 ways; the batch of 4 does not either.
+  EXPECT_FALSE(names("h.0.heads.q", 5).contains("split(2)"));
+  EXPECT_FALSE(names("h.0.ln_1", 5).contains("split(0)"));
+  // The loss: vocab-parallel, with its small all-reduces.
+  const auto loss = names("loss", 2);
+  ASSERT_TRUE(loss.contains("vocab"));
+  EXPECT_DOUBLE_EQ(loss.at("vocab").comm_bytes, 3 * 2.0 * 0.5 * 4 * 64 * 4);
+  // One device: one strategy, all of it.
+  const auto one = op_strategies(g, id.at("h.0.attn.c_attn"), 1);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_DOUBLE_EQ(one[0].weight_elements, 768.0 * 3 * 768 + 3 * 768);
+  EXPECT_THROW(op_strategies(g, -1, 2), InvalidArgumentError);
+  EXPECT_THROW(op_strategies(g, 0, 0), InvalidArgumentError);
+}
+
+TEST(OpSharding, ReshardCostsAreTheRingCollectives) {
+  const double B = 1000;
+  EXPECT_EQ(reshard(Shard::S(1), Shard::S(1), B, 4).collective, "");
+  EXPECT_EQ(reshard(Shard::R(), Shard::S(0), B, 4).collective, "");
+  EXPECT_EQ(reshard(Shard::S(0), Shard::P(), B, 4).collective, "");
+  const Reshard ag = reshard(Shard::S(0), Shard::R(), B, 4);
+  EXPECT_EQ(ag.collective, "all-gather");
+  EXPECT_DOUBLE_EQ(ag.bytes_per_device, 750);
+  const Reshard rs = reshard(Shard::P(), Shard::S(2), B, 4);
+  EXPECT_EQ(rs.collective, "reduce-scatter");
+  EXPECT_DOUBLE_EQ(rs.bytes_per_device, 750);
+  const Reshard ar = reshard(Shard::P(), Shard::R(), B, 4);
+  EXPECT_EQ(ar.collective, "all-reduce");
+  EXPECT_DOUBLE_EQ(ar.bytes_per_device, 1500);
+  const Reshard a2a = reshard(Shard::S(0), Shard::S(1), B, 4);
+  EXPECT_EQ(a2a.collective, "all-to-all");
+  EXPECT_DOUBLE_EQ(a2a.bytes_per_device, 187.5);
+  EXPECT_EQ(reshard(Shard::P(), Shard::R(), B, 1).collective, "");
+}
+
+}  // namespace
+}  // namespace tessel::planner

@@ -1,0 +1,65 @@
+// The sharding of a whole operator graph on one mesh axis of t devices as one integer programme
+// (issue 20): one strategy per operator (op_sharding.h) minimising the training step's time on
+// the axis, solved with CBC (ilp.h). The graph planner will split large graphs at critical
+// nodes and combine per-subgraph programmes by dynamic programming; this is the programme for
+// one (sub)graph.
+//
+// Model, per training step (forward, backward and the weight-gradient sync):
+//   compute       3 x the strategy's per-device FLOPs / flops_per_s (backward = 2 forwards);
+//   inside        2 x the strategy's own collectives (the loss's all-reduces), forward and
+//                 backward;
+//   edges         forward, the layout change from the producer's output to what the consumer
+//                 reads (op_sharding.h reshard(): all-gather, reduce-scatter, all-reduce,
+//                 all-to-all); backward, from the layout of the gradient the consumer's backward
+//                 leaves for that input (partial where every device read the input whole but
+//                 computed a part: a column-parallel matmul's input) to the layout the
+//                 producer's backward needs (its output's; whole for a partial output); each
+//                 collective latency + bytes / bandwidth;
+//   weight sync   a strategy that splits the batch (batch(d)) and keeps a weight replicated
+//                 leaves each device part of its gradient: all-reduced, 2 (t - 1) / t of its
+//                 bytes;
+//   memory        the weights' training state per device (state_bytes_per_weight per element:
+//                 fp32 weight, gradient and Adam's two moments by default) within memory_bytes.
+//   tied weights  a node reading another's weights (a tied head) holds them in the layout that
+//                 node chose.
+// Variables: x[v][s] binary, one per node v and strategy s, sum_s x[v][s] = 1; for every edge and
+// pair of strategies whose layout change costs anything, y >= x[u][s] + x[v][s'] - 1 (y >= 0),
+// which minimisation keeps at 0 unless both are chosen.
+#pragma once
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "tessel/planner/ilp.h"
+#include "tessel/planner/op_graph.h"
+#include "tessel/planner/op_sharding.h"
+
+namespace tessel::planner {
+
+struct ShardingCosts {
+  double flops_per_s = 1e12;     // achieved per device
+  double bandwidth = 1e10;       // bytes per second each device sends in a collective
+  double latency_s = 1e-5;       // per collective
+  double bytes_per_element = 4;  // activations and weights
+  double state_bytes_per_weight = 16;
+  double memory_bytes = std::numeric_limits<double>::infinity();  // per device, for the state
+};
+
+struct ShardingSolution {
+  IlpStatus status = IlpStatus::no_solution;
+  std::vector<OpStrategy> chosen;  // per node (empty without a solution)
+  double time_s = 0;               // the objective: the step's time on the axis
+  double bound_s = 0;
+  int variables = 0, constraints = 0;
+  double solve_s = 0;
+  // The chosen strategy of the node named `name` (throws InvalidArgumentError if none).
+  const OpStrategy& of(const OpGraph& graph, const std::string& name) const;
+};
+
+// Throws what op_strategies and validate() throw, and InvalidArgumentError for t < 1 or
+// non-positive rates.
+ShardingSolution solve_sharding(const OpGraph& graph, int t, const ShardingCosts& costs,
+                                const IlpOptions& options = {});
+
+}  // namespace tessel::planner

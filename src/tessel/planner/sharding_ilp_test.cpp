@@ -1,0 +1,138 @@
+#include "tessel/planner/sharding_ilp.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "tessel/core/error.h"
+#include "tessel/planner/transformer_graph.h"
+
+namespace tessel::planner {
+namespace {
+
+// An A100's tensor-parallel group: 150 TFLOP/s achieved, NVLink at 150 GB/s per device.
+ShardingCosts nvlink() {
+  ShardingCosts c;
+  c.flops_per_s = 150e12;
+  c.bandwidth = 150e9;
+  c.latency_s = 10e-6;
+  return c;
+}
+
+model::ModelConfig two_blocks(const std::string& preset) {
+  auto m = model::ModelConfig::preset(preset);
+  m.n_layer = 2;
+  return m;
+}
+
+void print(const OpGraph& g, const ShardingSolution& s) {
+  for (int i = 0; i < g.size(); ++i)
+    fmt::print("  {:<28} {:<12} out {}\n", g.node(i).name, s.chosen[size_t(i)].name,
+               to_string(s.chosen[size_t(i)].out));
+}
+
+// Megatron-LM's tensor parallelism, rediscovered on two-block graphs of GPT-2 350M (one sample of
+// 1024 tokens, tied head) and LLaMA-2 7B (2048 tokens): the QKV (q, k, v) projections and the
+// first MLP matmuls split by columns, the attention output and the last MLP matmul by rows, the
+// attention itself by heads, the residual stream whole (or partial) between them, and the
+// vocabulary split in
+// the embedding (when the head is tied to it), the head and the loss. At these widths a matmul
+// run whole on every device costs more than the all-reduce a row split leaves; at GPT-2 124M's
+// 768 and tp 2 the two come within a few microseconds, and either may win.
+TEST(ShardingIlp, RediscoversMegatronOnGpt2AndLlama) {
+  struct Case {
+    const char* preset;
+    int seq;
+    std::vector<std::string> column, row;
+  };
+  const std::vector<Case> cases = {
+      {"gpt2-350m", 1024, {"attn.c_attn", "mlp.c_fc"}, {"attn.c_proj", "mlp.c_proj"}},
+      {"llama2-7b",
+       2048,
+       {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"},
+       {"self_attn.o_proj", "mlp.down_proj"}},
+  };
+  for (const Case& c : cases)
+    for (int t : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} tp {}", c.preset, t));
+      const auto model = two_blocks(c.preset);
+      const OpGraph g = transformer_graph(model, 1, c.seq);
+      const ShardingSolution s = solve_sharding(g, t, nvlink(), {.time_limit_s = 60});
+      ASSERT_EQ(s.status, IlpStatus::optimal) << ilp_status_name(s.status);
+      if (std::getenv("TESSEL_PRINT_SHARDING")) print(g, s);
+      for (int l = 0; l < 2; ++l) {
+        auto of = [&](const std::string& name) {
+          return s.of(g, fmt::format("h.{}.{}", l, name)).name;
+        };
+        for (const auto& name : c.column) EXPECT_EQ(of(name), "column") << name;
+        for (const auto& name : c.row) EXPECT_EQ(of(name), "row") << name;
+        EXPECT_EQ(of("qk"), "batch(1)");  // heads
+        EXPECT_EQ(of("pv"), "batch(1)");
+        // The residual stream is whole, or the partial sums the all-reduce then sums (adding
+        // before or after it moves the same bytes).
+        EXPECT_NE(s.of(g, fmt::format("h.{}.residual_1", l)).out.kind, Shard::Kind::split);
+      }
+      if (model.tie_embeddings) {
+        EXPECT_EQ(s.of(g, "wte").name, "vocab");
+      }
+      EXPECT_EQ(s.of(g, "lm_head").name, "column");
+      EXPECT_EQ(s.of(g, "loss").name, "vocab");
+      if (::testing::Test::HasFailure()) print(g, s);
+    }
+}
+
+// Small weights and many tokens on CPU workers (gpt2-tiny: hidden 32, 128 samples of 64
+// tokens): splitting the batch and all-reducing the few weight gradients beats moving
+// activations, and beats every device computing everything, so every matmul with weights runs
+// data-parallel. Squeezed below the replicated weights' training state, the same
+// graph must split weights instead.
+TEST(ShardingIlp, SmallWeightsRunDataParallelUnlessMemoryForbids) {
+  auto model = model::ModelConfig::preset("gpt2-tiny");
+  model.n_layer = 1;
+  const OpGraph g = transformer_graph(model, 128, 64);
+  // CPU workers (planner/cluster.h's profile shape): 300 GFLOP/s, 4 GB/s links.
+  ShardingCosts costs;
+  costs.flops_per_s = 3e11;
+  costs.bandwidth = 4e9;
+  costs.latency_s = 3e-5;
+  const ShardingSolution s = solve_sharding(g, 4, costs, {.time_limit_s = 60});
+  ASSERT_EQ(s.status, IlpStatus::optimal);
+  double state = 0;
+  for (int i = 0; i < g.size(); ++i) {
+    const OpNode& n = g.node(i);
+    if (n.kind == OpKind::matmul && !n.weights.empty()) {
+      EXPECT_TRUE(s.chosen[size_t(i)].name.starts_with("batch"))
+          << n.name << ": " << s.chosen[size_t(i)].name;
+    }
+    if (n.weights_of < 0)  // a tied head's weights are its embedding's
+      state += s.chosen[size_t(i)].weight_elements * costs.state_bytes_per_weight;
+  }
+  if (::testing::Test::HasFailure()) print(g, s);
+  // Every weight replicated: the whole model's state on each device.
+  EXPECT_DOUBLE_EQ(state, double(model.num_params()) * costs.state_bytes_per_weight);
+  costs.memory_bytes = 0.5 * state;
+  const ShardingSolution tight = solve_sharding(g, 4, costs, {.time_limit_s = 60});
+  ASSERT_TRUE(tight.status == IlpStatus::optimal || tight.status == IlpStatus::feasible);
+  double tight_state = 0;
+  for (int i = 0; i < g.size(); ++i)
+    if (g.node(i).weights_of < 0)
+      tight_state += tight.chosen[size_t(i)].weight_elements * costs.state_bytes_per_weight;
+  EXPECT_LE(tight_state, costs.memory_bytes);
+  EXPECT_GT(tight.time_s, s.time_s);
+  // Nothing fits a device that cannot hold a quarter of the state.
+  costs.memory_bytes = 0.2 * state;
+  EXPECT_EQ(solve_sharding(g, 4, costs, {.time_limit_s = 60}).status, IlpStatus::infeasible);
+}
+
+TEST(ShardingIlp, RejectsBadCosts) {
+  const OpGraph g = transformer_graph(model::ModelConfig::preset("gpt2-tiny"), 1, 8);
+  ShardingCosts c;
+  c.bandwidth = 0;
+  EXPECT_THROW(solve_sharding(g, 2, c), InvalidArgumentError);
+  EXPECT_THROW(solve_sharding(g, 0, ShardingCosts{}), InvalidArgumentError);
+  EXPECT_THROW(ShardingSolution{}.of(g, "wte"), InvalidArgumentError);
+}
+
+}  // namespace
+}  // namespace tessel::planner

@@ -1,0 +1,117 @@
+#include "tessel/planner/pipeline_ilp.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "tessel/core/check.h"
+
+namespace tessel::planner {
+
+PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
+  const std::vector<int> order = g.validate();
+  const int n = g.size();
+  int with_flops = 0;
+  double total = 0;
+  for (const auto& node : g.nodes()) {
+    total += node.flops;
+    with_flops += node.flops > 0 ? 1 : 0;
+  }
+  TESSEL_CHECK(S >= 1 && S <= std::max(with_flops, 1) && o.balance_tolerance >= 0,
+               InvalidArgumentError,
+               "cut_pipeline: {} stages for {} operators with FLOPs, tolerance {}; need 1 <= "
+               "stages <= operators and a tolerance >= 0",
+               S, with_flops, o.balance_tolerance);
+  // Each operator's window of stages, around where the FLOP prefix of the order puts it.
+  std::vector<int> lo(size_t(n), 0), hi(size_t(n), S - 1);
+  if (o.window >= 0 && total > 0) {
+    double prefix = 0;
+    for (int v : order) {
+      const double mid = prefix + g.node(v).flops / 2;
+      prefix += g.node(v).flops;
+      const int at = std::min(S - 1, int(std::floor(mid / total * S)));
+      lo[size_t(v)] = std::max(0, at - o.window);
+      hi[size_t(v)] = std::min(S - 1, at + o.window);
+    }
+  }
+  Ilp ilp;
+  std::vector<std::vector<int>> z(static_cast<size_t>(n));  // z[v][s - lo[v]]
+  auto on = [&](int v, int s) { return z[size_t(v)][size_t(s - lo[size_t(v)])]; };
+  std::vector<std::vector<Ilp::Term>> load(static_cast<size_t>(S)), present(static_cast<size_t>(S));
+  for (int v = 0; v < n; ++v) {
+    std::vector<Ilp::Term> one;
+    for (int s = lo[size_t(v)]; s <= hi[size_t(v)]; ++s) {
+      const int var = ilp.add_binary(fmt::format("z.{}.{}", g.node(v).name, s));
+      z[size_t(v)].push_back(var);
+      one.push_back({var, 1.0});
+      if (g.node(v).flops > 0) {
+        load[size_t(s)].push_back({var, g.node(v).flops});
+        present[size_t(s)].push_back({var, 1.0});
+      }
+    }
+    ilp.add_eq(one, 1);
+  }
+  const double cap = (1 + o.balance_tolerance) * total / S;
+  for (int s = 0; s < S; ++s) {
+    TESSEL_CHECK(!present[size_t(s)].empty(), InvalidArgumentError,
+                 "cut_pipeline: no operator may go to stage {} with window {}; widen it", s,
+                 o.window);
+    if (total > 0) ilp.add_le(load[size_t(s)], cap, fmt::format("balance.{}", s));
+    ilp.add_ge(present[size_t(s)], 1, fmt::format("nonempty.{}", s));
+  }
+  // Terms of sum_{s <= b} z[v][s] (le) or sum_{s > b} z[v][s] (gt) within v's window.
+  auto part = [&](int v, int b, bool le, double coef, std::vector<Ilp::Term>& terms) {
+    for (int s = lo[size_t(v)]; s <= hi[size_t(v)]; ++s)
+      if ((s <= b) == le) terms.push_back({on(v, s), coef});
+  };
+  std::vector<std::vector<int>> readers(static_cast<size_t>(n));
+  for (int v = 0; v < n; ++v)
+    for (int u : g.node(v).inputs) readers[size_t(u)].push_back(v);
+  for (int v = 0; v < n; ++v) {
+    for (int u : g.node(v).inputs) {
+      // stage(u) <= stage(v).
+      std::vector<Ilp::Term> order_row;
+      for (int s = lo[size_t(u)]; s <= hi[size_t(u)]; ++s)
+        order_row.push_back({on(u, s), double(s)});
+      for (int s = lo[size_t(v)]; s <= hi[size_t(v)]; ++s)
+        order_row.push_back({on(v, s), -double(s)});
+      ilp.add_le(order_row, 0);
+    }
+  }
+  for (int u = 0; u < n; ++u) {
+    // Data entering the graph (token ids, targets) is read where it is needed, by that stage.
+    if (readers[size_t(u)].empty() || g.node(u).kind == OpKind::input) continue;
+    const double bytes = double(elements(g.node(u).shape)) * o.bytes_per_element;
+    int last = lo[size_t(u)];
+    for (int v : readers[size_t(u)]) last = std::max(last, hi[size_t(v)]);
+    for (int b = lo[size_t(u)]; b < last; ++b) {
+      const int w = ilp.add_binary(fmt::format("w.{}.{}", g.node(u).name, b), bytes);
+      for (int v : readers[size_t(u)]) {
+        if (hi[size_t(v)] <= b) continue;  // v never beyond b
+        std::vector<Ilp::Term> row = {{w, 1.0}};
+        part(u, b, true, -1.0, row);
+        part(v, b, false, -1.0, row);
+        ilp.add_ge(row, -1);
+      }
+    }
+  }
+  const IlpResult r = ilp.solve(o.ilp);
+  PipelineCut out;
+  out.status = r.status;
+  out.variables = ilp.variables();
+  out.constraints = ilp.constraints();
+  out.solve_s = r.seconds;
+  if (!r.has_solution()) return out;
+  out.crossing_bytes = r.objective;
+  out.stage.assign(size_t(n), -1);
+  out.stage_flops.assign(size_t(S), 0);
+  for (int v = 0; v < n; ++v) {
+    for (int s = lo[size_t(v)]; s <= hi[size_t(v)]; ++s)
+      if (r.integer(on(v, s)) == 1) out.stage[size_t(v)] = s;
+    out.stage_flops[size_t(out.stage[size_t(v)])] += g.node(v).flops;
+  }
+  return out;
+}
+
+}  // namespace tessel::planner

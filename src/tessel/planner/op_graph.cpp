@@ -120,6 +120,31 @@ std::vector<int> OpGraph::validate() const {
   return order;
 }
 
+std::vector<int> OpGraph::critical_nodes() const {
+  const std::vector<int> order = validate();
+  const int n = size();
+  std::vector<int> at(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) at[size_t(order[size_t(i)])] = i;
+  // furthest[i]: the last position an edge from the computing node at position i reaches.
+  std::vector<int> out;
+  std::vector<int> furthest(static_cast<size_t>(n), -1);
+  for (int v = 0; v < n; ++v)
+    for (int u : nodes_[size_t(v)].inputs)
+      if (nodes_[size_t(u)].kind != OpKind::input)
+        furthest[size_t(at[size_t(u)])] = std::max(furthest[size_t(at[size_t(u)])], at[size_t(v)]);
+  bool started = false;
+  int reach = -1;  // over the computing nodes before position i
+  for (int i = 0; i < n; ++i) {
+    const int v = order[size_t(i)];
+    if (nodes_[size_t(v)].kind == OpKind::input) continue;
+    // Critical: every earlier computing node's edges end at or before it.
+    if (started && reach <= i) out.push_back(v);
+    started = true;
+    reach = std::max(reach, furthest[size_t(i)]);
+  }
+  return out;
+}
+
 double OpGraph::total_flops() const {
   double f = 0;
   for (const auto& node : nodes_) f += node.flops;

@@ -72,6 +72,13 @@ class OpGraph {
   // first). Throws CorruptDataError naming the node and the bad input, or a node on a cycle.
   std::vector<int> validate() const;
 
+  // The critical nodes, in topological order: those every path of the computation goes through
+  // (no edge jumps over them in validate()'s order; data entering the graph, OpKind::input, is
+  // not part of the computation and ignored). They cut the graph into segments that meet only
+  // in them -- a transformer's residual adds -- which the graph planner shards one at a time and
+  // joins by dynamic programming over the critical nodes' strategies (TePDist).
+  std::vector<int> critical_nodes() const;
+
   // Sums over the nodes (forward FLOPs; parameters as elements).
   double total_flops() const;
   int64_t total_parameters() const;

@@ -1,5 +1,6 @@
 #include "tessel/planner/transformer_graph.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <map>
@@ -66,6 +67,31 @@ TEST(TransformerGraph, GroupedQueryAttentionRepeatsKeysAndValues) {
   EXPECT_EQ(repeats, 2 * m.n_layer);
   const OpGraph mha = transformer_graph(model::ModelConfig::preset("llama2-7b"), 1, 64);
   for (const auto& n : mha.nodes()) EXPECT_EQ(n.name.find("repeat_kv"), std::string::npos);
+}
+
+// Every path of a block's computation goes through its residual adds (the attention and MLP
+// branches rejoin there); nothing inside an attention or an MLP is critical.
+TEST(TransformerGraph, CriticalNodesAreTheResidualStream) {
+  for (const char* preset : {"gpt2-124m", "llama3-8b"}) {
+    auto m = model::ModelConfig::preset(preset);
+    m.n_layer = 3;
+    const OpGraph g = transformer_graph(m, 1, 16);
+    std::vector<std::string> names;
+    for (int v : g.critical_nodes()) names.push_back(g.node(v).name);
+    std::vector<std::string> want;
+    if (m.family == model::Family::gpt2) want.push_back("embed_add");
+    for (int l = 0; l < m.n_layer; ++l) {
+      want.push_back(fmt::format("h.{}.residual_1", l));
+      want.push_back(fmt::format("h.{}.residual_2", l));
+    }
+    for (const char* tail : {m.family == model::Family::gpt2 ? "ln_f" : "norm", "lm_head", "loss"})
+      want.push_back(tail);
+    if (m.family != model::Family::gpt2) {
+      // LLaMA's embedding is a single operator feeding the first block's norm and residual.
+      EXPECT_EQ(g.node(g.critical_nodes().front()).name, "h.0.residual_1") << preset;
+    }
+    EXPECT_EQ(names, want) << preset;
+  }
 }
 
 TEST(TransformerGraph, RejectsSizesOutsideTheModel) {

@@ -31,41 +31,92 @@ Shard output_gradient(const OpStrategy& s) {
   return s.out.kind == Shard::Kind::partial ? Shard::R() : s.out;
 }
 
-}  // namespace
-
-ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
-                                const IlpOptions& options) {
+void check_costs(int t, const ShardingCosts& c) {
   TESSEL_CHECK(
       t >= 1 && c.flops_per_s > 0 && c.bandwidth > 0 && c.latency_s >= 0 && c.bytes_per_element > 0,
       InvalidArgumentError,
       "solve_sharding: {} devices, {} FLOP/s, {} B/s, latency {} s; need t >= 1 and "
       "positive rates",
       t, c.flops_per_s, c.bandwidth, c.latency_s);
+}
+
+double collective(const ShardingCosts& c, double bytes) {
+  return c.latency_s + bytes / c.bandwidth;
+}
+
+}  // namespace
+
+double strategy_cost(const OpGraph& g, int v, const OpStrategy& s, int t, const ShardingCosts& c) {
+  const OpNode& node = g.node(v);
+  const auto& weights = node.weights_of >= 0 ? g.node(node.weights_of).weights : node.weights;
+  double cost = 3 * s.flops / c.flops_per_s;
+  if (s.comm_bytes > 0) cost += 2 * collective(c, s.comm_bytes);
+  if (t > 1 && s.name.starts_with("batch"))
+    for (size_t w = 0; w < weights.size(); ++w)
+      if (s.weights[w].kind == Shard::Kind::replicated)
+        cost +=
+            collective(c, 2.0 * (t - 1) / t * double(elements(weights[w])) * c.bytes_per_element);
+  return cost;
+}
+
+double edge_cost(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,
+                 const OpStrategy& to, int t, const ShardingCosts& c) {
+  const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
+  double cost = 0;
+  const Reshard fwd = reshard(from.out, to.in[k], bytes, t);
+  if (!fwd.collective.empty()) cost += collective(c, fwd.bytes_per_device);
+  // Data entering the graph needs no gradient.
+  if (g.node(u).kind != OpKind::input) {
+    const Reshard bwd = reshard(input_gradient(to, k, g.node(v)), output_gradient(from), bytes, t);
+    if (!bwd.collective.empty()) cost += collective(c, bwd.bytes_per_device);
+  }
+  return cost;
+}
+
+ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
+                                const IlpOptions& options) {
+  return solve_sharding(g, t, c, options, ShardingProblem{});
+}
+
+ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
+                                const IlpOptions& options, const ShardingProblem& p) {
+  check_costs(t, c);
   g.validate();
   const int n = g.size();
-  auto collective = [&](double bytes) { return c.latency_s + bytes / c.bandwidth; };
+  auto sized = [&](size_t size, const char* what) {
+    TESSEL_CHECK(size == 0 || size == size_t(n), InvalidArgumentError,
+                 "solve_sharding: {} has {} entries for {} nodes", what, size, n);
+  };
+  sized(p.active.size(), "active");
+  sized(p.allowed.size(), "allowed");
+  sized(p.uncosted.size(), "uncosted");
+  auto active = [&](int v) { return p.active.empty() || p.active[size_t(v)]; };
   std::vector<std::vector<OpStrategy>> options_of(static_cast<size_t>(n));
-  std::vector<std::vector<int>> x(static_cast<size_t>(n));
+  // x[v]: (strategy index, variable) for the strategies v may take.
+  std::vector<std::vector<std::pair<int, int>>> x(static_cast<size_t>(n));
   Ilp ilp;
   std::vector<Ilp::Term> memory;
   for (int v = 0; v < n; ++v) {
+    if (!active(v)) continue;
     const OpNode& node = g.node(v);
     options_of[size_t(v)] = op_strategies(g, v, t);
-    const auto& weights = node.weights_of >= 0 ? g.node(node.weights_of).weights : node.weights;
+    std::vector<int> allowed;
+    if (!p.allowed.empty()) allowed = p.allowed[size_t(v)];
+    if (allowed.empty())
+      for (int i = 0; i < int(options_of[size_t(v)].size()); ++i) allowed.push_back(i);
+    const bool costed = p.uncosted.empty() || !p.uncosted[size_t(v)];
     std::vector<Ilp::Term> one;
-    for (const OpStrategy& s : options_of[size_t(v)]) {
-      double cost = 3 * s.flops / c.flops_per_s;
-      if (s.comm_bytes > 0) cost += 2 * collective(s.comm_bytes);
-      if (t > 1 && s.name.starts_with("batch"))
-        for (size_t w = 0; w < weights.size(); ++w)
-          if (s.weights[w].kind == Shard::Kind::replicated)
-            cost +=
-                collective(2.0 * (t - 1) / t * double(elements(weights[w])) * c.bytes_per_element);
-      const int var = ilp.add_binary(fmt::format("x.{}.{}", node.name, s.name), cost);
-      x[size_t(v)].push_back(var);
+    for (int i : allowed) {
+      TESSEL_CHECK(i >= 0 && i < int(options_of[size_t(v)].size()), InvalidArgumentError,
+                   "solve_sharding: node '{}' allows strategy {} of {}", node.name, i,
+                   options_of[size_t(v)].size());
+      const OpStrategy& s = options_of[size_t(v)][size_t(i)];
+      const int var = ilp.add_binary(fmt::format("x.{}.{}", node.name, s.name),
+                                     costed ? strategy_cost(g, v, s, t, c) : 0);
+      x[size_t(v)].push_back({i, var});
       one.push_back({var, 1.0});
       // A tied head's weights are the embedding's: counted there.
-      if (node.weights_of < 0 && s.weight_elements > 0)
+      if (costed && node.weights_of < 0 && s.weight_elements > 0)
         memory.push_back({var, s.weight_elements * c.state_bytes_per_weight});
     }
     ilp.add_eq(one, 1, fmt::format("one.{}", node.name));
@@ -74,31 +125,23 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
     ilp.add_le(memory, c.memory_bytes, "memory");
   // Edges: forward, the producer's output layout against what the consumer reads there;
   // backward, the gradient the consumer makes of that input against what the producer's own
-  // backward needs (data entering the graph needs none).
+  // backward needs.
   for (int v = 0; v < n; ++v) {
+    if (!active(v)) continue;
     const OpNode& node = g.node(v);
     for (size_t k = 0; k < node.inputs.size(); ++k) {
       const int u = node.inputs[k];
-      const bool needs_gradient = g.node(u).kind != OpKind::input;
-      const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
-      const auto& from = options_of[size_t(u)];
-      const auto& to = options_of[size_t(v)];
-      for (size_t a = 0; a < from.size(); ++a)
-        for (size_t b = 0; b < to.size(); ++b) {
-          double cost = 0;
-          const Reshard fwd = reshard(from[a].out, to[b].in[k], bytes, t);
-          if (!fwd.collective.empty()) cost += collective(fwd.bytes_per_device);
-          if (needs_gradient) {
-            const Reshard bwd =
-                reshard(input_gradient(to[b], k, node), output_gradient(from[a]), bytes, t);
-            if (!bwd.collective.empty()) cost += collective(bwd.bytes_per_device);
-          }
+      if (!active(u)) continue;
+      for (const auto& [a, xa] : x[size_t(u)])
+        for (const auto& [b, xb] : x[size_t(v)]) {
+          const OpStrategy& from = options_of[size_t(u)][size_t(a)];
+          const OpStrategy& to = options_of[size_t(v)][size_t(b)];
+          const double cost = edge_cost(g, u, from, v, k, to, t, c);
           if (cost == 0) continue;
           const int y = ilp.add_continuous(
-              fmt::format("y.{}.{}.{}.{}", g.node(u).name, from[a].name, node.name, to[b].name), 0,
-              1, cost);
-          const std::vector<Ilp::Term> link = {
-              {y, 1.0}, {x[size_t(u)][a], -1.0}, {x[size_t(v)][b], -1.0}};
+              fmt::format("y.{}.{}.{}.{}", g.node(u).name, from.name, node.name, to.name), 0, 1,
+              cost);
+          const std::vector<Ilp::Term> link = {{y, 1.0}, {xa, -1.0}, {xb, -1.0}};
           ilp.add_ge(link, -1);
         }
     }
@@ -107,13 +150,12 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
   // does: one table, one layout.
   for (int v = 0; v < n; ++v) {
     const int u = g.node(v).weights_of;
-    if (u < 0) continue;
-    const auto& mine = options_of[size_t(v)];
-    const auto& owner = options_of[size_t(u)];
-    for (size_t a = 0; a < owner.size(); ++a)
-      for (size_t b = 0; b < mine.size(); ++b)
-        if (owner[a].weights.front() != mine[b].weights.front()) {
-          const std::vector<Ilp::Term> both = {{x[size_t(u)][a], 1.0}, {x[size_t(v)][b], 1.0}};
+    if (u < 0 || !active(v) || !active(u)) continue;
+    for (const auto& [a, xa] : x[size_t(u)])
+      for (const auto& [b, xb] : x[size_t(v)])
+        if (options_of[size_t(u)][size_t(a)].weights.front() !=
+            options_of[size_t(v)][size_t(b)].weights.front()) {
+          const std::vector<Ilp::Term> both = {{xa, 1.0}, {xb, 1.0}};
           ilp.add_le(both, 1);
         }
   }
@@ -126,12 +168,15 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
   out.bound_s = r.bound;
   if (!r.has_solution()) return out;
   out.time_s = r.objective;
+  out.chosen.resize(size_t(n));
+  out.index.assign(size_t(n), -1);
   for (int v = 0; v < n; ++v) {
-    int picked = -1;
-    for (size_t s = 0; s < x[size_t(v)].size(); ++s)
-      if (r.integer(x[size_t(v)][s]) == 1) picked = int(s);
-    TESSEL_CHECK(picked >= 0, Error, "internal: no strategy chosen for node '{}'", g.node(v).name);
-    out.chosen.push_back(options_of[size_t(v)][size_t(picked)]);
+    if (!active(v)) continue;
+    for (const auto& [i, var] : x[size_t(v)])
+      if (r.integer(var) == 1) out.index[size_t(v)] = i;
+    TESSEL_CHECK(out.index[size_t(v)] >= 0, Error, "internal: no strategy chosen for node '{}'",
+                 g.node(v).name);
+    out.chosen[size_t(v)] = options_of[size_t(v)][size_t(out.index[size_t(v)])];
   }
   return out;
 }

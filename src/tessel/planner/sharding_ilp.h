@@ -49,6 +49,7 @@ struct ShardingCosts {
 struct ShardingSolution {
   IlpStatus status = IlpStatus::no_solution;
   std::vector<OpStrategy> chosen;  // per node (empty without a solution)
+  std::vector<int> index;          // per node: the index of its strategy in op_strategies, or -1
   double time_s = 0;               // the objective: the step's time on the axis
   double bound_s = 0;
   int variables = 0, constraints = 0;
@@ -61,5 +62,25 @@ struct ShardingSolution {
 // non-positive rates.
 ShardingSolution solve_sharding(const OpGraph& graph, int t, const ShardingCosts& costs,
                                 const IlpOptions& options = {});
+
+// Part of a graph as one programme (the graph planner's segments): only `active` nodes take part
+// (edges from other nodes are left out: data entering the graph, replicated, moves for free),
+// each limited to its `allowed` strategy indices (empty: all), and an `uncosted` node's own
+// cost is left out (a segment's head: the segment before counts it). Sizes: none, or one per
+// node. Inactive nodes get index -1 and a default strategy in the solution.
+struct ShardingProblem {
+  std::vector<char> active;
+  std::vector<std::vector<int>> allowed;
+  std::vector<char> uncosted;
+};
+ShardingSolution solve_sharding(const OpGraph& graph, int t, const ShardingCosts& costs,
+                                const IlpOptions& options, const ShardingProblem& problem);
+
+// The same costs for a node's strategies and an edge's layout changes, for callers that combine
+// programmes (graph_sharding.h).
+double strategy_cost(const OpGraph& graph, int node, const OpStrategy& s, int t,
+                     const ShardingCosts& costs);
+double edge_cost(const OpGraph& graph, int producer, const OpStrategy& from, int consumer,
+                 size_t input, const OpStrategy& to, int t, const ShardingCosts& costs);
 
 }  // namespace tessel::planner

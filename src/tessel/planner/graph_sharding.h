@@ -1,0 +1,33 @@
+// A large graph's sharding on one mesh axis, TePDist's way: cut at the critical nodes
+// (OpGraph::critical_nodes: a transformer's residual adds) into segments that meet only there,
+// solve each segment's programme (sharding_ilp.h) exactly for every pair of strategies of its
+// head and tail critical nodes, and join the segments by dynamic programming over the critical
+// nodes' strategies. Segments with the same structure and the same head and tail strategies
+// (every block of a transformer looks alike) are solved once.
+//
+// The result is optimal for the whole graph's programme without the memory row: the segments
+// meet only in their critical nodes, whose strategies the DP enumerates, so every edge and
+// every node is costed exactly once. (The memory constraint couples all segments; it is left to
+// the whole-graph programme, or to the layout search around this.) A weight shared across
+// segments (a head tied to the embedding) is handled by running the DP once per layout of that
+// weight, each node limited to the strategies holding it so, and keeping the best.
+#pragma once
+
+#include "tessel/planner/sharding_ilp.h"
+
+namespace tessel::planner {
+
+struct GraphShardingStats {
+  int segments = 0;
+  int programmes = 0;          // distinct (segment structure, head, tail) programmes solved
+  int optimal_programmes = 0;  // of which proven optimal
+  int reused = 0;              // segment programmes answered from an identical one
+  double seconds = 0;
+};
+
+// Throws what solve_sharding throws. The solution's status is optimal when every programme was,
+// feasible when some stopped at their time limit, infeasible when no combination is.
+ShardingSolution shard_graph(const OpGraph& graph, int t, const ShardingCosts& costs,
+                             const IlpOptions& options = {}, GraphShardingStats* stats = nullptr);
+
+}  // namespace tessel::planner

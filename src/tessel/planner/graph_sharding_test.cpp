@@ -1,0 +1,70 @@
+#include "tessel/planner/graph_sharding.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tessel/planner/transformer_graph.h"
+
+namespace tessel::planner {
+namespace {
+
+ShardingCosts nvlink() {
+  ShardingCosts c;
+  c.flops_per_s = 150e12;
+  c.bandwidth = 150e9;
+  c.latency_s = 10e-6;
+  return c;
+}
+
+// Cut at the critical nodes and joined by dynamic programming, the optimum is the whole graph's
+// programme's: the same step time (every edge and node costed once, every combination of the
+// critical nodes' strategies considered), with the tied embedding and head in one layout.
+TEST(GraphSharding, DynamicProgrammeEqualsTheWholeProgramme) {
+  for (const char* preset : {"gpt2-350m", "llama2-7b"}) {
+    for (int t : {2, 4}) {
+      if (std::string(preset) == "llama2-7b" && t == 2) continue;  // time: the rest says enough
+      SCOPED_TRACE(fmt::format("{} tp {}", preset, t));
+      auto m = model::ModelConfig::preset(preset);
+      m.n_layer = 2;
+      const OpGraph g = transformer_graph(m, 1, 1024);
+      const ShardingSolution whole = solve_sharding(g, t, nvlink(), {.time_limit_s = 60});
+      GraphShardingStats stats;
+      const ShardingSolution dp = shard_graph(g, t, nvlink(), {.time_limit_s = 60}, &stats);
+      ASSERT_EQ(whole.status, IlpStatus::optimal);
+      ASSERT_EQ(dp.status, IlpStatus::optimal);
+      EXPECT_NEAR(dp.time_s, whole.time_s, 1e-9 * whole.time_s);
+      EXPECT_GT(stats.segments, 4);
+      EXPECT_GT(stats.reused, 0);  // the second block's segments are the first's
+      for (int v = 0; v < g.size(); ++v) {
+        if (g.node(v).kind == OpKind::input) continue;
+        ASSERT_GE(dp.index[size_t(v)], 0) << g.node(v).name;
+      }
+      if (m.tie_embeddings) {
+        EXPECT_EQ(dp.of(g, "wte").weights.front(), dp.of(g, "lm_head").weights.front());
+      }
+    }
+  }
+}
+
+// GPT-3 175B's 96 blocks: two distinct segment programmes per (head, tail) pair, solved once and
+// reused for every block, with Megatron's sharding in each.
+TEST(GraphSharding, Gpt3At96BlocksReusesTheBlocksProgrammes) {
+  const auto m = model::ModelConfig::preset("gpt3-175b");
+  const OpGraph g = transformer_graph(m, 1, 2048);
+  GraphShardingStats stats;
+  const ShardingSolution s = shard_graph(g, 8, nvlink(), {.time_limit_s = 60}, &stats);
+  ASSERT_EQ(s.status, IlpStatus::optimal);
+  EXPECT_EQ(stats.optimal_programmes, stats.programmes);
+  EXPECT_GT(stats.reused, 10 * stats.programmes);
+  for (int l = 0; l < m.n_layer; ++l) {
+    EXPECT_EQ(s.of(g, fmt::format("h.{}.attn.c_attn", l)).name, "column") << l;
+    EXPECT_EQ(s.of(g, fmt::format("h.{}.attn.c_proj", l)).name, "row") << l;
+    EXPECT_EQ(s.of(g, fmt::format("h.{}.mlp.c_fc", l)).name, "column") << l;
+    EXPECT_EQ(s.of(g, fmt::format("h.{}.mlp.c_proj", l)).name, "row") << l;
+  }
+}
+
+}  // namespace
+}  // namespace tessel::planner

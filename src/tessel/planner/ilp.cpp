@@ -115,6 +115,17 @@ IlpResult Ilp::solve(const IlpOptions& o) const {
       Cbc_addRow(model.get(), (r.name + ".ub").c_str(), nz, r.cols.data(), r.coefs.data(), 'L',
                  r.ub);
   }
+  if (!o.start.empty()) {
+    std::vector<int> cols;
+    std::vector<double> values;
+    for (const auto& [var, value] : o.start) {
+      TESSEL_CHECK(var >= 0 && var < variables(), InvalidArgumentError,
+                   "Ilp::solve: the start names variable {} of {}", var, variables());
+      cols.push_back(var);
+      values.push_back(value);
+    }
+    Cbc_setMIPStartI(model.get(), int(cols.size()), cols.data(), values.data());
+  }
   Cbc_setMaximumSeconds(model.get(), o.time_limit_s);
   if (o.relative_gap > 0) Cbc_setAllowableFractionGap(model.get(), o.relative_gap);
   Cbc_solve(model.get());

@@ -30,6 +30,9 @@ struct IlpOptions {
   double time_limit_s = 10;  // > 0
   // Stop once (best - bound) / |best| is at most this (0: prove optimality).
   double relative_gap = 0;
+  // A solution to start from (CBC's MIP start): (variable, value) for the integer variables
+  // that are not 0; CBC completes the rest and ignores a start that is not feasible.
+  std::vector<std::pair<int, double>> start = {};
 };
 
 enum class IlpStatus { optimal, feasible, infeasible, no_solution };

@@ -96,7 +96,22 @@ PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
       }
     }
   }
-  const IlpResult r = ilp.solve(o.ilp);
+  // Start from the FLOP-prefix split of the topological order (each stage takes operators until
+  // it holds its share): feasible whenever no operator is too large for the balance, and a
+  // solver on a large graph may otherwise search long for any solution at all.
+  IlpOptions solve_options = o.ilp;
+  if (solve_options.start.empty() && total > 0) {
+    double prefix = 0;
+    int stage = 0;
+    for (int v : order) {
+      const double f = g.node(v).flops;
+      if (stage + 1 < S && prefix + f / 2 > (stage + 1) * total / S) ++stage;
+      prefix += f;
+      const int s = std::clamp(stage, lo[size_t(v)], hi[size_t(v)]);
+      solve_options.start.push_back({on(v, s), 1.0});
+    }
+  }
+  const IlpResult r = ilp.solve(solve_options);
   PipelineCut out;
   out.status = r.status;
   out.variables = ilp.variables();

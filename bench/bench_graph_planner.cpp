@@ -1,0 +1,113 @@
+// `scripts/bench graph-planner`: the graph planner's parts on preset graphs built from their
+// ModelConfig (issue 20), for tracking them until the whole planner stands:
+//   - GPT-2 124M and GPT-3 175B forward graphs (operators, critical-node segments);
+//   - their tensor-parallel sharding on a DGX A100's NVLink axis (tp 4 for GPT-2: 12 heads; tp 8)
+//   by the segment
+//     programmes and the dynamic programme (graph_sharding.h): wall time, programmes solved and
+//     proven optimal, and whether every block has Megatron's column/row/head split;
+//   - GPT-3 175B cut into 8 pipeline stages by the DAG programme (pipeline_ilp.h).
+// Not yet measured (null in the JSON): the graph plan's step time against the layer planner's
+// (the combined plan does not exist yet). Last line: one JSON object.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tessel/planner/graph_sharding.h"
+#include "tessel/planner/pipeline_ilp.h"
+#include "tessel/planner/transformer_graph.h"
+
+using namespace tessel;
+using namespace tessel::planner;
+
+namespace {
+
+// A DGX A100's tensor-parallel axis: an A100 at 150 TFLOP/s achieved on large bf16 GEMMs (half
+// its 312 peak), NVLink 3 at about 150 GB/s per direction per device for ring collectives.
+ShardingCosts dgx_a100_tp() {
+  ShardingCosts c;
+  c.flops_per_s = 150e12;
+  c.bandwidth = 150e9;
+  c.latency_s = 10e-6;
+  c.bytes_per_element = 2;
+  return c;
+}
+
+bool megatron(const OpGraph& g, const ShardingSolution& s, int layers) {
+  for (int l = 0; l < layers; ++l) {
+    auto is = [&](const char* name, const char* want) {
+      return s.of(g, fmt::format("h.{}.{}", l, name)).name == want;
+    };
+    if (!is("attn.c_attn", "column") || !is("attn.c_proj", "row") || !is("mlp.c_fc", "column") ||
+        !is("mlp.c_proj", "row") || !is("qk", "batch(1)"))
+      return false;
+  }
+  return true;
+}
+
+struct Run {
+  int ops = 0, segments = 0, programmes = 0, optimal = 0, reused = 0;
+  double seconds = 0, step_s = 0;
+  bool megatron = false;
+};
+
+Run shard(const char* preset, int seq, int tp) {
+  const auto m = model::ModelConfig::preset(preset);
+  const OpGraph g = transformer_graph(m, 1, seq);
+  GraphShardingStats st;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ShardingSolution s = shard_graph(g, tp, dgx_a100_tp(), {.time_limit_s = 60}, &st);
+  Run r;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.ops = g.size();
+  r.segments = st.segments;
+  r.programmes = st.programmes;
+  r.optimal = st.optimal_programmes;
+  r.reused = st.reused;
+  r.step_s = s.time_s;
+  r.megatron = s.status == IlpStatus::optimal && megatron(g, s, m.n_layer);
+  fmt::print(
+      "{:<10} seq {:>5} tp {}: {:>5} operators, {:>3} segments, {:>3} programmes ({} optimal, "
+      "{} reused) in {:.2f} s; sharded step {:.1f} ms; Megatron's split in every block: {}\n",
+      preset, seq, tp, r.ops, r.segments, r.programmes, r.optimal, r.reused, r.seconds,
+      r.step_s * 1e3, r.megatron ? "yes" : "no");
+  return r;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    const Run gpt2 = shard("gpt2-124m", 1024, 4);  // 12 heads: tp 8 cannot split them
+    const Run big = shard("gpt3-175b", 2048, 8);
+    const OpGraph g = transformer_graph(model::ModelConfig::preset("gpt3-175b"), 1, 2048);
+    PipelineCutOptions o;
+    o.balance_tolerance = 0.1;
+    o.ilp.time_limit_s = 60;
+    const auto t0 = std::chrono::steady_clock::now();
+    const PipelineCut cut = cut_pipeline(g, 8, o);
+    const double cut_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("gpt3-175b 8 pipeline stages: {} in {:.2f} s ({} variables), {:.1f} MiB crossing\n",
+               ilp_status_name(cut.status), cut_s, cut.variables, cut.crossing_bytes / (1 << 20));
+    const int programmes = gpt2.programmes + big.programmes + 1;
+    const int optimal = gpt2.optimal + big.optimal + (cut.status == IlpStatus::optimal ? 1 : 0);
+    nlohmann::json out = {
+        {"ops_175b", big.ops},
+        {"plan_175b_s", big.seconds + cut_s},
+        {"plan_gpt2_s", gpt2.seconds},
+        {"megatron_rediscovered", gpt2.megatron && big.megatron},
+        {"graph_vs_layer_pred_error", nullptr},
+        {"subgraphs_175b", big.segments},
+        {"ilp_optimal_fraction", double(optimal) / programmes},
+        {"pipeline_cut_175b_s", cut_s},
+    };
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_graph_planner: %s\n", e.what());
+    return 1;
+  }
+}

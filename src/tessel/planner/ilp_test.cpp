@@ -153,6 +153,22 @@ TEST(Ilp, TimeLimitLeavesAFeasibleSolutionNotProvenOptimal) {
   EXPECT_EQ(r.values.size(), size_t(ilp.variables()));
 }
 
+// A start (CBC's MIP start) changes where the search begins, not its answer; one naming a
+// variable the programme lacks is refused.
+TEST(Ilp, AStartKeepsTheOptimum) {
+  Ilp ilp;
+  const int a = ilp.add_binary("a", -3), b = ilp.add_binary("b", -2), c = ilp.add_binary("c", -2);
+  const std::vector<Ilp::Term> row = {{a, 2.0}, {b, 1.0}, {c, 1.0}};
+  ilp.add_le(row, 2);  // a alone (-3) or b and c (-4)
+  IlpOptions o;
+  o.start = {{a, 1.0}};  // feasible, not optimal
+  const IlpResult r = ilp.solve(o);
+  ASSERT_EQ(r.status, IlpStatus::optimal);
+  EXPECT_DOUBLE_EQ(r.objective, -4);
+  o.start = {{7, 1.0}};
+  EXPECT_THROW(ilp.solve(o), InvalidArgumentError);
+}
+
 TEST(Ilp, InfeasibleIsSaidSo) {
   Ilp ilp;
   const int a = ilp.add_binary("a"), b = ilp.add_binary("b");

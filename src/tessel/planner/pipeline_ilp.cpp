@@ -4,12 +4,71 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
+#include <utility>
 
 #include "tessel/core/check.h"
 
 namespace tessel::planner {
 
+namespace {
+
+// The graph with one node per segment between critical nodes (inputs left out), and for each
+// original node its segment (-1 for inputs).
+std::pair<OpGraph, std::vector<int>> coarsen(const OpGraph& g) {
+  const std::vector<int> order = g.validate();
+  const auto critical = g.critical_nodes();
+  const std::set<int> is_critical(critical.begin(), critical.end());
+  OpGraph coarse;
+  std::vector<int> segment_of(size_t(g.size()), -1);
+  OpNode cur;
+  int index = 0;
+  for (int v : order) {
+    const OpNode& node = g.node(v);
+    if (node.kind == OpKind::input) continue;
+    segment_of[size_t(v)] = index;
+    cur.flops += node.flops;
+    cur.shape = node.shape;
+    if (is_critical.contains(v)) {
+      cur.name = node.name;
+      cur.kind = OpKind::other;
+      if (index > 0) cur.inputs = {index - 1};
+      coarse.add(std::move(cur));
+      cur = OpNode{};
+      ++index;
+    }
+  }
+  if (cur.flops > 0 || !cur.shape.empty()) {
+    cur.name = "end";
+    cur.kind = OpKind::other;
+    if (index > 0) cur.inputs = {index - 1};
+    coarse.add(std::move(cur));
+  }
+  return {std::move(coarse), std::move(segment_of)};
+}
+
+}  // namespace
+
 PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
+  if (o.coarsen && !g.critical_nodes().empty()) {
+    auto [coarse, segment_of] = coarsen(g);
+    PipelineCutOptions fine = o;
+    fine.coarsen = false;
+    PipelineCut cut = cut_pipeline(coarse, S, fine);
+    if (cut.stage.empty()) return cut;
+    std::vector<int> stage(size_t(g.size()), -1);
+    for (int v = 0; v < g.size(); ++v)
+      if (segment_of[size_t(v)] >= 0) stage[size_t(v)] = cut.stage[size_t(segment_of[size_t(v)])];
+    // Data entering the graph is loaded by the first stage that reads it.
+    for (int v = 0; v < g.size(); ++v)
+      for (int u : g.node(v).inputs)
+        if (g.node(u).kind == OpKind::input &&
+            (stage[size_t(u)] < 0 || stage[size_t(v)] < stage[size_t(u)]))
+          stage[size_t(u)] = stage[size_t(v)];
+    for (int& s : stage) s = std::max(s, 0);
+    cut.stage = std::move(stage);
+    return cut;
+  }
   const std::vector<int> order = g.validate();
   const int n = g.size();
   int with_flops = 0;

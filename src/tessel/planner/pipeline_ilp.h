@@ -30,6 +30,12 @@ struct PipelineCutOptions {
   double balance_tolerance = 0.1;  // each stage's FLOPs <= (1 + this) x an equal share
   int window = 1;                  // stages either side of the FLOP-prefix position; < 0: all
   double bytes_per_element = 4;
+  // Cut only between critical nodes (OpGraph::critical_nodes): the programme then runs on the
+  // graph coarsened to one node per segment (its FLOPs summed, its critical tail's output the
+  // only tensor that can cross after it), which is small at any depth. Exact whenever the best
+  // cuts lie on critical nodes -- a transformer's do: anything else crosses more than the
+  // residual stream. A graph without critical nodes is cut whole.
+  bool coarsen = false;
   IlpOptions ilp = {};
 };
 

@@ -83,8 +83,12 @@ class Enumerator {
           if (divides(n_.shape[size_t(d)]))
             add(fmt::format("split({})", d), Shard::S(d), {}, {}, t_);
         break;
-      case OpKind::reduce:
       case OpKind::conv:
+        conv();
+        break;
+      case OpKind::reduce:
+        reduce();
+        break;
       case OpKind::other:
         break;
     }
@@ -140,6 +144,33 @@ class Enumerator {
         add(fmt::format("batch({})", d), Shard::S(d), {Shard::S(d), Shard::S(d)}, {}, t_);
     if (divides(a.back()))
       add("contraction", Shard::P(), {Shard::S(rank - 1), Shard::S(b_k)}, {}, t_);
+  }
+
+  // x[B, Cin, ...] * W[Cout, Cin, ...] (+ bias[Cout]) -> y[B, Cout, ...]: the batch (weights
+  // replicated), output channels (W's rows, like a column split), or input channels (W's
+  // columns, partial sums, like a row split).
+  void conv() {
+    const Shape& x = input_shape(0);
+    if (divides(n_.shape[0])) add("batch(0)", Shard::S(0), {Shard::S(0)}, {}, t_);
+    std::vector<Shard> out_channels = {Shard::S(0)}, in_channels = {Shard::S(1)};
+    for (size_t i = 1; i < weights_.size(); ++i) {  // the bias follows the output channels
+      out_channels.push_back(Shard::S(0));
+      in_channels.push_back(Shard::R());
+    }
+    if (divides(n_.shape[1])) add("out_channels", Shard::S(1), {Shard::R()}, out_channels, t_);
+    if (x.size() > 1 && divides(x[1]))
+      add("in_channels", Shard::P(), {Shard::S(1)}, in_channels, t_);
+  }
+
+  // A reduction keeping its leading dimensions (a global pool [B, C, H, W] -> [B, C]): split
+  // along a kept one.
+  void reduce() {
+    const Shape& x = input_shape(0);
+    for (int d = 0; d < int(n_.shape.size()) && d < int(x.size()); ++d) {
+      if (x[size_t(d)] != n_.shape[size_t(d)]) break;
+      if (divides(x[size_t(d)]))
+        add(fmt::format("split({})", d), Shard::S(d), {Shard::S(d)}, {}, t_);
+    }
   }
 
   // table[V, C] looked up with ids [...] -> [..., C].

@@ -27,7 +27,10 @@
 //   reshape, transpose, split, concat: follow OpNode::dim_of (an input split along d is an
 //     output split along dim_of[d]); replicated; partial passes through.
 //   input: replicated, or S(d).
-//   other (and conv until it has its own): replicated only.
+//   conv x[B, Cin, ...] W[Cout, Cin, ...] -> y[B, Cout, ...]: batch (W replicated), output
+//     channels (W S(0), y S(1)), input channels (x S(1), W S(1), y P).
+//   reduce (keeping its leading dimensions, as a global pool does): S(d) for a kept d.
+//   other: replicated only.
 // A split strategy needs its dimension divisible by t; strategies that would not are left out.
 #pragma once
 

@@ -125,6 +125,59 @@ TEST(ShardingIlp, SmallWeightsRunDataParallelUnlessMemoryForbids) {
   EXPECT_EQ(solve_sharding(g, 4, costs, {.time_limit_s = 60}).status, IlpStatus::infeasible);
 }
 
+// A small Wide-ResNet-style CNN (64 images of 32 x 32, 3 -> 64 channels, 3 x 3 convolutions, a
+// global pool and a 10-way classifier): weights of a few tens of thousands of values against
+// activations of millions, so every convolution runs data-parallel.
+TEST(ShardingIlp, ConvolutionsRunDataParallel) {
+  const int64_t B = 64, H = 32, W = 32;
+  OpGraph g;
+  const int images = g.add({.name = "images", .kind = OpKind::input, .shape = {B, 3, H, W}});
+  const int labels = g.add({.name = "labels", .kind = OpKind::input, .shape = {B}});
+  int x = images;
+  int64_t channels = 3;
+  for (int l = 0; l < 4; ++l) {
+    const int64_t out = l == 0 ? 16 : 64;
+    const int conv = g.add({.name = fmt::format("conv{}", l),
+                            .kind = OpKind::conv,
+                            .inputs = {x},
+                            .shape = {B, out, H, W},
+                            .weights = {{out, channels, 3, 3}, {out}},
+                            .flops = 2.0 * B * out * H * W * channels * 9});
+    x = g.add({.name = fmt::format("relu{}", l),
+               .kind = OpKind::gelu,
+               .inputs = {conv},
+               .shape = {B, out, H, W},
+               .flops = double(B * out * H * W)});
+    channels = out;
+  }
+  const int pool = g.add({.name = "pool",
+                          .kind = OpKind::reduce,
+                          .inputs = {x},
+                          .shape = {B, channels},
+                          .flops = double(B * channels * H * W)});
+  const int fc = g.add({.name = "fc",
+                        .kind = OpKind::matmul,
+                        .inputs = {pool},
+                        .shape = {B, 10},
+                        .weights = {{channels, 10}, {10}},
+                        .flops = 2.0 * B * channels * 10});
+  g.add({.name = "loss", .kind = OpKind::loss, .inputs = {fc, labels}, .flops = 5.0 * B * 10});
+  ShardingCosts costs;  // CPU workers, as above
+  costs.flops_per_s = 3e11;
+  costs.bandwidth = 4e9;
+  costs.latency_s = 3e-5;
+  const ShardingSolution s = solve_sharding(g, 4, costs, {.time_limit_s = 60});
+  ASSERT_EQ(s.status, IlpStatus::optimal);
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(s.of(g, fmt::format("conv{}", l)).name, "batch(0)") << l;
+  EXPECT_EQ(s.of(g, "pool").out, Shard::S(0));
+  // Convolution strategies: the three splits where the sizes divide.
+  const auto conv1 = op_strategies(g, g.size() - 9, 4);
+  std::vector<std::string> names;
+  for (const auto& st : conv1) names.push_back(st.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"replicated", "batch(0)", "out_channels", "in_channels"}));
+}
+
 TEST(ShardingIlp, RejectsBadCosts) {
   const OpGraph g = transformer_graph(model::ModelConfig::preset("gpt2-tiny"), 1, 8);
   ShardingCosts c;

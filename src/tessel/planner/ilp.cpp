@@ -2,6 +2,7 @@
 
 #include <coin/Cbc_C_Interface.h>
 #include <fmt/format.h>
+#include <omp.h>
 
 #include <chrono>
 #include <cmath>
@@ -128,7 +129,17 @@ IlpResult Ilp::solve(const IlpOptions& o) const {
   }
   Cbc_setMaximumSeconds(model.get(), o.time_limit_s);
   if (o.relative_gap > 0) Cbc_setAllowableFractionGap(model.get(), o.relative_gap);
-  Cbc_solve(model.get());
+  {
+    // CBC's LP factorisation reaches OpenMP (through the OpenMP build of OpenBLAS): with more
+    // than one thread that starts libgomp's thread pool in this process, and a child forked from
+    // it later (the profiler's workers) deadlocks in its first parallel region. One thread here
+    // starts no pool; the solve is sequential either way. (nthreads-var is per thread: other
+    // threads' kernels keep theirs.)
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    Cbc_solve(model.get());
+    omp_set_num_threads(threads);
+  }
 
   IlpResult res;
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

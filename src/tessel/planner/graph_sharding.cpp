@@ -17,7 +17,7 @@ constexpr double kNone = std::numeric_limits<double>::infinity();
 
 struct Segment {
   int head = -1;           // the critical node before it (-1: the graph's start)
-  int tail = -1;           // its last node, critical (-1: the graph's end)
+  int tail = -1;           // its last node, critical (-1: the last segment's, chosen freely)
   std::vector<int> nodes;  // computing nodes after head, through tail, in topological order
 };
 
@@ -32,21 +32,17 @@ class Planner {
   Planner(const OpGraph& g, int t, const ShardingCosts& c, const IlpOptions& o,
           GraphShardingStats& stats)
       : g_(g), t_(t), c_(c), o_(o), stats_(stats) {
-    const std::vector<int> order = g.validate();
-    const auto critical = g.critical_nodes();
-    const std::set<int> is_critical(critical.begin(), critical.end());
-    Segment cur;
-    for (int v : order) {
-      if (g.node(v).kind == OpKind::input) continue;
-      cur.nodes.push_back(v);
-      if (is_critical.contains(v)) {
-        cur.tail = v;
-        segments_.push_back(cur);
-        cur = Segment{};
-        cur.head = v;
-      }
+    // Each segment ends on a critical node, the next one's head; the last one's end is nobody's
+    // head, so its programme chooses it freely (the best over all its strategies).
+    int head = -1;
+    for (auto& nodes : g.segments()) {
+      Segment s;
+      s.head = head;
+      s.nodes = std::move(nodes);
+      head = s.tail = s.nodes.back();
+      segments_.push_back(std::move(s));
     }
-    if (!cur.nodes.empty()) segments_.push_back(cur);
+    if (!segments_.empty()) segments_.back().tail = -1;
     stats_.segments = int(segments_.size());
     for (int v = 0; v < g.size(); ++v) options_.push_back(op_strategies(g, v, t));
   }

@@ -5,18 +5,11 @@
 
 #include <string>
 
+#include "tessel/planner/sharding_test_util.h"
 #include "tessel/planner/transformer_graph.h"
 
 namespace tessel::planner {
 namespace {
-
-ShardingCosts nvlink() {
-  ShardingCosts c;
-  c.flops_per_s = 150e12;
-  c.bandwidth = 150e9;
-  c.latency_s = 10e-6;
-  return c;
-}
 
 // Cut at the critical nodes and joined by dynamic programming, the optimum is the whole graph's
 // programme's: the same step time (every edge and node costed once, every combination of the
@@ -29,9 +22,11 @@ TEST(GraphSharding, DynamicProgrammeEqualsTheWholeProgramme) {
       auto m = model::ModelConfig::preset(preset);
       m.n_layer = 2;
       const OpGraph g = transformer_graph(m, 1, 1024);
-      const ShardingSolution whole = solve_sharding(g, t, nvlink(), {.time_limit_s = 60});
+      const ShardingSolution whole =
+          solve_sharding(g, t, testing::nvlink_costs(), {.time_limit_s = 60});
       GraphShardingStats stats;
-      const ShardingSolution dp = shard_graph(g, t, nvlink(), {.time_limit_s = 60}, &stats);
+      const ShardingSolution dp =
+          shard_graph(g, t, testing::nvlink_costs(), {.time_limit_s = 60}, &stats);
       ASSERT_EQ(whole.status, IlpStatus::optimal);
       ASSERT_EQ(dp.status, IlpStatus::optimal);
       EXPECT_NEAR(dp.time_s, whole.time_s, 1e-9 * whole.time_s);
@@ -54,7 +49,8 @@ TEST(GraphSharding, Gpt3At96BlocksReusesTheBlocksProgrammes) {
   const auto m = model::ModelConfig::preset("gpt3-175b");
   const OpGraph g = transformer_graph(m, 1, 2048);
   GraphShardingStats stats;
-  const ShardingSolution s = shard_graph(g, 8, nvlink(), {.time_limit_s = 60}, &stats);
+  const ShardingSolution s =
+      shard_graph(g, 8, testing::nvlink_costs(), {.time_limit_s = 60}, &stats);
   ASSERT_EQ(s.status, IlpStatus::optimal);
   EXPECT_EQ(stats.optimal_programmes, stats.programmes);
   EXPECT_GT(stats.reused, 10 * stats.programmes);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <queue>
+#include <set>
 
 #include "tessel/core/check.h"
 
@@ -121,7 +122,24 @@ std::vector<int> OpGraph::validate() const {
 }
 
 std::vector<int> OpGraph::critical_nodes() const {
+  return critical_in(validate());
+}
+
+std::vector<std::vector<int>> OpGraph::segments() const {
   const std::vector<int> order = validate();
+  const auto critical = critical_in(order);
+  const std::set<int> is_critical(critical.begin(), critical.end());
+  std::vector<std::vector<int>> out(1);
+  for (int v : order) {
+    if (nodes_[size_t(v)].kind == OpKind::input) continue;
+    out.back().push_back(v);
+    if (is_critical.contains(v)) out.emplace_back();
+  }
+  if (out.back().empty()) out.pop_back();
+  return out;
+}
+
+std::vector<int> OpGraph::critical_in(const std::vector<int>& order) const {
   const int n = size();
   std::vector<int> at(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) at[size_t(order[size_t(i)])] = i;

@@ -78,12 +78,24 @@ class OpGraph {
   // in them -- a transformer's residual adds -- which the graph planner shards one at a time and
   // joins by dynamic programming over the critical nodes' strategies (TePDist).
   std::vector<int> critical_nodes() const;
+  // The computation cut at its critical nodes: each segment the computing nodes after one
+  // critical node through the next, in topological order (inputs left out); a last segment may
+  // end on a node that is not critical (the graph's end).
+  std::vector<std::vector<int>> segments() const;
+
+  // The weights node `id` computes with: its own, or those of the node it reads them from.
+  const std::vector<std::vector<int64_t>>& weights_used_by(int id) const {
+    const OpNode& n = node(id);
+    return n.weights_of >= 0 ? node(n.weights_of).weights : n.weights;
+  }
 
   // Sums over the nodes (forward FLOPs; parameters as elements).
   double total_flops() const;
   int64_t total_parameters() const;
 
  private:
+  std::vector<int> critical_in(const std::vector<int>& order) const;
+
   std::vector<OpNode> nodes_;
 };
 

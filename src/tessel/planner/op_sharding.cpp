@@ -35,10 +35,7 @@ double weight_elements(const std::vector<Shape>& weights, const std::vector<Shar
 class Enumerator {
  public:
   Enumerator(const OpGraph& g, int id, int t)
-      : g_(g),
-        n_(g.node(id)),
-        t_(t),
-        weights_(n_.weights_of >= 0 ? g.node(n_.weights_of).weights : n_.weights) {}
+      : g_(g), n_(g.node(id)), t_(t), weights_(g.weights_used_by(id)) {}
 
   std::vector<OpStrategy> run() {
     add("replicated", Shard::R(), std::vector<Shard>(n_.inputs.size(), Shard::R()),
@@ -249,7 +246,7 @@ std::vector<OpStrategy> op_strategies(const OpGraph& graph, int id, int t) {
                "op_strategies: node {} of {} on {} devices", id, graph.size(), t);
   if (t == 1) {
     const OpNode& n = graph.node(id);
-    const auto& w = n.weights_of >= 0 ? graph.node(n.weights_of).weights : n.weights;
+    const auto& w = graph.weights_used_by(id);
     OpStrategy s{"replicated",
                  Shard::R(),
                  std::vector<Shard>(n.inputs.size(), Shard::R()),

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <set>
 #include <utility>
 
 #include "tessel/core/check.h"
@@ -16,33 +15,20 @@ namespace {
 // The graph with one node per segment between critical nodes (inputs left out), and for each
 // original node its segment (-1 for inputs).
 std::pair<OpGraph, std::vector<int>> coarsen(const OpGraph& g) {
-  const std::vector<int> order = g.validate();
-  const auto critical = g.critical_nodes();
-  const std::set<int> is_critical(critical.begin(), critical.end());
   OpGraph coarse;
   std::vector<int> segment_of(size_t(g.size()), -1);
-  OpNode cur;
-  int index = 0;
-  for (int v : order) {
-    const OpNode& node = g.node(v);
-    if (node.kind == OpKind::input) continue;
-    segment_of[size_t(v)] = index;
-    cur.flops += node.flops;
-    cur.shape = node.shape;
-    if (is_critical.contains(v)) {
-      cur.name = node.name;
-      cur.kind = OpKind::other;
-      if (index > 0) cur.inputs = {index - 1};
-      coarse.add(std::move(cur));
-      cur = OpNode{};
-      ++index;
+  for (const auto& nodes : g.segments()) {
+    const int index = coarse.size();
+    OpNode node;
+    node.name = g.node(nodes.back()).name;
+    node.kind = OpKind::other;
+    node.shape = g.node(nodes.back()).shape;  // the only tensor that can cross after it
+    if (index > 0) node.inputs = {index - 1};
+    for (int v : nodes) {
+      node.flops += g.node(v).flops;
+      segment_of[size_t(v)] = index;
     }
-  }
-  if (cur.flops > 0 || !cur.shape.empty()) {
-    cur.name = "end";
-    cur.kind = OpKind::other;
-    if (index > 0) cur.inputs = {index - 1};
-    coarse.add(std::move(cur));
+    coarse.add(std::move(node));
   }
   return {std::move(coarse), std::move(segment_of)};
 }

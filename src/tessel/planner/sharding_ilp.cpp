@@ -47,8 +47,7 @@ double collective(const ShardingCosts& c, double bytes) {
 }  // namespace
 
 double strategy_cost(const OpGraph& g, int v, const OpStrategy& s, int t, const ShardingCosts& c) {
-  const OpNode& node = g.node(v);
-  const auto& weights = node.weights_of >= 0 ? g.node(node.weights_of).weights : node.weights;
+  const auto& weights = g.weights_used_by(v);
   double cost = 3 * s.flops / c.flops_per_s;
   if (s.comm_bytes > 0) cost += 2 * collective(c, s.comm_bytes);
   if (t > 1 && s.name.starts_with("batch"))

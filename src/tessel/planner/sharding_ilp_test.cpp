@@ -6,19 +6,11 @@
 #include <cstdlib>
 
 #include "tessel/core/error.h"
+#include "tessel/planner/sharding_test_util.h"
 #include "tessel/planner/transformer_graph.h"
 
 namespace tessel::planner {
 namespace {
-
-// An A100's tensor-parallel group: 150 TFLOP/s achieved, NVLink at 150 GB/s per device.
-ShardingCosts nvlink() {
-  ShardingCosts c;
-  c.flops_per_s = 150e12;
-  c.bandwidth = 150e9;
-  c.latency_s = 10e-6;
-  return c;
-}
 
 model::ModelConfig two_blocks(const std::string& preset) {
   auto m = model::ModelConfig::preset(preset);
@@ -58,7 +50,8 @@ TEST(ShardingIlp, RediscoversMegatronOnGpt2AndLlama) {
       SCOPED_TRACE(fmt::format("{} tp {}", c.preset, t));
       const auto model = two_blocks(c.preset);
       const OpGraph g = transformer_graph(model, 1, c.seq);
-      const ShardingSolution s = solve_sharding(g, t, nvlink(), {.time_limit_s = 60});
+      const ShardingSolution s =
+          solve_sharding(g, t, testing::nvlink_costs(), {.time_limit_s = 60});
       ASSERT_EQ(s.status, IlpStatus::optimal) << ilp_status_name(s.status);
       if (std::getenv("TESSEL_PRINT_SHARDING")) print(g, s);
       for (int l = 0; l < 2; ++l) {
@@ -91,11 +84,7 @@ TEST(ShardingIlp, SmallWeightsRunDataParallelUnlessMemoryForbids) {
   auto model = model::ModelConfig::preset("gpt2-tiny");
   model.n_layer = 1;
   const OpGraph g = transformer_graph(model, 128, 64);
-  // CPU workers (planner/cluster.h's profile shape): 300 GFLOP/s, 4 GB/s links.
-  ShardingCosts costs;
-  costs.flops_per_s = 3e11;
-  costs.bandwidth = 4e9;
-  costs.latency_s = 3e-5;
+  ShardingCosts costs = testing::cpu_worker_costs();
   const ShardingSolution s = solve_sharding(g, 4, costs, {.time_limit_s = 60});
   ASSERT_EQ(s.status, IlpStatus::optimal);
   double state = 0;
@@ -162,10 +151,7 @@ TEST(ShardingIlp, ConvolutionsRunDataParallel) {
                         .weights = {{channels, 10}, {10}},
                         .flops = 2.0 * B * channels * 10});
   g.add({.name = "loss", .kind = OpKind::loss, .inputs = {fc, labels}, .flops = 5.0 * B * 10});
-  ShardingCosts costs;  // CPU workers, as above
-  costs.flops_per_s = 3e11;
-  costs.bandwidth = 4e9;
-  costs.latency_s = 3e-5;
+  const ShardingCosts costs = testing::cpu_worker_costs();
   const ShardingSolution s = solve_sharding(g, 4, costs, {.time_limit_s = 60});
   ASSERT_EQ(s.status, IlpStatus::optimal);
   for (int l = 0; l < 4; ++l) EXPECT_EQ(s.of(g, fmt::format("conv{}", l)).name, "batch(0)") << l;

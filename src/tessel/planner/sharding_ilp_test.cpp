@@ -171,6 +171,15 @@ TEST(ShardingIlp, RejectsBadCosts) {
   EXPECT_THROW(solve_sharding(g, 2, c), InvalidArgumentError);
   EXPECT_THROW(solve_sharding(g, 0, ShardingCosts{}), InvalidArgumentError);
   EXPECT_THROW(ShardingSolution{}.of(g, "wte"), InvalidArgumentError);
+  // A problem whose per-node lists do not match the graph, or that allows a strategy the node
+  // does not have.
+  ShardingProblem short_lists;
+  short_lists.active = {1, 1};
+  EXPECT_THROW(solve_sharding(g, 2, ShardingCosts{}, {}, short_lists), InvalidArgumentError);
+  ShardingProblem unknown;
+  unknown.allowed.assign(size_t(g.size()), {});
+  unknown.allowed[2] = {99};
+  EXPECT_THROW(solve_sharding(g, 2, ShardingCosts{}, {}, unknown), InvalidArgumentError);
 }
 
 }  // namespace

@@ -484,6 +484,12 @@ TEST(Greedy, SmallCapsFinishInterleavedWithinCapPlusChunksMinusOne) {
   EXPECT_THROW(
       simulate_greedy({.stages = 2, .micro_batches = 4, .stage_memory_caps = {2}}, unit(2)),
       ConfigError);
+  EXPECT_THROW(
+      simulate_greedy({.stages = 2, .micro_batches = 4, .stage_backward_caps = {1}}, unit(2)),
+      ConfigError);
+  EXPECT_THROW(
+      simulate_greedy({.stages = 2, .micro_batches = 4, .stage_backward_caps = {1, -1}}, unit(2)),
+      ConfigError);
 }
 
 TEST(Greedy, SplitBackwardRunsWeightGradientsInIdleTime) {

@@ -11,8 +11,12 @@ every rank would wait whatever the schedule; there every compute is dilated D ti
 a D-th of the time and sleeps the rest, so the ranks rarely share a core, and the run's order and
 waits are those of a machine with a core per rank whose computes are D times slower (messages
 are not dilated, so they weigh D times less than on such a machine). It reads the
-bubble each step measured: the share of the pipeline phase the ranks spent waiting for receives
-and for their last sends (the metrics' pipeline_idle), median over the timed steps. Theory, with
+bubble of each timed step from the run's trace (output.trace, runtime/step_trace.h): one minus the
+ranks' compute time (every F, B, Bi, Bw, R slice, each with its dilation) over the number of ranks
+times the step's pipeline makespan (earliest rank's pipeline start to latest rank's end), the
+definition of the zero-bubble paper and of the theory below; median over the timed steps. (The
+metrics' pipeline_idle -- waits inside each rank's own pipeline phase -- undercounts schedules
+whose late stages finish early: 1F1B's drain on the last stages falls outside it.) Theory, with
 equal stages and free links: 1F1B (p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1), ZB-V's bound
 (p-1)/(6m+p-1) (schedule/named.h). On a machine with fewer cores than workers the ranks
 time-slice and every wait includes other ranks' compute: the measured bubbles are then upper
@@ -56,10 +60,28 @@ def split(stages):
     return [k + 1] + [k] * (stages - 2) + [k + 1] if stages > 1 else [LAYERS + 2]
 
 
+def trace_bubbles(path, skip):
+    """Per traced step (the first `skip` dropped): 1 - compute / (ranks x pipeline makespan)."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    ranks = sorted({e["tid"] for e in events})
+    pipes = {r: sorted((e for e in events if e["tid"] == r and e["name"] == "pipeline"),
+                       key=lambda e: e["ts"]) for r in ranks}
+    bubbles = []
+    for k in range(skip, min(len(p) for p in pipes.values())):
+        start = min(pipes[r][k]["ts"] for r in ranks)
+        end = max(pipes[r][k]["ts"] + pipes[r][k]["dur"] for r in ranks)
+        busy = sum(e["dur"] for e in events if e["cat"] in ("F", "B", "Bi", "Bw", "R")
+                   and start <= e["ts"] <= end)
+        bubbles.append(1 - busy / (len(ranks) * (end - start)))
+    return bubbles
+
+
 def write_config(args, work, schedule, m, tag, extra=""):
     P = args.stages
     metrics = work / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
+    trace = work / f"{tag}.trace.json"
+    trace.unlink(missing_ok=True)
     v = 2 if schedule in ("zb-v", "adaptive-v") else 1
     if schedule == "adaptive-v":
         # The adaptive dispatcher on zb-v's V placement.
@@ -69,7 +91,7 @@ def write_config(args, work, schedule, m, tag, extra=""):
 training: {{steps: {args.steps}, global_batch: {2 * m}, micro_batch: 2, log_every: 1000,
            threads: 1}}
 optimizer: {{lr: 1.0e-3, warmup_steps: 2}}
-output: {{metrics: {metrics}}}
+output: {{metrics: {metrics}, trace: {trace}, trace_steps: {args.steps - 1}}}
 parallel: {{pp: {P}, virtual_stages: {v}, micro_batch: 2, schedule: {schedule},{extra}
            layers_per_stage: {split(P * v)}}}
 """)
@@ -93,7 +115,8 @@ def run(args, work, schedule, m, delay=None, tag=None, extra=""):
         sys.exit(f"{tag} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     recs = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
     timed = recs[args.warmup:]
-    idle = statistics.median(r["pipeline_idle"] for r in timed)
+    # The trace starts at the second step: drop the warmup's other steps.
+    idle = statistics.median(trace_bubbles(work / f"{tag}.trace.json", args.warmup - 1))
     step = statistics.median(r["step_s"] for r in timed if "step_s" in r) if any(
         "step_s" in r for r in timed) else None
     return idle, step

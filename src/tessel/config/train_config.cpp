@@ -278,7 +278,14 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   out.read("events", c.events_path);
   out.read("data_order", c.data_order_path);
   out.read("rank_params", c.rank_params_dir);
+  out.read("trace", c.trace_path);
+  out.read("trace_steps", c.trace_steps);
   out.reject_unknown_keys();
+  TESSEL_CHECK(c.trace_steps >= 1 && c.trace_steps <= 1000, ConfigError,
+               "{}: is {}; record between 1 and 1000 steps (a trace of many steps is large and "
+               "slow to open)",
+               out.where("trace_steps"), c.trace_steps);
+  c.trace_path = resolve(c.trace_path, base);
   c.rank_params_dir = resolve(c.rank_params_dir, base);
   c.metrics_path = resolve(c.metrics_path, base);
   c.events_path = resolve(c.events_path, base);

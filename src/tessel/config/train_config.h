@@ -8,7 +8,7 @@
 //                log_every, backend, gemm, huge_pages, threads, stop_at}
 //   optimizer:  {lr, min_lr, warmup_steps, beta1, beta2, eps, weight_decay}
 //   checkpoint: {dir, every, resume, keep, copies, async, on_error}
-//   output:     {metrics, events, data_order, rank_params}
+//   output:     {metrics, events, data_order, rank_params, trace, trace_steps}
 //   parallel:   {dp, tp, pp, virtual_stages, micro_batch, schedule, zero_stage, layers_per_stage,
 //                rank_order, recompute: none|selective|full, timeout_s, bucket_mb}
 //               (optional; default: one worker)
@@ -147,6 +147,11 @@ struct TrainConfig {
   // parameter shards (runtime/stage.h: Stage::dump_params), for debugging and the tests. Empty:
   // none.
   std::string rank_params_dir;
+  // output.trace: a Chrome trace-event file (Perfetto) of output.trace_steps steps of every rank
+  // (runtime/step_trace.h), written by rank 0 when they are done; a later generation of an
+  // elastic job writes its own beside it (`.g<N>` before the extension). Empty: none.
+  std::string trace_path;
+  int trace_steps = 3;
   layout::Plan plan;  // with layers_per_stage filled in (Plan::with_defaults)
   // parallel.timeout_s: bound in seconds on every rendezvous and collective of a multi-worker
   // run; a peer that stops answering surfaces as PeerLostError / TimeoutError after at most this.

@@ -119,6 +119,50 @@ std::vector<int> activation_slots(const layout::Plan& plan, int pp) {
                           int(std::min<int64_t>(plan.micro_batches, held)));
 }
 
+int receive_buffers(const layout::Plan& plan, int pp) {
+  const int stages = plan.num_stages(), v = plan.virtual_stages;
+  auto rank_of = [&](int vs) { return plan.pp_rank_of_stage(vs); };
+  bool turns = false;  // two adjacent virtual stages on this rank
+  for (int vs = 0; vs + 1 < stages; ++vs) turns |= rank_of(vs) == pp && rank_of(vs + 1) == pp;
+  if (plan.schedule == layout::ScheduleKind::adaptive)
+    return turns ? 2 * (plan.dispatch_cap(pp) + v - 1) : 0;
+  const auto program = pipeline_program(plan, pp);
+  std::vector<size_t> recvs;
+  for (size_t i = 0; i < program.size(); ++i)
+    if (schedule::is_recv(program[i].op)) recvs.push_back(i);
+  const size_t lookahead = size_t(schedule::kReceiveLookahead * v);
+  int live = 0, peak = 0;
+  auto take = [&] { peak = std::max(peak, ++live); };
+  size_t posted = 0, waited = 0;
+  auto post_through = [&](size_t count) {
+    for (; posted < std::min(count, recvs.size()); ++posted) take();
+  };
+  post_through(lookahead);
+  for (const auto& ins : program) {
+    const int vs = plan.stage_of(pp, ins.chunk);
+    const bool first = vs == 0, last = vs == stages - 1;
+    switch (ins.op) {
+      case schedule::Op::forward:
+        if (!first && !plan.jit_recompute) --live;
+        if (!last && rank_of(vs + 1) == pp) take();
+        break;
+      case schedule::Op::backward:
+      case schedule::Op::backward_input:
+        if (!last) --live;
+        if (!first && plan.jit_recompute) --live;
+        if (!first && rank_of(vs - 1) == pp) take();
+        break;
+      case schedule::Op::recv_activation:
+      case schedule::Op::recv_grad:
+        post_through(++waited + lookahead);
+        break;
+      default:
+        break;
+    }
+  }
+  return peak;
+}
+
 PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq_len,
                                    int64_t hidden)
     : program_(plan.schedule == layout::ScheduleKind::adaptive
@@ -136,12 +180,18 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
     rank_of_vs_.push_back(plan.pp_rank_of_stage(vs));
     chunk_of_vs_.push_back(plan.chunk_of_stage(vs));
   }
-  act_in_.assign(size_t(plan.virtual_stages * M_), std::vector<float>(size_t(B_ * T_ * C_)));
-  grad_in_.assign(act_in_.size(), std::vector<float>(size_t(B_ * T_ * C_)));
-  for (size_t i = 0; i < act_in_.size(); ++i) {
-    act_src_.push_back(act_in_[i].data());
-    grad_src_.push_back(grad_in_[i].data());
-  }
+  const size_t at_count = size_t(plan.virtual_stages * M_);
+  act_buf_.assign(at_count, -1);
+  grad_buf_.assign(at_count, -1);
+  act_src_.assign(at_count, nullptr);
+  grad_src_.assign(at_count, nullptr);
+  receive_lookahead_ = size_t(schedule::kReceiveLookahead * plan.virtual_stages);
+  // Allocated once: no step allocates a boundary buffer.
+  const int buffers = runtime::receive_buffers(plan, pp);
+  pool_.assign(size_t(buffers), std::vector<float>(size_t(B_ * T_ * C_)));
+  pool_limit_ = size_t(buffers);
+  for (size_t i = 0; i < program_.size(); ++i)
+    if (schedule::is_recv(program_[i].op)) recv_order_.push_back(i);
   adaptive_ = plan.schedule == layout::ScheduleKind::adaptive;
   if (!adaptive_) return;
   cap_ = plan.dispatch_cap(pp);
@@ -172,6 +222,41 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
 
 PipelineExecutor::~PipelineExecutor() {
   join_arrivals();
+}
+
+float* PipelineExecutor::take_buffer(std::vector<int>& held, std::vector<const float*>& src,
+                                     size_t at) {
+  TESSEL_CHECK(held[at] < 0, Error,
+               "internal: boundary buffer {} taken twice in a step (micro-batch {}, chunk {})", at,
+               at % size_t(M_), at / size_t(M_));
+  if (free_buffers_.empty()) {
+    TESSEL_CHECK(pool_.size() < pool_limit_, Error,
+                 "internal: pipeline rank {} needs more than the {} boundary buffers "
+                 "receive_buffers() counted (micro-batch {}, chunk {})",
+                 pp_, pool_limit_, at % size_t(M_), at / size_t(M_));
+    free_buffers_.push_back(int(pool_.size()));
+    pool_.emplace_back(size_t(B_ * T_ * C_));
+  }
+  held[at] = free_buffers_.back();
+  free_buffers_.pop_back();
+  float* data = pool_[size_t(held[at])].data();
+  src[at] = data;
+  return data;
+}
+
+void PipelineExecutor::give_back(std::vector<int>& held, size_t at) {
+  if (held[at] < 0) return;  // an arrival buffer (adaptive), or the embedding stage's tokens
+  free_buffers_.push_back(held[at]);
+  held[at] = -1;
+}
+
+void PipelineExecutor::reset_buffers() {
+  std::fill(act_buf_.begin(), act_buf_.end(), -1);
+  std::fill(grad_buf_.begin(), grad_buf_.end(), -1);
+  std::fill(act_src_.begin(), act_src_.end(), nullptr);
+  std::fill(grad_src_.begin(), grad_src_.end(), nullptr);
+  free_buffers_.clear();
+  for (size_t i = pool_.size(); i-- > 0;) free_buffers_.push_back(int(i));
 }
 
 void PipelineExecutor::set_delay(const DelayInjection& delay) {
@@ -217,8 +302,13 @@ double PipelineExecutor::forward_into_slot(Chunk& ch, int c, int mb, const int32
   ch.slot_of[size_t(mb)] = slot;
   auto& m = *ch.model;
   if (!ch.range.has_embedding) {
-    const float* in = act_src_[size_t(c * M_ + mb)];
+    const size_t at = size_t(c * M_ + mb);
+    const float* in = act_src_[at];
+    TESSEL_CHECK(in != nullptr, Error,
+                 "internal: forward of micro-batch {} on virtual stage {} before its input", mb,
+                 ch.vs);
     std::copy(in, in + B_ * T_ * C_, m.input_hidden(slot).data<float>());
+    if (!jit_) give_back(act_buf_, at);  // a recompute reads it again: kept until the backward
   }
   const int32_t* first = ch.range.has_embedding ? inputs + mb * B_ * T_ : nullptr;
   if (ch.range.has_head)
@@ -237,8 +327,8 @@ double PipelineExecutor::forward(Stage& stage, int c, int mb, const int32_t* inp
   // message.
   if (local_next(ch.vs)) {
     const float* out = ch.model->output_hidden(ch.slot_of[size_t(mb)]).data<float>();
-    auto& in = act_in_[size_t(chunk_of_vs(ch.vs + 1) * M_ + mb)];
-    std::copy(out, out + in.size(), in.begin());
+    std::copy(out, out + B_ * T_ * C_,
+              take_buffer(act_buf_, act_src_, size_t(chunk_of_vs(ch.vs + 1) * M_ + mb)));
   }
   return loss;
 }
@@ -269,8 +359,8 @@ void PipelineExecutor::recompute(Stage& stage, int c, int mb, const int32_t* inp
 void PipelineExecutor::keep_input_grad(Chunk& ch, int mb) {
   if (!local_prev(ch.vs)) return;
   const float* g = ch.model->input_grad().data<float>();
-  auto& out = grad_in_[size_t(chunk_of_vs(ch.vs - 1) * M_ + mb)];
-  std::copy(g, g + out.size(), out.begin());
+  std::copy(g, g + B_ * T_ * C_,
+            take_buffer(grad_buf_, grad_src_, size_t(chunk_of_vs(ch.vs - 1) * M_ + mb)));
 }
 
 // The slot holding micro-batch mb's activations on chunk c, its output gradient filled in from
@@ -280,10 +370,16 @@ int PipelineExecutor::begin_backward(Chunk& ch, int c, int mb) {
   TESSEL_CHECK(slot >= 0, Error,
                "internal: backward of micro-batch {} on virtual stage {} without its forward", mb,
                ch.vs);
+  const size_t at = size_t(c * M_ + mb);
   if (!ch.range.has_head) {
-    const float* g = grad_src_[size_t(c * M_ + mb)];
+    const float* g = grad_src_[at];
+    TESSEL_CHECK(g != nullptr, Error,
+                 "internal: backward of micro-batch {} on virtual stage {} before its gradient", mb,
+                 ch.vs);
     std::copy(g, g + B_ * T_ * C_, ch.model->output_grad(slot).data<float>());
+    give_back(grad_buf_, at);
   }
+  if (jit_) give_back(act_buf_, at);  // no recompute of this micro-batch follows
   return slot;
 }
 
@@ -332,6 +428,7 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
                                  const int32_t* inputs, const int32_t* targets, float grad_scale,
                                  const LastBackwardHook& last_backward) {
   const auto t0 = std::chrono::steady_clock::now();
+  const auto wall0 = tracing() ? StepTracer::Clock::now() : StepTracer::Clock::time_point{};
   const int mb = ins.micro_batch, c = ins.chunk;
   double loss = 0;
   switch (ins.op) {
@@ -363,7 +460,19 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
     const double extra = took * (factor - 1);
     if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
   }
+  if (tracing())
+    tracer_->slice(schedule::to_string(ins), std::string(schedule::op_code(ins.op)), wall0,
+                   StepTracer::Clock::now(), delay_.active() ? "with the injected delay" : "");
   return loss;
+}
+
+void PipelineExecutor::waited(PipelineStepResult& r, const WaitStart& w, const char* what,
+                              const schedule::Instruction* ins) {
+  r.idle_s += seconds_since(w.t0);
+  if (tracing())
+    tracer_->slice(
+        ins != nullptr ? "wait " + schedule::to_string(*ins) : std::string("wait ") + what, "wait",
+        w.wall0, StepTracer::Clock::now());
 }
 
 PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
@@ -390,22 +499,33 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
   // imbalance between stages), against the time the instruction list took.
   const auto pipeline_start = std::chrono::steady_clock::now();
   const size_t boundary = size_t(B_ * T_ * C_);
-  // Every receive of the step is posted up front (each (chunk, micro-batch) has its own buffer)
-  // and only waited for at its instruction: Gloo's transport moves a message once the receiver
-  // has posted it, so posting late would put a handshake and the whole transfer on the critical
-  // path of every micro-batch instead of overlapping them with compute.
+  // Receives are posted receive_lookahead_ ahead of the instruction that waits for them: Gloo's
+  // transport moves a message once the receiver has posted it, so posting at the wait would put
+  // a handshake and the whole transfer on the critical path of every micro-batch; posting them
+  // all up front would hold a buffer per message (a number that grows with the micro-batches).
+  // A sender never blocks on a receive not yet posted (its sends are waited for at the end of
+  // the step), and this rank waits for receive k only after posting it: no deadlock.
+  reset_buffers();
   recvs_.clear();
   recvs_.resize(program_.size());
-  for (size_t i = 0; i < program_.size(); ++i) {
-    const auto& ins = program_[i];
-    const int mb = ins.micro_batch, c = ins.chunk;
-    if (ins.op == schedule::Op::recv_activation)
-      recvs_[i] = pp.recv(act_in_[size_t(c * M_ + mb)].data(), boundary * sizeof(float), ins.peer,
-                          message_tag(mb, chunks[size_t(c)].vs - 1, num_vs_, Kind::activation));
-    else if (ins.op == schedule::Op::recv_grad)
-      recvs_[i] = pp.recv(grad_in_[size_t(c * M_ + mb)].data(), boundary * sizeof(float), ins.peer,
-                          message_tag(mb, chunks[size_t(c)].vs + 1, num_vs_, Kind::grad));
-  }
+  size_t posted = 0;
+  auto post_through = [&](size_t count) {
+    for (; posted < std::min(count, recv_order_.size()); ++posted) {
+      const size_t i = recv_order_[posted];
+      const auto& ins = program_[i];
+      const int mb = ins.micro_batch, c = ins.chunk;
+      const size_t at = size_t(c * M_ + mb);
+      if (ins.op == schedule::Op::recv_activation)
+        recvs_[i] = pp.recv(take_buffer(act_buf_, act_src_, at), boundary * sizeof(float), ins.peer,
+                            message_tag(mb, chunks[size_t(c)].vs - 1, num_vs_, Kind::activation));
+      else
+        recvs_[i] =
+            pp.recv(take_buffer(grad_buf_, grad_src_, at), boundary * sizeof(float), ins.peer,
+                    message_tag(mb, chunks[size_t(c)].vs + 1, num_vs_, Kind::grad));
+    }
+  };
+  post_through(receive_lookahead_);
+  size_t waited_for = 0;
   auto send = [&](const float* data, int peer, uint32_t tag) {
     sends_.push_back(pp.send(send_buffer(data), boundary * sizeof(float), peer, tag));
   };
@@ -431,9 +551,10 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
       }
       case schedule::Op::recv_activation:
       case schedule::Op::recv_grad: {
-        const auto t0 = std::chrono::steady_clock::now();
+        post_through(++waited_for + receive_lookahead_);
+        const WaitStart w;
         recvs_[i]->wait();
-        r.idle_s += seconds_since(t0);
+        waited(r, w, "", &ins);
         break;
       }
       case schedule::Op::send_grad:
@@ -447,9 +568,9 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
                      schedule::to_string(ins));
     }
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const WaitStart w;
   for (auto& s : sends_) s.wait();
-  r.idle_s += seconds_since(t0);
+  waited(r, w, "sends");
   r.pipeline_s = seconds_since(pipeline_start);
   return r;
 }
@@ -503,12 +624,9 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
   schedule::StageDispatcher dispatcher(o);
   const bool follower = tp != nullptr && tp->rank() != 0;
   const int total = dispatcher.computes_total();
-  for (size_t i = 0; i < act_in_.size(); ++i) {
-    act_src_[i] = act_in_[i].data();
-    grad_src_[i] = grad_in_[i].data();
-  }
-  act_landed_.assign(act_in_.size(), 0);
-  grad_landed_.assign(act_in_.size(), 0);
+  reset_buffers();
+  act_landed_.assign(act_buf_.size(), 0);
+  grad_landed_.assign(act_buf_.size(), 0);
   choice_sends_.clear();
   if (tp != nullptr && !follower) choices_.resize(size_t(total));
   {
@@ -580,10 +698,12 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     return finished;
   };
   auto wait_landing = [&] {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !landed_.empty() || arrival_error_ || arrivals_running_ == 0; });
-    r.idle_s += seconds_since(t0);
+    const WaitStart w;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !landed_.empty() || arrival_error_ || arrivals_running_ == 0; });
+    }
+    waited(r, w, "arrival");
   };
   // Runs one compute and passes its output on.
   auto run_compute = [&](const schedule::Instruction& ins) {
@@ -639,9 +759,9 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
       for (int k = 0; k < total; ++k) {
         std::array<int32_t, 4> msg{};
         {
-          const auto t0 = std::chrono::steady_clock::now();
+          const WaitStart w;
           tp->recv(msg.data(), sizeof(msg), 0, sequence_tag(uint32_t(k))).wait();
-          r.idle_s += seconds_since(t0);
+          waited(r, w, "tp leader's choice");
         }
         const auto op = schedule::Op(msg[0]);
         const int mb = msg[1], c = msg[2];
@@ -682,10 +802,10 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     std::lock_guard<std::mutex> lock(mu_);
     if (arrival_error_) std::rethrow_exception(arrival_error_);
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const WaitStart w;
   for (auto& s : sends_) s.wait();
   for (auto& s : choice_sends_) s.wait();
-  r.idle_s += seconds_since(t0);
+  waited(r, w, "sends");
   r.pipeline_s = seconds_since(pipeline_start);
   return r;
 }

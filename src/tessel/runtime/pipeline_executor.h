@@ -33,6 +33,7 @@
 #include "tessel/layout/plan.h"
 #include "tessel/model/transformer.h"
 #include "tessel/runtime/stage.h"
+#include "tessel/runtime/step_trace.h"
 #include "tessel/schedule/instruction.h"
 
 namespace tessel::runtime {
@@ -47,6 +48,16 @@ std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& prog
 // The activation slots each chunk of pipeline rank `pp` needs under `plan`: the peaks of its
 // list, or under the adaptive schedule what its dispatcher may hold, min(M, cap + v - 1).
 std::vector<int> activation_slots(const layout::Plan& plan, int pp);
+
+// The boundary buffers pipeline rank `pp`'s executor pools for what it receives and passes
+// between its own virtual stages (PipelineExecutor::receive_buffers): for an instruction list,
+// the peak of a walk through it with the executor's rules (receives posted
+// schedule::kReceiveLookahead per chunk ahead; an activation given back after its forward, or
+// its backward under just-in-time recomputation; a gradient after its backward). It does not
+// grow with the number of micro-batches. For the adaptive schedule, the local copies' bound:
+// two per micro-batch the rank may hold (2 (dispatch_cap + v - 1)) when it holds two adjacent
+// virtual stages, else 0 (its receives land in the arrival buffers).
+int receive_buffers(const layout::Plan& plan, int pp);
 
 // Delays injected after computes, to run the schedules under jitter in tests and benchmarks
 // (the environment's TESSEL_PIPELINE_DELAY, "stage=S,slowdown=F,jitter=J,seed=N,dilate=D", any
@@ -94,6 +105,9 @@ class PipelineExecutor {
 
   // The activation slots each chunk needs (activation_peaks of the program).
   const std::vector<int>& activation_slots() const { return slots_; }
+  // Boundary buffers the receive pool holds (see pool_): at most
+  // receive_buffer_bound(plan, pp) of memory_model.h.
+  size_t receive_buffers() const { return pool_.size(); }
 
   // Runs the step's instructions on `stage`: micro-batch mb's tokens and targets start at
   // inputs/targets + mb * B * T; the loss gradient of every micro-batch is scaled by `grad_scale`.
@@ -108,6 +122,9 @@ class PipelineExecutor {
   void abort() noexcept;
 
   void set_delay(const DelayInjection& delay);
+  // Records every compute and wait of the steps the tracer is active for (output.trace); null:
+  // none. The tracer outlives the executor's steps.
+  void set_tracer(StepTracer* tracer) { tracer_ = tracer; }
   bool adaptive() const { return adaptive_; }
 
  private:
@@ -152,9 +169,27 @@ class PipelineExecutor {
   int64_t B_ = 1, T_ = 1, C_ = 1, M_ = 1;  // micro-batch, seq_len, hidden, micro-batches
   int pp_ = 0;                             // this rank's pipeline coordinate
   std::vector<int> rank_of_vs_, chunk_of_vs_;
-  std::vector<std::vector<float>> act_in_, grad_in_;  // [chunk * M + mb] received boundary data
-  // Where micro-batch mb's input (output gradient) for chunk c is: act_in_/grad_in_, or under
-  // the adaptive schedule the arrival buffer it landed in.
+  // Boundary buffers (B * T * C floats) for the activations and gradients received from
+  // another rank or passed between this rank's virtual stages (the turn of a V), pooled: a buffer
+  // is taken when its receive is posted (or its copy made) and given back once the compute that
+  // reads it has copied it out -- the forward for an activation (the backward under
+  // just-in-time recomputation, whose recompute reads it again), the backward (or Bi) for a
+  // gradient. The list path posts its receives receive_lookahead_ ahead of the instruction that
+  // waits for them, so the pool holds a number of buffers that does not grow with the number
+  // of micro-batches (receive_buffers(plan, pp), allocated up front; the memory model counts
+  // them).
+  std::vector<std::vector<float>> pool_;
+  std::vector<int> free_buffers_;
+  std::vector<int> act_buf_, grad_buf_;  // [chunk * M + mb]: index into pool_, or -1
+  // Takes a pool buffer for (chunk, micro-batch) `at` and points src[at] at it.
+  float* take_buffer(std::vector<int>& held, std::vector<const float*>& src, size_t at);
+  void give_back(std::vector<int>& held, size_t at);
+  void reset_buffers();  // every buffer free (a step starts)
+  size_t receive_lookahead_ = 1;
+  size_t pool_limit_ = 0;           // receive_buffers(plan, pp)
+  std::vector<size_t> recv_order_;  // the program's receive instructions, in order
+  // Where micro-batch mb's input (output gradient) for chunk c is: a pool buffer, or under the
+  // adaptive schedule the arrival buffer it landed in.
   std::vector<const float*> act_src_, grad_src_;
   // The step's transfers. Members, not locals: when a step fails they must outlive the unwinding
   // until the communicators are broken, or destroying them would wait for peers that are
@@ -194,6 +229,17 @@ class PipelineExecutor {
 
   DelayInjection delay_;
   std::mt19937_64 delay_rng_;
+  StepTracer* tracer_ = nullptr;
+  bool tracing() const { return tracer_ != nullptr && tracer_->active(); }
+  // The start of a wait: steady clock for idle_s, wall clock for the trace.
+  struct WaitStart {
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    StepTracer::Clock::time_point wall0 = StepTracer::Clock::now();
+  };
+  // Adds the wait since `w` to idle_s and, when tracing, records it as "wait <what>" (or "wait
+  // <instruction>" when `ins` is given).
+  void waited(PipelineStepResult& r, const WaitStart& w, const char* what,
+              const schedule::Instruction* ins = nullptr);
 };
 
 }  // namespace tessel::runtime

@@ -113,6 +113,8 @@ RankTrainer::RankTrainer(const config::TrainConfig& c, const WorkerEnv& e, const
   inputs_.resize(size_t(plan.micro_batch * plan.micro_batches * cfg.data.seq_len));
   targets_.resize(inputs_.size());
   if (rank == 0) metrics = MetricsWriter(cfg.metrics_path);
+  tracer = StepTracer(cfg.trace_path, cfg.trace_steps);
+  executor->set_tracer(&tracer);
   if (!cfg.data_order_path.empty() && groups.coord.tp == 0 && groups.coord.pp == 0) {
     data_log_fd_ =
         ::open(cfg.data_order_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -191,26 +193,42 @@ void RankTrainer::log_data_order(int64_t first, int64_t count) const {
 }
 
 double RankTrainer::train_step(double* grad_norm) {
+  tracer.begin_step();
+  std::optional<TraceScope> whole(std::in_place, &tracer, "step", "step");
   const int64_t per_replica = plan.micro_batch * plan.micro_batches;
   const int64_t first = cursor + groups.coord.dp * per_replica;
-  loader_->load(cursor, groups.coord.dp * per_replica, per_replica, inputs_.data(),
-                targets_.data());
-  log_data_order(first, per_replica);
   int64_t valid = 0;
-  for (int32_t t : targets_) valid += t != model::Transformer::kIgnoreIndex;
-  groups.dp->all_reduce_sum(&valid, 1);
+  {
+    TraceScope scope(&tracer, "load", "data");
+    loader_->load(cursor, groups.coord.dp * per_replica, per_replica, inputs_.data(),
+                  targets_.data());
+    log_data_order(first, per_replica);
+    for (int32_t t : targets_) valid += t != model::Transformer::kIgnoreIndex;
+    groups.dp->all_reduce_sum(&valid, 1);
+  }
   const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
 
-  const auto pipe = executor->run(
-      stage, *groups.pp, inputs_.data(), targets_.data(), grad_scale,
-      [this](int c) { return optimizer->on_last_backward(c); }, groups.tp.get());
-  const double norm = optimizer->reduce_gradients();
+  PipelineStepResult pipe;
+  {
+    TraceScope scope(&tracer, "pipeline", "pipeline");
+    pipe = executor->run(
+        stage, *groups.pp, inputs_.data(), targets_.data(), grad_scale,
+        [this](int c) { return optimizer->on_last_backward(c); }, groups.tp.get());
+  }
+  double norm = 0;
+  {
+    TraceScope scope(&tracer, "grad reduce", "comm");
+    norm = optimizer->reduce_gradients();
+  }
   *grad_norm = norm;
   finish_arrival();
-  optimizer->apply(
-      cfg.optimizer.adamw_step(lr_schedule.at(step), step,
-                               kernels::clip_factor(norm, float(cfg.training.grad_clip))),
-      float(cfg.optimizer.weight_decay));
+  {
+    TraceScope scope(&tracer, "optimizer", "optimizer");
+    optimizer->apply(
+        cfg.optimizer.adamw_step(lr_schedule.at(step), step,
+                                 kernels::clip_factor(norm, float(cfg.training.grad_clip))),
+        float(cfg.optimizer.weight_decay));
+  }
   // The step is committed here: this rank's state is consistent at step + 1 whatever happens to
   // the loss's reduction below (a failure then loses no work of this rank).
   ++step;
@@ -219,9 +237,27 @@ double RankTrainer::train_step(double* grad_norm) {
   // The head stages hold the loss; one tp rank of each dp replica contributes it. The idle and
   // pipeline times ride along to give the world's idle share.
   double sums[3] = {groups.tp->rank() == 0 ? pipe.loss_sum : 0.0, pipe.idle_s, pipe.pipeline_s};
-  groups.world->all_reduce_sum(sums, 3);
+  {
+    TraceScope scope(&tracer, "loss reduce", "comm");
+    groups.world->all_reduce_sum(sums, 3);
+  }
   pipeline_idle = sums[2] > 0 ? sums[1] / sums[2] : 0.0;
+  whole.reset();
+  end_trace_step();
   return valid > 0 ? sums[0] / double(valid) : 0.0;
+}
+
+void RankTrainer::end_trace_step() {
+  if (!tracer.active()) return;
+  const auto& c = groups.coord;
+  try {
+    tracer.end_step(*groups.world,
+                    fmt::format("rank {} (dp {}, tp {}, pp {})", rank, c.dp, c.tp, c.pp),
+                    generation);
+  } catch (const IoError& e) {
+    // The trace is a diagnostic: losing it must not stop the training it describes.
+    spdlog::warn("{}; training goes on without the trace", e.what());
+  }
 }
 
 double RankTrainer::evaluate() {

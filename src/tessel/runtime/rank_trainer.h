@@ -27,6 +27,7 @@
 #include "tessel/runtime/pipeline_executor.h"
 #include "tessel/runtime/prepared_chunks.h"
 #include "tessel/runtime/stage.h"
+#include "tessel/runtime/step_trace.h"
 #include "tessel/runtime/tp_comm_group.h"
 #include "tessel/runtime/worker_env.h"
 #include "tessel/store/async_saver.h"
@@ -115,11 +116,15 @@ class RankTrainer {
   int generation = 0;            // the job's generation this rank belongs to
   MetricsWriter metrics;         // output.metrics (rank 0)
   double pipeline_idle = 0;      // last step: share of the pipeline phase all ranks spent waiting
+  StepTracer tracer;             // output.trace
   bool cancelled_save_checked = false;  // see ParallelTrainer::run
   // The optimizer state the switch into this world still moves here (arriving_state.h).
   std::unique_ptr<ArrivingState> arriving;
 
  private:
+  // Ends the step's trace slices; when the output.trace window is complete, gathers and writes
+  // it (collective over the world).
+  void end_trace_step();
   // One line of output.data_order for the samples this replica has just loaded for step + 1.
   void log_data_order(int64_t first, int64_t count) const;
 

@@ -100,6 +100,11 @@ inline int chunk_of(int stages, int virtual_stage, Placement placement = Placeme
   return virtual_stage / stages;
 }
 
+// Receives a pipeline worker keeps posted ahead of the instruction that waits for them, per
+// model chunk (runtime/pipeline_executor.h): enough to overlap each transfer with the computes
+// before it, few enough that the receive buffers do not grow with the micro-batches.
+inline constexpr int kReceiveLookahead = 4;
+
 bool is_compute(Op op);  // forward, backward, backward_input, backward_weight, recompute
 bool is_send(Op op);
 bool is_recv(Op op);

@@ -1,0 +1,66 @@
+// The pipeline executor's boundary buffers (pipeline_executor.h: receive_buffers): bounded by the
+// receive lookahead and the schedule's activations in flight, never by the number of
+// micro-batches -- before, every (chunk, micro-batch) had its own receive buffer per direction,
+// which at a 1T model's micro-batch counts was tens of GB per rank that no memory model counted.
+// That the walk equals what the executor takes is checked on every pipelined training run: the
+// executor allocates exactly receive_buffers() and throws an internal error past it.
+#include <gtest/gtest.h>
+
+#include "tessel/layout/plan.h"
+#include "tessel/runtime/pipeline_executor.h"
+#include "tessel/schedule/instruction.h"
+
+namespace tessel::runtime {
+namespace {
+
+layout::Plan make_plan(const std::string& schedule, int pp, int v, int64_t m, bool jit = false) {
+  layout::Plan p;
+  p.pp = pp;
+  p.virtual_stages = v;
+  p.micro_batches = m;
+  p.micro_batch = 1;
+  p.schedule = layout::parse_schedule(schedule);
+  p.v_shape = schedule == "zb-v";
+  p.jit_recompute = jit;
+  return p;
+}
+
+struct Case {
+  std::string schedule;
+  int v;
+  bool jit;
+};
+
+TEST(ReceiveBuffers, DoNotGrowWithTheMicroBatches) {
+  for (const Case& c : {Case{"1f1b", 1, false}, Case{"1f1b", 1, true}, Case{"zb-h1", 1, false},
+                        Case{"interleaved-1f1b", 2, false}, Case{"interleaved-1f1b", 3, true},
+                        Case{"zb-v", 2, false}, Case{"adaptive", 1, false}}) {
+    for (int pp : {2, 3, 4}) {
+      SCOPED_TRACE(c.schedule + " v=" + std::to_string(c.v) + " jit=" + std::to_string(c.jit) +
+                   " pp=" + std::to_string(pp));
+      for (int rank = 0; rank < pp; ++rank) {
+        const int at_4p = receive_buffers(make_plan(c.schedule, pp, c.v, 4 * pp, c.jit), rank);
+        const int at_16p = receive_buffers(make_plan(c.schedule, pp, c.v, 16 * pp, c.jit), rank);
+        EXPECT_EQ(at_4p, at_16p) << "rank " << rank;
+        // Posted receives, plus what a chunk's activations in flight hold: under just-in-time
+        // recomputation an activation stays until its backward, and a V's turn copies one each
+        // way per micro-batch in flight.
+        const int bound = schedule::kReceiveLookahead * c.v + 1 + 4 * pp * c.v;
+        EXPECT_LE(at_16p, bound) << "rank " << rank;
+        EXPECT_LT(at_16p, 2 * 16 * pp * c.v) << "rank " << rank << ": no better than before";
+      }
+    }
+  }
+}
+
+TEST(ReceiveBuffers, TheFirstStageOfAPlainPipelineNeedsOnlyItsGradients) {
+  // 1F1B, rank 0 of 2, m = 8: it receives only gradients, one per backward, and each is read by
+  // the backward that follows its wait; while it waits for one, the next kReceiveLookahead are
+  // posted too.
+  EXPECT_EQ(receive_buffers(make_plan("1f1b", 2, 1, 8), 0), schedule::kReceiveLookahead + 1);
+  // A single stage receives nothing.
+  EXPECT_EQ(receive_buffers(make_plan("1f1b", 1, 1, 8), 0), 0);
+}
+
+}  // namespace
+}  // namespace tessel::runtime

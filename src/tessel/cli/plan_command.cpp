@@ -5,9 +5,11 @@
 
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "tessel/cli/count_flag.h"
 #include "tessel/config/train_config.h"
@@ -15,6 +17,8 @@
 #include "tessel/core/check.h"
 #include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
+#include "tessel/planner/graph_plan.h"
+#include "tessel/planner/onnx_import.h"
 #include "tessel/planner/search.h"
 
 namespace tessel::cli {
@@ -33,6 +37,12 @@ struct PlanArgs {
   int top = 10;
   bool json = false;
   std::string out;
+  // The graph planner: an ONNX model, values for its symbolic dimensions, the layout.
+  std::string onnx;
+  std::vector<std::string> dims;  // NAME=VALUE
+  int tp = 0;                     // 0: the cluster's devices per host
+  int stages = 1;
+  double balance = 0.1;
 };
 
 nlohmann::json read_json_file(const std::string& path) {
@@ -86,7 +96,101 @@ std::string table(const planner::SearchRequest& req, const planner::SearchResult
   return s;
 }
 
+planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
+  planner::OnnxOptions o;
+  for (const auto& d : dims) {
+    const auto eq = d.find('=');
+    int64_t value = 0;
+    bool ok = eq != std::string::npos && eq > 0;
+    if (ok) {
+      try {
+        size_t used = 0;
+        value = std::stoll(d.substr(eq + 1), &used);
+        ok = used == d.size() - eq - 1 && value >= 1;
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    TESSEL_CHECK(ok, ConfigError,
+                 "--dim '{}': write NAME=VALUE with a positive VALUE, e.g. "
+                 "--dim batch=8",
+                 d);
+    o.dims[d.substr(0, eq)] = value;
+  }
+  return o;
+}
+
+// `tessel plan --onnx`: the operator-graph planner (planner/graph_plan.h) on one layout.
+int run_plan_onnx(const PlanArgs& a) {
+  TESSEL_CHECK(a.model.empty() && a.config.empty() && a.profile.empty(), ConfigError,
+               "tessel plan --onnx plans the file's graph: leave out --model, --config and "
+               "--profile");
+  const auto imported = planner::read_onnx(a.onnx, onnx_options(a.dims));
+  const auto& g = imported.graph;
+  const auto cluster = planner::ClusterSpec::resolve(a.cluster.empty() ? "dgx-a100" : a.cluster);
+  planner::GraphPlanRequest req;
+  req.tp = a.tp > 0 ? a.tp : cluster.devices_per_host;
+  req.stages = a.stages;
+  req.balance = a.balance;
+  req.precision = !a.precision.empty() ? planner::parse_precision(a.precision)
+                  : cluster.device.peak(planner::Precision::bf16) > 0 ? planner::Precision::bf16
+                                                                      : planner::Precision::fp32;
+  const auto plan = planner::plan_graph(g, cluster, req);
+  nlohmann::json doc = planner::graph_plan_json(g, plan);
+  doc["model"] = a.onnx;
+  doc["producer"] = imported.producer;
+  doc["opset"] = imported.opset;
+  doc["cluster"] = cluster.name;
+  doc["precision"] = planner::precision_name(req.precision);
+  doc["warnings"] = imported.warnings;
+  if (!a.out.empty()) write_file_atomically(a.out, doc.dump(2) + "\n");
+  if (a.json) {
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << fmt::format(
+      "tessel plan: {} ({} operators, {:.3g} parameters, {:.3g} forward FLOPs) on {} ({}), tp {}, "
+      "{} stage{}\n",
+      a.onnx, g.size(), double(g.total_parameters()), g.total_flops(), cluster.name,
+      planner::precision_name(req.precision), plan.tp, plan.stages, plan.stages == 1 ? "" : "s");
+  for (const auto& w : imported.warnings) std::cout << "warning: " << w << "\n";
+  std::cout << fmt::format(
+      "sharding: {} ({} segments, {} programmes of which {} proven optimal, {} reused, {:.2f} s); "
+      "{:.4g} s per pass on the tp axis\n",
+      planner::ilp_status_name(plan.sharding.status), plan.stats.segments, plan.stats.programmes,
+      plan.stats.optimal_programmes, plan.stats.reused, plan.stats.seconds, plan.sharding.time_s);
+  // The operators with weights, the ones whose choice matters, then a count of the rest.
+  std::map<std::string, int> others;
+  for (int id = 0; id < g.size(); ++id) {
+    const auto& n = g.node(id);
+    const auto& strategy = plan.sharding.chosen.at(size_t(id)).name;
+    if (!n.weights.empty())
+      std::cout << fmt::format("  {:<40} {:<10} {}\n", n.name, n.op_type, strategy);
+    else
+      ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), strategy)];
+  }
+  for (const auto& [what, count] : others) std::cout << fmt::format("  {:>5} x {}\n", count, what);
+  if (plan.cut && plan.cut->status == planner::IlpStatus::infeasible) {
+    std::cout << fmt::format(
+        "pipeline cut: no cut into {} stages keeps every stage's FLOPs within {:g}% of an equal "
+        "share (operators are not split across stages); try fewer --stages or a larger "
+        "--balance\n",
+        plan.stages, 100 * a.balance);
+  } else if (plan.cut) {
+    std::string flops;
+    for (double f : plan.cut->stage_flops) flops += fmt::format(" {:.3g}", f);
+    std::cout << fmt::format(
+        "pipeline cut: {}, {:.4g} bytes cross the stage boundaries, stage FLOPs{} ({:.2f} s)\n",
+        planner::ilp_status_name(plan.cut->status), plan.cut->crossing_bytes, flops,
+        plan.cut->solve_s);
+  }
+  if (!plan.not_runnable.empty()) std::cout << "not runnable: " << plan.not_runnable << "\n";
+  if (!a.out.empty()) std::cout << fmt::format("wrote the plan to {}\n", a.out);
+  return 0;
+}
+
 int run_plan(const PlanArgs& a) {
+  if (!a.onnx.empty()) return run_plan_onnx(a);
   planner::SearchRequest req;
   TESSEL_CHECK(
       a.model.empty() != a.config.empty(), ConfigError,
@@ -192,6 +296,23 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--top", args->top, "alternatives to list")->capture_default_str();
   cmd->add_flag("--json", args->json, "print JSON instead of a table");
   cmd->add_option("--out", args->out, "write the best plan's JSON to this file");
+  cmd->add_option("--onnx", args->onnx,
+                  "plan an ONNX model's operator graph instead: each operator's sharding over tp "
+                  "devices (ILP per segment, joined by dynamic programming) and, with --stages, "
+                  "its pipeline cut");
+  cmd->add_option("--dim", args->dims,
+                  "with --onnx: NAME=VALUE for a symbolic dimension of the model's inputs "
+                  "(repeatable), e.g. --dim batch=8 --dim seq=1024");
+  cmd->add_option("--tp", args->tp,
+                  "with --onnx: devices to shard across (default: the cluster's devices per host)")
+      ->check(kCount);
+  cmd->add_option("--stages", args->stages, "with --onnx: pipeline stages to cut the graph into")
+      ->check(kCount)
+      ->capture_default_str();
+  cmd->add_option("--balance", args->balance,
+                  "with --onnx --stages: each stage's FLOPs at most (1 + this) x an equal share")
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
   cmd->callback([args, &action] { action = [args] { return run_plan(*args); }; });
 }
 

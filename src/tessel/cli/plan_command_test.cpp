@@ -173,3 +173,74 @@ TEST(PlanCommand, InfeasibleRequestsSayWhy) {
 
 }  // namespace
 }  // namespace tessel::cli
+
+namespace tessel::cli {
+namespace {
+
+// The graph planner on an ONNX file (src/tessel/cli/testdata/gpt_block.onnx, written by
+// tools/make_test_onnx.py): one GPT-2 block of 32 operators with a symbolic batch dimension.
+std::string gpt_block() {
+  return std::string(TESSEL_SOURCE_DIR) + "/src/tessel/cli/testdata/gpt_block.onnx";
+}
+
+TEST(PlanOnnx, ShardsEveryOperatorAndCutsTheGraph) {
+  testing::TempDir dir;
+  const auto out_file = (dir / "graph-plan.json").string();
+  int rc = -1;
+  const std::string out =
+      run_plan("plan --onnx " + gpt_block() +
+                   " --dim batch=8 --tp 2 --stages 2 --balance 0.5 --json --out " + out_file,
+               &rc);
+  ASSERT_EQ(rc, 0) << out;
+  const auto doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["tp"], 2);
+  EXPECT_EQ(doc["status"], "optimal");
+  EXPECT_EQ(doc["optimal_programmes"], doc["programmes"]);
+  ASSERT_EQ(doc["operators"].size(), 33u);  // 32 operators and the input
+  int matmuls = 0;
+  for (const auto& op : doc["operators"]) {
+    EXPECT_TRUE(op.contains("strategy")) << op.dump();
+    EXPECT_TRUE(op.contains("stage")) << op.dump();
+    matmuls += op["kind"] == "matmul";
+  }
+  EXPECT_EQ(matmuls, 6);  // qkv, q k^T, p v, proj, fc, proj
+  ASSERT_TRUE(doc.contains("cut"));
+  EXPECT_EQ(doc["cut"]["status"], "optimal");
+  // Attention (QKV and the projection) against the MLP: a block's best balance at one tensor.
+  ASSERT_EQ(doc["cut"]["stage_flops"].size(), 2u);
+  EXPECT_FALSE(doc["runnable"].get<bool>());
+  std::ifstream in(out_file);
+  EXPECT_EQ(nlohmann::json::parse(in), doc);
+
+  const std::string table = run_plan("plan --onnx " + gpt_block() + " --dim batch=8 --tp 2", &rc);
+  EXPECT_EQ(rc, 0) << table;
+  EXPECT_NE(table.find("33 operators"), std::string::npos) << table;
+  EXPECT_NE(table.find("attn.qkv"), std::string::npos) << table;
+  EXPECT_NE(table.find("not runnable"), std::string::npos) << table;
+  // Within 10% no cut exists: the MLP's matmuls are single operators.
+  const std::string tight =
+      run_plan("plan --onnx " + gpt_block() + " --dim batch=8 --stages 2", &rc);
+  EXPECT_NE(tight.find("try fewer --stages"), std::string::npos) << tight;
+}
+
+TEST(PlanOnnx, BadInputIsOneClearError) {
+  auto error_of = [](const std::string& args) {
+    try {
+      run_plan(args);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of("plan --onnx " + gpt_block()).find("--dim batch=VALUE"), std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch").find("NAME=VALUE"),
+            std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --tp 16").find("tp 16"),
+            std::string::npos);
+  EXPECT_NE(error_of("plan --onnx missing.onnx").find("no such file"), std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --model gpt2-124m").find("leave out"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tessel::cli

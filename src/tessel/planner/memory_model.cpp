@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "tessel/core/check.h"
+#include "tessel/schedule/instruction.h"
 
 namespace tessel::planner {
 
@@ -226,6 +227,21 @@ std::string format_gib(double bytes) {
   return fmt::format("{:.1f} GiB", bytes / (1024.0 * 1024.0 * 1024.0));
 }
 
+int64_t receive_buffer_bound(const layout::Plan& plan, int rank) {
+  const int p = plan.pp, v = plan.virtual_stages, stages = plan.num_stages();
+  if (p <= 1) return 0;
+  bool turn = false;  // two adjacent virtual stages on this rank
+  for (int vs = 0; vs + 1 < stages; ++vs)
+    turn |= plan.pp_rank_of_stage(vs) == rank && plan.pp_rank_of_stage(vs + 1) == rank;
+  if (plan.schedule == layout::ScheduleKind::adaptive)
+    return turn ? 2 * (int64_t(plan.dispatch_cap(rank)) + v - 1) : 0;
+  int64_t alive = 0;
+  for (int64_t a : in_flight_micro_batches(plan.schedule, p, v, plan.micro_batches, rank))
+    alive += a;
+  return int64_t(schedule::kReceiveLookahead) * v + 2 + (plan.jit_recompute ? alive : 0) +
+         (turn ? 2 * alive : 0);
+}
+
 std::string MemoryEstimate::reason() const {
   if (ranks.empty() || fits()) return {};
   const RankMemory& r = peak();
@@ -305,7 +321,9 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
     // A model has at least one activation slot, even for a chunk no micro-batch is alive in.
     for (int c = 0; c < v; ++c)
       rm.activations += double(std::max<int64_t>(alive[c], 1)) * chunk_acts[size_t(r) * v + c];
-    rm.workspace = workspace[r];
+    // The runtime's stage-boundary messages are fp32 whatever the training precision.
+    rm.workspace = workspace[r] + double(receive_buffer_bound(plan, r)) *
+                                      double(plan.micro_batch) * seq * m.n_embd * 4.0;
     if (rm.total() > est.ranks[est.worst].total()) est.worst = r;
   }
   return est;

@@ -42,8 +42,8 @@
 //   interleaved-1f1b  min(v*m, 2*(p - r - 1) + (v - 1)*p + 1) chunk forwards, issued p at a time
 //                     per chunk (Megatron-LM's warm-up), so rank 0 holds about
 //                     (1 + (p - 1)/(p*v)) times the 1f1b amount.
-// The device's reserved bytes (runtime context, communication buffers) are subtracted from its
-// capacity.
+// The pipeline's boundary buffers (receive_buffer_bound below) are workspace. The device's
+// reserved bytes (runtime context, communication buffers) are subtracted from its capacity.
 #pragma once
 
 #include <cstdint>
@@ -104,6 +104,16 @@ double unit_activation_bytes(const model::ModelConfig& m, int unit, int64_t micr
 // ignored by the others). Throws InvalidArgumentError for a rank outside [0, pp).
 std::vector<int64_t> in_flight_micro_batches(layout::ScheduleKind schedule, int pp, int v,
                                              int64_t micro_batches, int rank, int memory_cap = 1);
+
+// Boundary buffers ([micro_batch, seq, hidden] fp32 each) a pipeline rank's executor holds for
+// what it receives and passes between its own virtual stages (runtime/pipeline_executor.h:
+// receive_buffers, which stays within this): the receives posted ahead
+// (schedule::kReceiveLookahead per chunk) and the one being waited for and read, plus, under
+// just-in-time recomputation, the input of every micro-batch in flight (its recompute reads it
+// again), plus, on the rank holding a V's turn, a copy each way per micro-batch it holds; under
+// the adaptive schedule only the turn's copies, 2 (dispatch_cap + v - 1). 0 without a pipeline.
+// It does not grow with the micro-batches beyond the activations in flight.
+int64_t receive_buffer_bound(const layout::Plan& plan, int rank);
 
 struct RankMemory {
   int pipeline_rank = 0;

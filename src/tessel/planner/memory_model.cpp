@@ -242,6 +242,15 @@ int64_t receive_buffer_bound(const layout::Plan& plan, int rank) {
          (turn ? 2 * alive : 0);
 }
 
+int64_t send_buffer_bound(const layout::Plan& plan, int rank) {
+  if (plan.pp <= 1) return 0;
+  int64_t alive = 0;
+  for (int64_t a : in_flight_micro_batches(plan.schedule, plan.pp, plan.virtual_stages,
+                                           plan.micro_batches, rank, plan.dispatch_cap(rank)))
+    alive += a;
+  return alive + 2 * plan.virtual_stages;
+}
+
 std::string MemoryEstimate::reason() const {
   if (ranks.empty() || fits()) return {};
   const RankMemory& r = peak();
@@ -322,8 +331,9 @@ MemoryEstimate estimate_memory(const model::ModelConfig& m, const layout::Plan& 
     for (int c = 0; c < v; ++c)
       rm.activations += double(std::max<int64_t>(alive[c], 1)) * chunk_acts[size_t(r) * v + c];
     // The runtime's stage-boundary messages are fp32 whatever the training precision.
-    rm.workspace = workspace[r] + double(receive_buffer_bound(plan, r)) *
-                                      double(plan.micro_batch) * seq * m.n_embd * 4.0;
+    rm.workspace =
+        workspace[r] + double(receive_buffer_bound(plan, r) + send_buffer_bound(plan, r)) *
+                           double(plan.micro_batch) * seq * m.n_embd * 4.0;
     if (rm.total() > est.ranks[est.worst].total()) est.worst = r;
   }
   return est;

@@ -114,6 +114,10 @@ std::vector<int64_t> in_flight_micro_batches(layout::ScheduleKind schedule, int 
 // the adaptive schedule only the turn's copies, 2 (dispatch_cap + v - 1). 0 without a pipeline.
 // It does not grow with the micro-batches beyond the activations in flight.
 int64_t receive_buffer_bound(const layout::Plan& plan, int rank);
+// And for what it sends (a copy of each message until the peer is known to have it,
+// runtime/pipeline_executor.h: send_buffers): at most the micro-batches in flight plus two per
+// chunk (a message each way not yet acknowledged). 0 without a pipeline.
+int64_t send_buffer_bound(const layout::Plan& plan, int rank);
 
 struct RankMemory {
   int pipeline_rank = 0;

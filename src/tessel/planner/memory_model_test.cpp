@@ -189,9 +189,11 @@ TEST(MemoryModel, HandCountedTwoStagePlan) {
   const double ids = 128, block = (kO + kA + kP) * 4;
   EXPECT_DOUBLE_EQ(r0.activations, 2 * (kO * 4 + block + ids));
   // Workspace: the scratch (StageSharesRecomputedBuffersAndScratch), the targets, and the
-  // pipeline's boundary buffers: 4 receives posted ahead + 2, of n h = 32 x 64 floats each.
-  const double scratch = (6144 + 32 * 768) * 4, boundary = 6 * 32 * 64 * 4.0;
+  // pipeline's boundary buffers: 4 receives posted ahead + 2, and 2 micro-batches in flight + 2
+  // sends, of n h = 32 x 64 floats each.
+  const double scratch = (6144 + 32 * 768) * 4, boundary = (6 + 4) * 32 * 64 * 4.0;
   EXPECT_EQ(receive_buffer_bound(two_stage_plan(0), 0), 6);
+  EXPECT_EQ(send_buffer_bound(two_stage_plan(0), 0), 4);
   EXPECT_DOUBLE_EQ(r0.workspace, scratch + ids + boundary);
   // Rank 1: block + ln_f + its copy of the tied embedding (128 x 64) = 49984 + 128 + 8192.
   const RankMemory& r1 = est.ranks[1];
@@ -232,8 +234,8 @@ TEST(MemoryModel, SplitBackwardKeepsTheWeightPassInputs) {
   EXPECT_DOUBLE_EQ(est.ranks[0].activations, 2 * ((kO + kO + block) * 4 + ids));
   EXPECT_DOUBLE_EQ(est.ranks[1].activations,
                    2 * ((kO + block + 2048 + 64 + 32 + 32 * 128 + 128) * 4 + ids));
-  // The scratch keeps d(atty) and d(activation) only: 3 n h + n (h + F); 6 boundary buffers.
-  EXPECT_DOUBLE_EQ(est.ranks[0].workspace, (6144 + 32 * 320) * 4 + ids + 6 * 32 * 64 * 4.0);
+  // The scratch keeps d(atty) and d(activation) only: 3 n h + n (h + F); 6 + 4 boundary buffers.
+  EXPECT_DOUBLE_EQ(est.ranks[0].workspace, (6144 + 32 * 320) * 4 + ids + 10 * 32 * 64 * 4.0);
 }
 
 TEST(MemoryModel, InterleavedChunksSumPerRank) {
@@ -253,10 +255,12 @@ TEST(MemoryModel, InterleavedChunksSumPerRank) {
   const double ids = 4.0 * 16, x0 = 1024.0 * 4, block = 17472.0 * 4;
   EXPECT_DOUBLE_EQ(est.ranks[0].activations, 3 * (x0 + ids) + 2 * (x0 + block + ids));
   // Each chunk is a model with its own scratch (3 n h, plus 16 x 768 with a block) and targets;
-  // the rank's boundary buffers: 4 receives posted ahead per chunk + 2, of n h = 1024 floats.
+  // the rank's boundary buffers: 4 receives posted ahead per chunk + 2, and the 5 micro-batches
+  // alive + 2 per chunk sends, of n h = 1024 floats.
   EXPECT_EQ(receive_buffer_bound(p, 0), 10);
+  EXPECT_EQ(send_buffer_bound(p, 0), 9);
   EXPECT_DOUBLE_EQ(est.ranks[0].workspace,
-                   (3072 + 3072 + 16 * 768) * 4.0 + 2 * ids + 10 * 1024 * 4.0);
+                   (3072 + 3072 + 16 * 768) * 4.0 + 2 * ids + 19 * 1024 * 4.0);
 }
 
 TEST(MemoryModel, ReasonNamesTheParts) {
@@ -447,8 +451,9 @@ TEST(MemoryModel, EstimateIsTheStageModelsStorage) {
         t.set_split_backward(plan.split_backward());
         const double ids = 4.0 * c.B * c.T * (slots + 1);
         // The executor's boundary buffers are workspace too, outside the model.
-        const double boundary = double(receive_buffer_bound(plan, rank)) * c.B * c.T *
-                                double(c.config.n_embd) * 4;
+        const double boundary =
+            double(receive_buffer_bound(plan, rank) + send_buffer_bound(plan, rank)) * c.B * c.T *
+            double(c.config.n_embd) * 4;
         const RankMemory& rm = est.ranks[size_t(rank)];
         EXPECT_DOUBLE_EQ(rm.activations + rm.workspace,
                          double(t.activation_bytes()) + ids + boundary)

@@ -89,11 +89,65 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
   return d;
 }
 
-std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
+schedule::Schedule pipeline_schedule(const layout::Plan& plan) {
   schedule::Schedule s = schedule::make_schedule(layout::schedule_name(plan.schedule), plan.pp,
                                                  int(plan.micro_batches), plan.virtual_stages);
   if (plan.jit_recompute) s = schedule::with_jit_recompute(s);
-  return s.per_stage[size_t(pp)];
+  return s;
+}
+
+std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp) {
+  return pipeline_schedule(plan).per_stage[size_t(pp)];
+}
+
+std::vector<int> send_release_points(const schedule::Schedule& s, int pp) {
+  using schedule::Op;
+  auto vs_of = [&](int stage, int chunk) {
+    return schedule::virtual_stage(s.stages, stage, chunk, s.placement);
+  };
+  // The receive in `list` (of rank `at`) of the message `send` (of rank `from`) carries.
+  auto receive_of = [&](const std::vector<schedule::Instruction>& list, int at, int from,
+                        const schedule::Instruction& send) {
+    const bool act = send.op == Op::send_activation;
+    const int to_vs = vs_of(from, send.chunk) + (act ? 1 : -1);
+    for (size_t j = 0; j < list.size(); ++j) {
+      const auto& r = list[j];
+      if (r.op == (act ? Op::recv_activation : Op::recv_grad) && r.peer == from &&
+          r.micro_batch == send.micro_batch && vs_of(at, r.chunk) == to_vs)
+        return int(j);
+    }
+    return -1;
+  };
+  const auto& mine = s.per_stage[size_t(pp)];
+  std::vector<int> release(mine.size(), -2);
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (!schedule::is_send(mine[i].op)) continue;
+    release[i] = -1;
+    const int peer = mine[i].peer;
+    const auto& theirs = s.per_stage[size_t(peer)];
+    const int j = receive_of(theirs, peer, pp, mine[i]);
+    if (j < 0) continue;
+    for (size_t k = size_t(j) + 1; k < theirs.size(); ++k) {
+      if (!schedule::is_send(theirs[k].op) || theirs[k].peer != pp) continue;
+      release[i] = receive_of(mine, pp, peer, theirs[k]);
+      break;
+    }
+  }
+  return release;
+}
+
+int send_buffers(const schedule::Schedule& s, int pp) {
+  const auto release = send_release_points(s, pp);
+  std::vector<int> frees(release.size(), 0);
+  int live = 0, peak = 0;
+  for (size_t i = 0; i < release.size(); ++i) {
+    live -= frees[i];
+    if (release[i] >= -1) {
+      peak = std::max(peak, ++live);
+      if (release[i] >= 0) ++frees[size_t(release[i])];
+    }
+  }
+  return peak;
 }
 
 std::vector<int> activation_peaks(const std::vector<schedule::Instruction>& program, int chunks) {
@@ -185,6 +239,13 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
   grad_buf_.assign(at_count, -1);
   act_src_.assign(at_count, nullptr);
   grad_src_.assign(at_count, nullptr);
+  if (!program_.empty()) {
+    const auto sched = pipeline_schedule(plan);
+    send_release_ = send_release_points(sched, pp);
+    released_at_.assign(program_.size(), {});
+    send_pool_.assign(size_t(send_buffers(sched, pp)),
+                      std::vector<float>(size_t(B_ * T_ * C_) + kTrailerFloats));
+  }
   receive_lookahead_ = size_t(schedule::kReceiveLookahead * plan.virtual_stages);
   // Allocated once: no step allocates a boundary buffer.
   const int buffers = runtime::receive_buffers(plan, pp);
@@ -275,14 +336,18 @@ void PipelineExecutor::abort() noexcept {
   recvs_.clear();
   sends_.clear();
   choice_sends_.clear();
-  sends_used_ = 0;
 }
 
-float* PipelineExecutor::send_buffer(const float* data) {
-  const size_t boundary = size_t(B_ * T_ * C_);
-  if (sends_used_ == send_pool_.size()) send_pool_.emplace_back(boundary + kTrailerFloats);
-  float* buf = send_pool_[sends_used_++].data();
-  std::copy(data, data + boundary, buf);
+float* PipelineExecutor::list_send_buffer(size_t at, const float* data) {
+  TESSEL_CHECK(!free_sends_.empty(), Error,
+               "internal: pipeline rank {} has no free send buffer of the {} send_buffers() "
+               "counted at instruction {}",
+               pp_, send_pool_.size(), at);
+  const int b = free_sends_.back();
+  free_sends_.pop_back();
+  if (send_release_[at] >= 0) released_at_[size_t(send_release_[at])].push_back(b);
+  float* buf = send_pool_[size_t(b)].data();
+  std::copy(data, data + B_ * T_ * C_, buf);
   return buf;
 }
 
@@ -481,7 +546,6 @@ PipelineStepResult PipelineExecutor::run(Stage& stage, comm::Communicator& pp,
                                          comm::Communicator* tp) {
   for (auto& ch : stage.chunks()) ch.backwards_done = 0;
   sends_.clear();
-  sends_used_ = 0;
   PipelineStepResult r = adaptive_
                              ? run_adaptive(stage, pp, inputs, targets, grad_scale, last_backward,
                                             tp != nullptr && tp->size() > 1 ? tp : nullptr)
@@ -526,10 +590,17 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
   };
   post_through(receive_lookahead_);
   size_t waited_for = 0;
+  // Send buffers: each taken at its send and given back when the wait for the peer's next
+  // message to this rank returns (send_release_points), or at the step's end.
+  free_sends_.clear();
+  for (size_t b = send_pool_.size(); b-- > 0;) free_sends_.push_back(int(b));
+  for (auto& r : released_at_) r.clear();
+  size_t at = 0;  // the instruction being run
   auto send = [&](const float* data, int peer, uint32_t tag) {
-    sends_.push_back(pp.send(send_buffer(data), boundary * sizeof(float), peer, tag));
+    sends_.push_back(pp.send(list_send_buffer(at, data), boundary * sizeof(float), peer, tag));
   };
   for (size_t i = 0; i < program_.size(); ++i) {
+    at = i;
     const auto& ins = program_[i];
     const int mb = ins.micro_batch, c = ins.chunk;
     auto& ch = chunks[size_t(c)];
@@ -555,6 +626,9 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
         const WaitStart w;
         recvs_[i]->wait();
         waited(r, w, "", &ins);
+        // The peer sent this after receiving these sends: their buffers are free.
+        for (int b : released_at_[i]) free_sends_.push_back(b);
+        released_at_[i].clear();
         break;
       }
       case schedule::Op::send_grad:
@@ -637,8 +711,13 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
   }
   for (auto& a : arrivals_) {
     a.sent = 0;
+    a.delivered = 0;
+    a.acknowledged = 0;
+    a.send_buffers.clear();
     a.requests.clear();
   }
+  free_sends_.clear();
+  for (size_t b = send_pool_.size(); b-- > 0;) free_sends_.push_back(int(b));
   for (auto& a : arrivals_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -653,24 +732,43 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     auto it = std::find_if(arrivals_.begin(), arrivals_.end(),
                            [&](const Arrival& a) { return a.peer == peer; });
     TESSEL_CHECK(it != arrivals_.end(), Error, "internal: no link to pipeline rank {}", peer);
-    float* buf = send_buffer(data);
+    // A pooled buffer: free once the peer says it has our message (the trailer's last field of
+    // anything it sends us later), else at the step's end. The pool grows only while that many
+    // are in flight, which the dispatcher's caps bound.
+    if (free_sends_.empty()) {
+      free_sends_.push_back(int(send_pool_.size()));
+      send_pool_.emplace_back(boundary + kTrailerFloats);
+    }
+    const int b = free_sends_.back();
+    free_sends_.pop_back();
+    it->send_buffers.push_back(b);
+    float* buf = send_pool_[size_t(b)].data();
+    std::copy(data, data + boundary, buf);
+    // The last field: how many of the peer's messages this rank has taken in.
     const uint32_t trailer[kTrailerFloats] = {uint32_t(kind), uint32_t(mb),
-                                              uint32_t(chunk_of_vs(to_vs)), 0};
+                                              uint32_t(chunk_of_vs(to_vs)), it->delivered};
     std::memcpy(buf + boundary, trailer, sizeof(trailer));
     sends_.push_back(
         pp.send(buf, (boundary + kTrailerFloats) * sizeof(float), peer, sequence_tag(it->sent++)));
   };
   // A message that landed: its data is where the chunk's compute will read it.
   auto deliver = [&](const Landed& l) {
-    const Arrival& a = arrivals_[size_t(l.arrival)];
+    Arrival& a = arrivals_[size_t(l.arrival)];
     const float* buf = a.buffers[size_t(l.index)].data();
     uint32_t trailer[kTrailerFloats];
     std::memcpy(trailer, buf + boundary, sizeof(trailer));
-    const uint32_t kind = trailer[0], mb = trailer[1], c = trailer[2];
-    TESSEL_CHECK(kind <= 1 && mb < uint32_t(M_) && c < uint32_t(v), CorruptDataError,
+    const uint32_t kind = trailer[0], mb = trailer[1], c = trailer[2], taken = trailer[3];
+    TESSEL_CHECK(kind <= 1 && mb < uint32_t(M_) && c < uint32_t(v) &&
+                     taken <= uint32_t(a.send_buffers.size()),
+                 CorruptDataError,
                  "pipeline rank {}: message {} from pipeline rank {} names (kind {}, micro-batch "
-                 "{}, chunk {}), outside this step's {} micro-batches and {} chunks",
-                 pp_, l.index, a.peer, kind, mb, c, M_, v);
+                 "{}, chunk {}, {} of our messages taken in), outside this step's {} "
+                 "micro-batches and {} chunks, or more than the {} sent",
+                 pp_, l.index, a.peer, kind, mb, c, taken, M_, v, a.send_buffers.size());
+    ++a.delivered;
+    // The peer has our first `taken` messages: their buffers are free.
+    for (; a.acknowledged < taken; ++a.acknowledged)
+      free_sends_.push_back(a.send_buffers[a.acknowledged]);
     const size_t at = size_t(c) * size_t(M_) + mb;
     if (kind == uint32_t(Kind::activation)) {
       act_src_[at] = buf;

@@ -38,8 +38,21 @@
 
 namespace tessel::runtime {
 
-// The instruction list of pipeline rank `pp` of `plan` (its schedule over plan.micro_batches).
+// The schedule of `plan` over plan.micro_batches (every rank's list), and rank `pp`'s list.
+schedule::Schedule pipeline_schedule(const layout::Plan& plan);
 std::vector<schedule::Instruction> pipeline_program(const layout::Plan& plan, int pp);
+
+// When a send's buffer may be reused, without waiting for the send: the peer has received the
+// message once it sends this rank anything after its receive in its own list, so when this
+// rank's wait for that later message returns, the buffer is free. For each instruction of rank
+// `pp`'s list: for a send, the index (in the same list) of the receive after whose wait its
+// buffer is free, or -1 when the peer sends nothing after it (free at the step's end); -2 for
+// other instructions.
+std::vector<int> send_release_points(const schedule::Schedule& s, int pp);
+
+// The most send buffers rank `pp` of an instruction-list schedule holds at once, freeing each at
+// its send_release_points (the executor allocates that many, whatever the micro-batches).
+int send_buffers(const schedule::Schedule& s, int pp);
 
 // Per chunk of `program` (chunks of them), the most micro-batches in flight at once (forward
 // run, backward not yet): the activation slots it needs. 1F1B needs at most pp, GPipe M.
@@ -152,8 +165,6 @@ class PipelineExecutor {
   PipelineStepResult run_adaptive(Stage& stage, comm::Communicator& pp, const int32_t* inputs,
                                   const int32_t* targets, float grad_scale,
                                   const LastBackwardHook& last_backward, comm::Communicator* tp);
-  // A pooled send buffer holding `data` (boundary floats), plus the adaptive trailer if any.
-  float* send_buffer(const float* data);
   // The adaptive path: the arrival thread of one peer, and the loop draining what arrived.
   struct Arrival;
   void receive_from(comm::Communicator& pp, Arrival& a);
@@ -163,6 +174,11 @@ class PipelineExecutor {
   int chunk_of_vs(int vs) const { return chunk_of_vs_[size_t(vs)]; }
 
   std::vector<schedule::Instruction> program_;
+  // The list path's send buffers: pooled, each given back at its send_release_points entry.
+  std::vector<int> send_release_;              // per instruction
+  std::vector<std::vector<int>> released_at_;  // per instruction: send buffers freed there
+  std::vector<int> free_sends_;
+  float* list_send_buffer(size_t at, const float* data);
   std::vector<int> slots_;
   int num_vs_ = 1;
   bool jit_ = false;  // just-in-time recomputation: one slot per chunk, R before B
@@ -195,20 +211,23 @@ class PipelineExecutor {
   // until the communicators are broken, or destroying them would wait for peers that are
   // themselves stuck.
   std::vector<std::vector<float>> send_pool_;  // reused step after step
-  size_t sends_used_ = 0;
   std::vector<comm::Request> sends_;
   std::vector<std::optional<comm::Request>> recvs_;
 
   // Adaptive schedule.
   bool adaptive_ = false;
   int cap_ = 1;
-  int backward_cap_ = 0;                       // layout::Plan::dispatch_backward_cap
-  static constexpr size_t kTrailerFloats = 4;  // kind, micro-batch, receiving chunk, 0
+  int backward_cap_ = 0;  // layout::Plan::dispatch_backward_cap
+  // kind, micro-batch, receiving chunk, how many of the receiver's messages the sender took in
+  static constexpr size_t kTrailerFloats = 4;
   struct Arrival {
     int peer = -1;
     int expected = 0;                         // messages from the peer per step
     std::vector<std::vector<float>> buffers;  // one per message, boundary + trailer
     uint32_t sent = 0;                        // messages this rank sent the peer this step
+    uint32_t delivered = 0;                   // of the peer's messages, taken in this step
+    uint32_t acknowledged = 0;                // of ours, known received (buffers given back)
+    std::vector<int> send_buffers;            // the send pool buffer of each message sent
     std::vector<comm::Request> requests;      // this step's receives (members: see sends_)
     std::thread thread;
   };

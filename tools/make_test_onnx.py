@@ -2,7 +2,7 @@
 """Writes the small ONNX models the tests read (committed beside them), with Debian's python3-onnx
 (onnx.helper only: no PyTorch needed). Run from the repository root:
 
-    /usr/bin/python3 tools/make_test_onnx.py src/tessel/cli/testdata
+    /usr/bin/python3 tools/make_test_onnx.py src/tessel/planner/testdata
 
 gpt_block.onnx: one pre-norm GPT-2 block with fused QKV, 4 heads of 8 (C = 32, 4C MLP with
 GELU as erf), on a [batch, 16, 32] input whose batch dimension is symbolic ("batch"): the graph planner
@@ -88,7 +88,7 @@ def gpt_block():
 
 
 def main():
-    out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "src/tessel/cli/testdata")
+    out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "src/tessel/planner/testdata")
     out.mkdir(parents=True, exist_ok=True)
     onnx.save(gpt_block(), out / "gpt_block.onnx")
     print(f"wrote {out / 'gpt_block.onnx'}")

@@ -9,16 +9,19 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tessel/cli/count_flag.h"
 #include "tessel/config/train_config.h"
 #include "tessel/core/atomic_file.h"
 #include "tessel/core/check.h"
+#include "tessel/core/stop_signal.h"
 #include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/graph_plan.h"
 #include "tessel/planner/onnx_import.h"
+#include "tessel/planner/plan_service.h"
 #include "tessel/planner/search.h"
 
 namespace tessel::cli {
@@ -43,6 +46,12 @@ struct PlanArgs {
   int tp = 0;                     // 0: the cluster's devices per host
   int stages = 1;
   double balance = 0.1;
+  // tessel plan serve
+  std::string host = "127.0.0.1";
+  int port = 8600;
+  std::string token_file;
+  double max_model_mb = 256;
+  double ilp_time_limit = 10;
 };
 
 nlohmann::json read_json_file(const std::string& path) {
@@ -189,6 +198,30 @@ int run_plan_onnx(const PlanArgs& a) {
   return 0;
 }
 
+// `tessel plan serve`: the graph planner over HTTP (planner/plan_service.h) until Ctrl-C.
+int run_plan_serve(const PlanArgs& a) {
+  planner::PlanServiceOptions o;
+  o.server.host = a.host;
+  o.server.port = a.port;
+  o.server.token_file = a.token_file;
+  o.max_model_bytes = size_t(a.max_model_mb * 1024 * 1024);
+  o.ilp.time_limit_s = a.ilp_time_limit;
+  planner::PlanService service(o);
+  StopSignals stop;
+  const int port = service.start();
+  fmt::print(
+      "planning service on http://{}:{}: POST an ONNX model to /v1/plan?tp=4&stages=2&dim=batch:8"
+      "{}; Ctrl-C stops\n",
+      a.host, port,
+      service.requires_token() ? " (requests need \"Authorization: Bearer <token>\")" : "");
+  std::fflush(stdout);
+  while (stop_requested() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  service.stop();
+  fmt::print("stopped (signal {})\n", stop_requested());
+  std::fflush(stdout);
+  return 0;
+}
+
 int run_plan(const PlanArgs& a) {
   if (!a.onnx.empty()) return run_plan_onnx(a);
   planner::SearchRequest req;
@@ -313,7 +346,32 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
                   "with --onnx --stages: each stage's FLOPs at most (1 + this) x an equal share")
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
-  cmd->callback([args, &action] { action = [args] { return run_plan(*args); }; });
+  auto* serve = cmd->add_subcommand(
+      "serve", "serve the graph planner over HTTP: POST an ONNX model to /v1/plan, get the plan");
+  serve->add_option("--host", args->host,
+                    "address to bind (default 127.0.0.1: this machine only; any other address "
+                    "needs --token-file)");
+  serve->add_option("--port", args->port, "port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  serve->add_option("--token-file", args->token_file,
+                    "file holding a shared secret (mode 600); every request must then send "
+                    "\"Authorization: Bearer <secret>\"");
+  serve->add_option("--max-model-mb", args->max_model_mb, "largest ONNX model accepted, in MiB")
+      ->check(CLI::Range(0.001, 65536.0))
+      ->capture_default_str();
+  serve
+      ->add_option("--ilp-time-limit", args->ilp_time_limit,
+                   "seconds each integer programme may take")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  // The parent's callback runs after the subcommand's: it decides.
+  cmd->callback([args, serve, &action] {
+    if (serve->parsed())
+      action = [args] { return run_plan_serve(*args); };
+    else
+      action = [args] { return run_plan(*args); };
+  });
 }
 
 }  // namespace tessel::cli

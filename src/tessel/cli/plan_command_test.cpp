@@ -177,10 +177,10 @@ TEST(PlanCommand, InfeasibleRequestsSayWhy) {
 namespace tessel::cli {
 namespace {
 
-// The graph planner on an ONNX file (src/tessel/cli/testdata/gpt_block.onnx, written by
+// The graph planner on an ONNX file (src/tessel/planner/testdata/gpt_block.onnx, written by
 // tools/make_test_onnx.py): one GPT-2 block of 32 operators with a symbolic batch dimension.
 std::string gpt_block() {
-  return std::string(TESSEL_SOURCE_DIR) + "/src/tessel/cli/testdata/gpt_block.onnx";
+  return std::string(TESSEL_SOURCE_DIR) + "/src/tessel/planner/testdata/gpt_block.onnx";
 }
 
 TEST(PlanOnnx, ShardsEveryOperatorAndCutsTheGraph) {

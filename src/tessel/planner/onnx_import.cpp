@@ -446,9 +446,9 @@ class Importer {
                  !dim.dim_param().starts_with("unk__")) {  // inference's own made-up symbols
         auto it = options_.dims.find(dim.dim_param());
         TESSEL_CHECK(it != options_.dims.end(), ConfigError,
-                     "{}: dimension {} of '{}' is the symbol '{}', which has no value: pass --dim "
-                     "{}=VALUE",
-                     source_, d, tensor, dim.dim_param(), dim.dim_param());
+                     "{}: dimension {} of '{}' is the symbol '{}', which has no value: pass {}",
+                     source_, d, tensor, dim.dim_param(),
+                     fmt::format(fmt::runtime(options_.dim_syntax), dim.dim_param()));
         v = it->second;
       } else {
         TESSEL_THROW(ConfigError, "{}: dimension {} of '{}' has no size: {}", source_, d, tensor,
@@ -658,7 +658,8 @@ class Importer {
       }
     }
     const std::string fix =
-        "give the graph inputs fixed shapes (or --dim NAME=VALUE for their symbols)";
+        fmt::format("give the graph inputs fixed shapes (or {} for their symbols)",
+                    fmt::format(fmt::runtime(options_.dim_syntax), "NAME"));
     auto out = declared(p.tensor, fix);
     if (!out && keeps_shape(op)) {
       std::vector<const Shape*> in;

@@ -60,6 +60,8 @@ namespace tessel::planner {
 struct OnnxOptions {
   // Values for symbolic dimensions (dim_param), e.g. {"batch", 8}.
   std::map<std::string, int64_t> dims;
+  // How the caller gives a symbol a value, for messages: "{}" stands for the symbol's name.
+  std::string dim_syntax = "--dim {}=VALUE";
 };
 
 struct OnnxGraph {

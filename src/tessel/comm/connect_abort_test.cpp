@@ -15,8 +15,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -310,6 +312,84 @@ INSTANTIATE_TEST_SUITE_P(Worlds, FrozenPeerTest,
                                   store_name(std::get<1>(info.param)) + "_" +
                                   frozen_name(std::get<2>(info.param));
                          });
+
+// ---------------------------------------------------------------------------------------------
+// A peer resets its connection before this rank's I/O thread has taken it in, as an aborted or
+// failed rendezvous does on its way out (Handshakes::abort's Pair::close, a listening pair
+// destroyed with a dial queued, a process exit). With Gloo's own pairs the accept found the
+// connection dead, a GLOO_ENFORCE on getpeername() failed on Gloo's I/O thread and the process
+// died (SIGABRT); the race test (d) hit the same from the dialling side in 2 of 53 runs
+// (tcp_context.h). Here it is certain: rank 1 stands in for a peer and publishes an address that
+// makes rank 0 the listener of their pair, stops rank 0 (every thread), dials rank 0's pair so
+// that the kernel queues the connection, resets it, and lets rank 0 go on: its connect must fail
+// with PeerLostError.
+
+// Waits until every thread of `pid` is stopped; false when its /proc entry cannot be read.
+bool wait_until_stopped(pid_t pid) {
+  const auto tasks = std::filesystem::path("/proc") / std::to_string(pid) / "task";
+  for (;;) {
+    std::error_code error;
+    bool all_stopped = true;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+      std::string stat;
+      std::getline(std::ifstream(task.path() / "stat"), stat);
+      // "<tid> (<name>) <state> ...": the name may hold anything, the state follows the last ')'.
+      const size_t name_end = stat.rfind(')');
+      const char state =
+          name_end != std::string::npos && name_end + 2 < stat.size() ? stat[name_end + 2] : '?';
+      all_stopped = all_stopped && (state == 'T' || state == 't');
+    }
+    if (error) return false;
+    if (all_stopped) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+}
+
+TEST(ConnectAbort, AConnectionResetBeforeItIsAcceptedFailsConnectWithPeerLost) {
+  TestStore store(StoreKind::kFile);
+  const StoreOptions options = store.options(0);
+  const auto& dir = store.dir();
+  auto outcomes = run_ranks(2, 30s, [&](int rank) {
+    if (rank == 0) {
+      std::ofstream(dir.path() / "rank0.pid.tmp") << getpid();
+      std::filesystem::rename(dir.path() / "rank0.pid.tmp", dir.path() / "rank0.pid");
+      const Caught got =
+          catch_error(rank, [&] { Communicator::connect(options, "world", rank, 2, 30s); });
+      CHILD_CHECK(got.kind == Thrown::kPeerLost, rank, thrown_name(got.kind) + (": " + got.what));
+      CHILD_CHECK(contains(got.what, "reset by peer"), rank, got.what);
+      return kChildOk;
+    }
+    // A port above the ephemeral range ending in 0xff: the larger address (FrozenPeerTest's
+    // kNeverDials), so rank 0 waits to accept this pair's connection.
+    std::vector<int> ports;
+    for (int high = 0xff; high > 0xee; --high) ports.push_back(high << 8 | 0xff);
+    const int listener = listen_on_one_of(ports, 1);
+    CHILD_CHECK(listener >= 0, rank, "no free port to listen on");
+    GroupStore group_store(options, "world");
+    const auto mine = gloo::transport::tcp::Address::fromSockName(listener).bytes();
+    group_store.store().set(std::to_string(rank), std::vector<char>(mine.begin(), mine.end()));
+    // Rank 0's listening address for its pair with rank 1 (the only one in a group of two).
+    const gloo::transport::tcp::Address theirs(group_store.store().get("0"));
+    wait_for_file(dir, "rank0.pid");
+    pid_t pid = 0;
+    std::ifstream(dir.path() / "rank0.pid") >> pid;
+    CHILD_CHECK(pid > 0 && kill(pid, SIGSTOP) == 0, rank, "cannot stop rank 0");
+    CHILD_CHECK(wait_until_stopped(pid), rank, "rank 0 did not stop");
+    const auto& address = theirs.getSockaddr();
+    const int fd = socket(address.ss_family, SOCK_STREAM, 0);
+    const socklen_t length =
+        address.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+    // The kernel completes the handshake for the stopped process and queues the connection.
+    CHILD_CHECK(connect(fd, reinterpret_cast<const sockaddr*>(&address), length) == 0, rank,
+                std::string("dialling rank 0: ") + std::strerror(errno));
+    const linger reset{1, 0};  // close with RST
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    close(fd);
+    CHILD_CHECK(kill(pid, SIGCONT) == 0, rank, "cannot continue rank 0");
+    return kChildOk;
+  });
+  for (const auto& o : outcomes) EXPECT_TRUE(o.ok()) << testing::describe(outcomes);
+}
 
 // ---------------------------------------------------------------------------------------------
 // (c) After connect, the same signal breaks the communicator as Communicator::abort does: rank 0

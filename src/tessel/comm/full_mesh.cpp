@@ -12,6 +12,7 @@
 
 #include "tessel/comm/abort_signal.h"
 #include "tessel/comm/signed_store.h"
+#include "tessel/comm/tcp_context.h"
 #include "tessel/core/check.h"
 
 namespace tessel::comm::detail {
@@ -114,7 +115,9 @@ std::shared_ptr<gloo::Context> connect_full_mesh(
     const std::shared_ptr<gloo::transport::Device>& device, std::chrono::milliseconds pair_timeout,
     const std::shared_ptr<AbortSignal>& abort_signal,
     std::vector<std::vector<char>>* peer_addresses) {
-  auto transport = device->createContext(rank, size);
+  // Pairs that survive a peer resetting a connection in the middle of its handshake
+  // (tcp_context.h).
+  auto transport = create_tcp_context(device, rank, size);
   transport->setTimeout(pair_timeout);  // each pair takes it when created
 
   // Listen: one pair per peer, their addresses published in one key.

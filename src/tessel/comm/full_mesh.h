@@ -16,16 +16,16 @@
 // are not written: they only feed Pair::setLocalRank, which the TCP transport does not use.
 //
 // What an abort closes, and why so little. Gloo's Pair::close() resets the connection (SO_LINGER
-// 0). A peer whose I/O thread has not yet taken in its end of a connection that is reset (its
-// accept of it still queued) calls getpeername() on the dead socket, fails a GLOO_ENFORCE on its
-// I/O thread and std::terminate()s: closing every pair on abort crashed peers in
-// connect_abort_test's race test. Pairs destroyed normally close gracefully (FIN; the peer fails
-// cleanly with "connection closed"). So the abort closes only the pair this rank's connect is
-// blocked on, and only after kHandshakeGrace: a handshake that is merely completing (the reset
-// could then hit a peer in that window) finishes within the grace, the connect returns and then
-// sees the signal; a handshake still blocked after it has no connection to reset (a dial whose
-// SYN goes unanswered) or waits for a peer that never dials. Every other pair, and that one, is
-// released when the failed connect unwinds.
+// 0). With Gloo's own pairs, a peer whose I/O thread had not yet taken in its end of a reset
+// connection (its accept of it still queued) failed a GLOO_ENFORCE on getpeername() on that
+// thread and std::terminate()d; the pairs here (tcp_context.h) fail cleanly instead, but the peer
+// then reports a reset connection rather than the abort. Pairs destroyed normally close
+// gracefully (FIN; the peer fails cleanly with "connection closed"). So the abort closes only the
+// pair this rank's connect is blocked on, and only after kHandshakeGrace: a handshake that is
+// merely completing finishes within the grace, the connect returns and then sees the signal; a
+// handshake still blocked after it has no connection to reset (a dial whose SYN goes unanswered)
+// or waits for a peer that never dials. Every other pair, and that one, is released when the
+// failed connect unwinds.
 //
 // Relies on these properties of Gloo's tcp::Pair (checked against the Debian package's source,
 // gloo 0.0~git20220518.5b14351, and by connect_abort_test.cpp):
@@ -34,10 +34,11 @@
 //     pair counts as past "connected"), so the caller looks at the signal after every connect;
 //   - a pair's address and its table entry in the transport context are written when it is
 //     created, before any abort can look at them (the lock below orders it).
-// What remains: destroying a listening pair resets connections still queued in its backlog (the
-// kernel does that on any close, and on exit); the peer that dialled fails cleanly unless the
-// reset lands between two system calls of its I/O thread (getsockopt, getpeername), a window of
-// microseconds that Gloo leaves open whenever a peer dies during rendezvous.
+// Destroying a listening pair resets connections still queued in its backlog (the kernel does
+// that on any close, and on exit). With Gloo's own pairs the peer that dialled crashed when the
+// reset landed between two system calls of its I/O thread (getsockopt, getpeername): a window of
+// microseconds, but connect_abort_test's race test hit it in 2 of 53 runs (SIGABRT in
+// Pair::handleConnected). The pairs of tcp_context.h fail the pair cleanly there too.
 #pragma once
 
 #include <chrono>

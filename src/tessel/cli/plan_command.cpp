@@ -20,7 +20,7 @@
 #include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/graph_plan.h"
-#include "tessel/planner/onnx_import.h"
+#include "tessel/planner/onnx_graph.h"
 #include "tessel/planner/plan_service.h"
 #include "tessel/planner/search.h"
 

@@ -18,8 +18,7 @@
 #include "tessel/net/guarded_server.h"
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/graph_plan.h"
-#include "tessel/planner/onnx_import.h"
-#include "tessel/process/fork_children.h"
+#include "tessel/planner/onnx_graph.h"
 
 namespace tessel::planner {
 
@@ -81,51 +80,31 @@ OnnxOptions request_dims(const httplib::Request& req) {
   return o;
 }
 
-// Reads `model` in a forked child (process/fork_children.h) and throws what reading it there
-// threw, or CorruptDataError when the child died or hung: libonnx then crashed on it.
-void check_in_child(const std::string& model, const OnnxOptions& dims,
-                    std::chrono::milliseconds deadline) {
-  char path[] = "/tmp/tessel-plan-import-XXXXXX";
-  const int fd = ::mkstemp(path);
-  TESSEL_CHECK(fd >= 0, IoError, "the planning service cannot create a file in /tmp: {}",
-               std::strerror(errno));
-  ::unlink(path);  // the descriptor is all the child and the parent need
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  process::ForkOptions o;
-  o.deadline = deadline;
-  const auto outcome = process::run_forked(
-      1,
-      [&](int) {
-        try {
-          parse_onnx(model, dims, "the posted model");
-          return 0;
-        } catch (const Error& e) {
-          const std::string what = std::string(e.kind()) + "\n" + e.what();
-          if (::write(fd, what.data(), what.size()) < 0) return 3;
-          return 1;
-        }
-      },
-      o)[0];
-  if (outcome.ok()) return;
-  if (outcome.signal == 0 && outcome.exit_code == 1) {
-    std::string text(64 << 10, '\0');
-    const ssize_t n = ::pread(fd, text.data(), text.size(), 0);
-    text.resize(size_t(std::max<ssize_t>(n, 0)));
-    const auto nl = text.find('\n');
-    const std::string kind = text.substr(0, nl),
-                      message = nl == std::string::npos ? text : text.substr(nl + 1);
-    if (kind == "config error") throw ConfigError(message);
-    if (kind == "invalid argument") throw InvalidArgumentError(message);
-    throw CorruptDataError(message);
+// The posted model in a file for the importer (removed with this object).
+struct PostedModel {
+  std::string path;
+  explicit PostedModel(const std::string& bytes) {
+    char p[] = "/tmp/tessel-plan-model-XXXXXX";
+    const int fd = ::mkstemp(p);
+    TESSEL_CHECK(fd >= 0, IoError, "the planning service cannot create a file in /tmp: {}",
+                 std::strerror(errno));
+    path = p;
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n <= 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int e = errno;
+        ::close(fd);
+        ::unlink(p);
+        TESSEL_THROW(IoError, "the planning service cannot write {}: {}", p, std::strerror(e));
+      }
+      done += size_t(n);
+    }
+    ::close(fd);
   }
-  TESSEL_THROW(CorruptDataError,
-               "the posted model could not be read: the ONNX library {} on it (a malformed or "
-               "hostile file); check it with onnx.checker",
-               outcome.describe());
-}
+  ~PostedModel() { ::unlink(path.c_str()); }
+};
 
 }  // namespace
 
@@ -169,9 +148,13 @@ struct PlanService::Impl {
     r.precision = req.has_param("precision") ? parse_precision(req.get_param_value("precision"))
                   : cluster.device.peak(Precision::bf16) > 0 ? Precision::bf16
                                                              : Precision::fp32;
-    const OnnxOptions dims = request_dims(req);
-    if (options.isolate_import) check_in_child(model, dims, options.import_deadline);
-    const auto imported = parse_onnx(model, dims, "the posted model");
+    OnnxOptions dims = request_dims(req);
+    dims.source = "the posted model";
+    dims.deadline = options.import_deadline;
+    // The importer runs as its own process (onnx_graph.h): what the file does to libonnx stays
+    // there.
+    const PostedModel file(model);
+    const auto imported = read_onnx(file.path, dims);
     if (!acquire()) {
       send_json(res, 503,
                 {{"error",

@@ -8,7 +8,7 @@
 //         (graph_plan.h: graph_plan_json, plus the model's producer, opset and warnings)
 //     400 {"error": "..."}  a malformed, truncated or cyclic graph, a dimension without a value,
 //                           an unknown cluster, a layout that does not fit, a model that
-//                           crashes or hangs the ONNX library (read in a child first)
+//                           crashes or hangs the ONNX library (in the importer's process)
 //     413 / 408 / 503       a model over max_model_bytes, an upload slower than the request
 //                           timeout, too many connections (net/guarded_server.h)
 //   GET /v1/health  -> {"ok": true}
@@ -34,10 +34,7 @@ struct PlanServiceOptions {
   int concurrent_plans = 2;
   std::chrono::milliseconds plan_wait{30'000};
   IlpOptions ilp = {};  // time limit and gap of every programme
-  // Reads each posted model once in a forked child first: a file that crashes or hangs libonnx's
-  // shape inference (onnx_import.h guards the crashes known, not every one) costs that child, not
-  // the service, and gets a 400. Only a model the child read cleanly is read in the service.
-  bool isolate_import = true;
+  // The importer (a process of its own, onnx_graph.h) is killed after this: a 400.
   std::chrono::milliseconds import_deadline{60'000};
 };
 

@@ -1,4 +1,4 @@
-#include "tessel/planner/onnx_import.h"
+#include "tessel/onnx/onnx_import.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -492,8 +492,8 @@ TEST(OnnxImport, ReadsFilesAndNamesMissingOnes) {
     std::ofstream f(path, std::ios::binary);
     f << mlp();
   }
-  EXPECT_EQ(read_onnx(path).graph.size(), 5);
-  EXPECT_THROW(read_onnx(dir / "missing.onnx"), IoError);
+  EXPECT_EQ(import_onnx_file(path).graph.size(), 5);
+  EXPECT_THROW(import_onnx_file(dir / "missing.onnx"), IoError);
   std::filesystem::remove_all(dir);
 }
 

@@ -1,10 +1,12 @@
-// An OpGraph (op_graph.h) from an ONNX model file, so the graph planner can shard models it has
-// no preset for. The file is parsed with Debian's libonnx (ModelProto), its shapes completed by
-// ONNX shape inference (with data propagation, so shape arithmetic such as Shape -> Gather ->
-// Concat -> Reshape resolves), and every operator becomes one OpNode with its output shape, its
-// forward FLOPs and the weights it owns, following transformer_graph.h's conventions: 2 m n k
-// per matmul, one per output element for element-wise operators (eight for Gelu), five for
-// norms, softmax and the loss, none for layout operators.
+// The ONNX importer (the program tessel-onnx-import; planner/onnx_graph.h says why it is a
+// program of its own and how tessel runs it). An OpGraph (planner/op_graph.h) from an ONNX model
+// file, so the graph planner can shard models it has no preset for. The file is parsed with
+// Debian's libonnx (ModelProto), its shapes completed by ONNX shape inference (with data
+// propagation, so shape arithmetic such as Shape -> Gather -> Concat -> Reshape resolves), and
+// every operator becomes one OpNode with its output shape, its forward FLOPs and the weights it
+// owns, following transformer_graph.h's conventions: 2 m n k per matmul, one per output element for
+// element-wise operators (eight for Gelu), five for norms, softmax and the loss, none for layout
+// operators.
 //
 // Tensors:
 //   graph inputs that are not initializers     OpKind::input nodes;
@@ -46,33 +48,18 @@
 // outputs past the first (LayerNormalization's mean, Dropout's mask) map to the node itself.
 #pragma once
 
-#include <cstdint>
 #include <filesystem>
-#include <map>
-#include <string>
 #include <string_view>
-#include <vector>
 
-#include "tessel/planner/op_graph.h"
+#include "tessel/planner/onnx_graph.h"
 
+// In namespace planner: the importer is the planner's front end, built apart only to keep libonnx
+// (and its protobuf) out of the tessel binary.
 namespace tessel::planner {
 
-struct OnnxOptions {
-  // Values for symbolic dimensions (dim_param), e.g. {"batch", 8}.
-  std::map<std::string, int64_t> dims;
-  // How the caller gives a symbol a value, for messages: "{}" stands for the symbol's name.
-  std::string dim_syntax = "--dim {}=VALUE";
-};
-
-struct OnnxGraph {
-  OpGraph graph;
-  std::vector<std::string> warnings;  // what the planner will not shard, what was folded
-  std::string producer;               // producer_name and version, as the file says
-  int64_t opset = 0;                  // of the default domain
-};
-
-// Throws IoError if the file cannot be read, else what parse_onnx throws.
-OnnxGraph read_onnx(const std::filesystem::path& path, const OnnxOptions& options = {});
+// In this process (the importer's). Throws IoError if the file cannot be read, else what
+// parse_onnx throws.
+OnnxGraph import_onnx_file(const std::filesystem::path& path, const OnnxOptions& options = {});
 
 // Throws CorruptDataError naming `source` for bytes that are no ONNX model (or a truncated one),
 // a model without a graph, one that shape inference rejects, a node reading a tensor nothing

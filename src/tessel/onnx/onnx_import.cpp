@@ -1,4 +1,4 @@
-#include "tessel/planner/onnx_import.h"
+#include "tessel/onnx/onnx_import.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -992,7 +992,7 @@ OnnxGraph parse_onnx(std::string_view bytes, const OnnxOptions& options, std::st
   }
 }
 
-OnnxGraph read_onnx(const std::filesystem::path& path, const OnnxOptions& options) {
+OnnxGraph import_onnx_file(const std::filesystem::path& path, const OnnxOptions& options) {
   std::error_code ec;
   TESSEL_CHECK(std::filesystem::is_regular_file(path, ec), IoError,
                "cannot read ONNX model '{}': no such file (export one with torch.onnx.export, or "
@@ -1000,7 +1000,7 @@ OnnxGraph read_onnx(const std::filesystem::path& path, const OnnxOptions& option
                path.string());
   const MappedFile file = MappedFile::open(path.string());
   return parse_onnx(std::string_view(reinterpret_cast<const char*>(file.data()), file.size()),
-                    options, path.string());
+                    options, options.source.empty() ? path.string() : options.source);
 }
 
 }  // namespace tessel::planner

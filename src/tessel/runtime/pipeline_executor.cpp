@@ -243,18 +243,17 @@ PipelineExecutor::PipelineExecutor(const layout::Plan& plan, int pp, int64_t seq
     const auto sched = pipeline_schedule(plan);
     send_release_ = send_release_points(sched, pp);
     released_at_.assign(program_.size(), {});
-    send_pool_.assign(size_t(send_buffers(sched, pp)),
-                      std::vector<float>(size_t(B_ * T_ * C_) + kTrailerFloats));
+    send_pool_.allocate(size_t(send_buffers(sched, pp)), size_t(B_ * T_ * C_));
   }
   receive_lookahead_ = size_t(schedule::kReceiveLookahead * plan.virtual_stages);
   // Allocated once: no step allocates a boundary buffer.
-  const int buffers = runtime::receive_buffers(plan, pp);
-  pool_.assign(size_t(buffers), std::vector<float>(size_t(B_ * T_ * C_)));
-  pool_limit_ = size_t(buffers);
+  receive_pool_.allocate(size_t(runtime::receive_buffers(plan, pp)), size_t(B_ * T_ * C_));
   for (size_t i = 0; i < program_.size(); ++i)
     if (schedule::is_recv(program_[i].op)) recv_order_.push_back(i);
   adaptive_ = plan.schedule == layout::ScheduleKind::adaptive;
   if (!adaptive_) return;
+  // The dispatcher's send pool starts empty and grows while that many messages are in flight.
+  send_pool_.floats = size_t(B_ * T_ * C_) + kTrailerFloats;
   cap_ = plan.dispatch_cap(pp);
   backward_cap_ = plan.dispatch_backward_cap(pp);
   // One arrival per distinct neighbouring rank, expecting M messages per chunk edge it feeds.
@@ -285,29 +284,50 @@ PipelineExecutor::~PipelineExecutor() {
   join_arrivals();
 }
 
+void PipelineExecutor::BufferPool::allocate(size_t count, size_t floats_each) {
+  floats = floats_each;
+  buffers.assign(count, std::vector<float>(floats_each));
+  reset();
+}
+
+void PipelineExecutor::BufferPool::reset() {
+  free.clear();
+  for (size_t b = buffers.size(); b-- > 0;) free.push_back(int(b));
+}
+
+int PipelineExecutor::BufferPool::take() {
+  if (free.empty()) return -1;
+  const int b = free.back();
+  free.pop_back();
+  return b;
+}
+
+int PipelineExecutor::BufferPool::take_or_grow() {
+  if (free.empty()) {
+    free.push_back(int(buffers.size()));
+    buffers.emplace_back(floats);
+  }
+  return take();
+}
+
 float* PipelineExecutor::take_buffer(std::vector<int>& held, std::vector<const float*>& src,
                                      size_t at) {
   TESSEL_CHECK(held[at] < 0, Error,
                "internal: boundary buffer {} taken twice in a step (micro-batch {}, chunk {})", at,
                at % size_t(M_), at / size_t(M_));
-  if (free_buffers_.empty()) {
-    TESSEL_CHECK(pool_.size() < pool_limit_, Error,
-                 "internal: pipeline rank {} needs more than the {} boundary buffers "
-                 "receive_buffers() counted (micro-batch {}, chunk {})",
-                 pp_, pool_limit_, at % size_t(M_), at / size_t(M_));
-    free_buffers_.push_back(int(pool_.size()));
-    pool_.emplace_back(size_t(B_ * T_ * C_));
-  }
-  held[at] = free_buffers_.back();
-  free_buffers_.pop_back();
-  float* data = pool_[size_t(held[at])].data();
+  held[at] = receive_pool_.take();
+  TESSEL_CHECK(held[at] >= 0, Error,
+               "internal: pipeline rank {} needs more than the {} boundary buffers "
+               "receive_buffers() counted (micro-batch {}, chunk {})",
+               pp_, receive_pool_.buffers.size(), at % size_t(M_), at / size_t(M_));
+  float* data = receive_pool_.data(held[at]);
   src[at] = data;
   return data;
 }
 
 void PipelineExecutor::give_back(std::vector<int>& held, size_t at) {
   if (held[at] < 0) return;  // an arrival buffer (adaptive), or the embedding stage's tokens
-  free_buffers_.push_back(held[at]);
+  receive_pool_.give(held[at]);
   held[at] = -1;
 }
 
@@ -316,8 +336,8 @@ void PipelineExecutor::reset_buffers() {
   std::fill(grad_buf_.begin(), grad_buf_.end(), -1);
   std::fill(act_src_.begin(), act_src_.end(), nullptr);
   std::fill(grad_src_.begin(), grad_src_.end(), nullptr);
-  free_buffers_.clear();
-  for (size_t i = pool_.size(); i-- > 0;) free_buffers_.push_back(int(i));
+  receive_pool_.reset();
+  send_pool_.reset();
 }
 
 void PipelineExecutor::set_delay(const DelayInjection& delay) {
@@ -339,14 +359,13 @@ void PipelineExecutor::abort() noexcept {
 }
 
 float* PipelineExecutor::list_send_buffer(size_t at, const float* data) {
-  TESSEL_CHECK(!free_sends_.empty(), Error,
+  const int b = send_pool_.take();
+  TESSEL_CHECK(b >= 0, Error,
                "internal: pipeline rank {} has no free send buffer of the {} send_buffers() "
                "counted at instruction {}",
-               pp_, send_pool_.size(), at);
-  const int b = free_sends_.back();
-  free_sends_.pop_back();
+               pp_, send_pool_.buffers.size(), at);
   if (send_release_[at] >= 0) released_at_[size_t(send_release_[at])].push_back(b);
-  float* buf = send_pool_[size_t(b)].data();
+  float* buf = send_pool_.data(b);
   std::copy(data, data + B_ * T_ * C_, buf);
   return buf;
 }
@@ -592,8 +611,6 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
   size_t waited_for = 0;
   // Send buffers: each taken at its send and given back when the wait for the peer's next
   // message to this rank returns (send_release_points), or at the step's end.
-  free_sends_.clear();
-  for (size_t b = send_pool_.size(); b-- > 0;) free_sends_.push_back(int(b));
   for (auto& r : released_at_) r.clear();
   size_t at = 0;  // the instruction being run
   auto send = [&](const float* data, int peer, uint32_t tag) {
@@ -627,7 +644,7 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
         recvs_[i]->wait();
         waited(r, w, "", &ins);
         // The peer sent this after receiving these sends: their buffers are free.
-        for (int b : released_at_[i]) free_sends_.push_back(b);
+        for (int b : released_at_[i]) send_pool_.give(b);
         released_at_[i].clear();
         break;
       }
@@ -716,8 +733,6 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     a.send_buffers.clear();
     a.requests.clear();
   }
-  free_sends_.clear();
-  for (size_t b = send_pool_.size(); b-- > 0;) free_sends_.push_back(int(b));
   for (auto& a : arrivals_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -735,14 +750,9 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     // A pooled buffer: free once the peer says it has our message (the trailer's last field of
     // anything it sends us later), else at the step's end. The pool grows only while that many
     // are in flight, which the dispatcher's caps bound.
-    if (free_sends_.empty()) {
-      free_sends_.push_back(int(send_pool_.size()));
-      send_pool_.emplace_back(boundary + kTrailerFloats);
-    }
-    const int b = free_sends_.back();
-    free_sends_.pop_back();
+    const int b = send_pool_.take_or_grow();
     it->send_buffers.push_back(b);
-    float* buf = send_pool_[size_t(b)].data();
+    float* buf = send_pool_.data(b);
     std::copy(data, data + boundary, buf);
     // The last field: how many of the peer's messages this rank has taken in.
     const uint32_t trailer[kTrailerFloats] = {uint32_t(kind), uint32_t(mb),
@@ -768,7 +778,7 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     ++a.delivered;
     // The peer has our first `taken` messages: their buffers are free.
     for (; a.acknowledged < taken; ++a.acknowledged)
-      free_sends_.push_back(a.send_buffers[a.acknowledged]);
+      send_pool_.give(a.send_buffers[a.acknowledged]);
     const size_t at = size_t(c) * size_t(M_) + mb;
     if (kind == uint32_t(Kind::activation)) {
       act_src_[at] = buf;

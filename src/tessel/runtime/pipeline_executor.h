@@ -118,9 +118,9 @@ class PipelineExecutor {
 
   // The activation slots each chunk needs (activation_peaks of the program).
   const std::vector<int>& activation_slots() const { return slots_; }
-  // Boundary buffers the receive pool holds (see pool_): at most
-  // receive_buffer_bound(plan, pp) of memory_model.h.
-  size_t receive_buffers() const { return pool_.size(); }
+  // Boundary buffers the receive pool holds (see receive_pool_): receive_buffers(plan, pp), at
+  // most receive_buffer_bound(plan, pp) of memory_model.h.
+  size_t receive_buffers() const { return receive_pool_.buffers.size(); }
 
   // Runs the step's instructions on `stage`: micro-batch mb's tokens and targets start at
   // inputs/targets + mb * B * T; the loss gradient of every micro-batch is scaled by `grad_scale`.
@@ -173,11 +173,26 @@ class PipelineExecutor {
   bool local_prev(int vs) const { return vs > 0 && rank_of_vs_[size_t(vs - 1)] == pp_; }
   int chunk_of_vs(int vs) const { return chunk_of_vs_[size_t(vs)]; }
 
+  // Equal float buffers handed out by index and given back; reset() frees them all (a step
+  // starts). The receive pool and the send pool are one each.
+  struct BufferPool {
+    size_t floats = 0;
+    std::vector<std::vector<float>> buffers;
+    std::vector<int> free;
+    void allocate(size_t count, size_t floats_each);
+    void reset();
+    // A free buffer's index, -1 when none is free.
+    int take();
+    // A free buffer's index, adding one when none is free.
+    int take_or_grow();
+    void give(int b) { free.push_back(b); }
+    float* data(int b) { return buffers[size_t(b)].data(); }
+  };
+
   std::vector<schedule::Instruction> program_;
   // The list path's send buffers: pooled, each given back at its send_release_points entry.
   std::vector<int> send_release_;              // per instruction
   std::vector<std::vector<int>> released_at_;  // per instruction: send buffers freed there
-  std::vector<int> free_sends_;
   float* list_send_buffer(size_t at, const float* data);
   std::vector<int> slots_;
   int num_vs_ = 1;
@@ -194,15 +209,13 @@ class PipelineExecutor {
   // waits for them, so the pool holds a number of buffers that does not grow with the number
   // of micro-batches (receive_buffers(plan, pp), allocated up front; the memory model counts
   // them).
-  std::vector<std::vector<float>> pool_;
-  std::vector<int> free_buffers_;
-  std::vector<int> act_buf_, grad_buf_;  // [chunk * M + mb]: index into pool_, or -1
+  BufferPool receive_pool_;
+  std::vector<int> act_buf_, grad_buf_;  // [chunk * M + mb]: index in receive_pool_, or -1
   // Takes a pool buffer for (chunk, micro-batch) `at` and points src[at] at it.
   float* take_buffer(std::vector<int>& held, std::vector<const float*>& src, size_t at);
   void give_back(std::vector<int>& held, size_t at);
-  void reset_buffers();  // every buffer free (a step starts)
+  void reset_buffers();  // every receive and send buffer free (a step starts)
   size_t receive_lookahead_ = 1;
-  size_t pool_limit_ = 0;           // receive_buffers(plan, pp)
   std::vector<size_t> recv_order_;  // the program's receive instructions, in order
   // Where micro-batch mb's input (output gradient) for chunk c is: a pool buffer, or under the
   // adaptive schedule the arrival buffer it landed in.
@@ -210,7 +223,7 @@ class PipelineExecutor {
   // The step's transfers. Members, not locals: when a step fails they must outlive the unwinding
   // until the communicators are broken, or destroying them would wait for peers that are
   // themselves stuck.
-  std::vector<std::vector<float>> send_pool_;  // reused step after step
+  BufferPool send_pool_;  // reused step after step
   std::vector<comm::Request> sends_;
   std::vector<std::optional<comm::Request>> recvs_;
 

@@ -108,23 +108,10 @@ std::string table(const planner::SearchRequest& req, const planner::SearchResult
 planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
   planner::OnnxOptions o;
   for (const auto& d : dims) {
-    const auto eq = d.find('=');
-    int64_t value = 0;
-    bool ok = eq != std::string::npos && eq > 0;
-    if (ok) {
-      try {
-        size_t used = 0;
-        value = std::stoll(d.substr(eq + 1), &used);
-        ok = used == d.size() - eq - 1 && value >= 1;
-      } catch (const std::exception&) {
-        ok = false;
-      }
-    }
-    TESSEL_CHECK(ok, ConfigError,
-                 "--dim '{}': write NAME=VALUE with a positive VALUE, e.g. "
-                 "--dim batch=8",
-                 d);
-    o.dims[d.substr(0, eq)] = value;
+    const auto dim = planner::parse_dim(d, '=');
+    TESSEL_CHECK(dim.has_value(), ConfigError,
+                 "--dim '{}': write NAME=VALUE with a positive VALUE, e.g. --dim batch=8", d);
+    o.dims[dim->first] = dim->second;
   }
   return o;
 }
@@ -142,8 +129,7 @@ int run_plan_onnx(const PlanArgs& a) {
   req.stages = a.stages;
   req.balance = a.balance;
   req.precision = !a.precision.empty() ? planner::parse_precision(a.precision)
-                  : cluster.device.peak(planner::Precision::bf16) > 0 ? planner::Precision::bf16
-                                                                      : planner::Precision::fp32;
+                                       : cluster.device.default_precision();
   const auto plan = planner::plan_graph(g, cluster, req);
   nlohmann::json doc = planner::graph_plan_json(g, plan);
   doc["model"] = a.onnx;
@@ -260,9 +246,7 @@ int run_plan(const PlanArgs& a) {
   if (!a.precision.empty()) {
     req.precision = planner::parse_precision(a.precision);
   } else {
-    req.precision = req.cluster.device.peak(planner::Precision::bf16) > 0
-                        ? planner::Precision::bf16
-                        : planner::Precision::fp32;
+    req.precision = req.cluster.device.default_precision();
   }
   req.global_batch = a.global_batch > 0 ? a.global_batch : config_batch;
   TESSEL_CHECK(req.global_batch > 0, ConfigError,

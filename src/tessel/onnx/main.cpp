@@ -4,7 +4,6 @@
 // (planner/onnx_graph.h: onnx_graph_json), or {"error": {"kind", "message"}} and exit 1 when the
 // model is bad. tessel runs it (planner::read_onnx); it is a program of its own to keep libonnx's
 // protobuf out of the tessel process and to contain what a hostile file does to libonnx.
-#include <fmt/format.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -48,13 +47,9 @@ int main(int argc, char** argv) {
     } else if (a == "--source" && has_value) {
       options.source = argv[++i];
     } else if (a == "--dim" && has_value) {
-      const std::string d = argv[++i];
-      const auto eq = d.find('=');
-      if (eq == std::string::npos || eq == 0) return usage();
-      char* end = nullptr;
-      const long long v = std::strtoll(d.c_str() + eq + 1, &end, 10);
-      if (*end != '\0' || v < 1) return usage();
-      options.dims[d.substr(0, eq)] = v;
+      const auto dim = tessel::planner::parse_dim(argv[++i], '=');
+      if (!dim) return usage();
+      options.dims[dim->first] = dim->second;
     } else if (model.empty() && !a.starts_with("--")) {
       model = a;
     } else {

@@ -81,6 +81,10 @@ struct DeviceSpec {
   EfficiencyCurve gemm;
 
   double peak(Precision p) const { return peak_flops[size_t(p)]; }
+  // What a plan trains in unless told: bf16 where the device has it, else fp32.
+  Precision default_precision() const {
+    return peak(Precision::bf16) > 0 ? Precision::bf16 : Precision::fp32;
+  }
   int64_t usable_bytes() const { return memory_bytes - reserved_bytes; }
 };
 

@@ -53,20 +53,47 @@ std::filesystem::path importer_program() {
   return self.parent_path() / "tessel-onnx-import";
 }
 
-// A temporary file that goes away with this object.
+// A temporary file that goes away with this object, holding `bytes`.
 struct TempFile {
   std::string path;
-  TempFile() {
+  explicit TempFile(std::string_view bytes = {}) {
     char p[] = "/tmp/tessel-onnx-XXXXXX";
     const int fd = ::mkstemp(p);
     TESSEL_CHECK(fd >= 0, IoError, "cannot create a file in /tmp: {}", std::strerror(errno));
-    ::close(fd);
     path = p;
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int e = errno;
+        ::close(fd);
+        ::unlink(p);
+        TESSEL_THROW(IoError, "cannot write {}: {}", path, std::strerror(e));
+      }
+      done += size_t(n);
+    }
+    ::close(fd);
   }
   ~TempFile() { ::unlink(path.c_str()); }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
 };
 
 }  // namespace
+
+std::optional<std::pair<std::string, int64_t>> parse_dim(const std::string& text, char separator) {
+  const auto sep = text.find(separator);
+  if (sep == std::string::npos || sep == 0) return std::nullopt;
+  try {
+    size_t used = 0;
+    const int64_t value = std::stoll(text.substr(sep + 1), &used);
+    if (used != text.size() - sep - 1 || value < 1) return std::nullopt;
+    return std::make_pair(text.substr(0, sep), value);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
 
 nlohmann::json onnx_graph_json(const OnnxGraph& g) {
   nlohmann::json nodes = nlohmann::json::array();
@@ -176,6 +203,11 @@ OnnxGraph read_onnx(const std::filesystem::path& path, const OnnxOptions& option
     throw CorruptDataError(message);
   }
   return onnx_graph_from_json(doc);
+}
+
+OnnxGraph read_onnx_bytes(std::string_view bytes, const OnnxOptions& options) {
+  const TempFile file(bytes);
+  return read_onnx(file.path, options);
 }
 
 }  // namespace tessel::planner

@@ -14,7 +14,10 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tessel/planner/op_graph.h"
@@ -39,6 +42,11 @@ struct OnnxGraph {
   int64_t opset = 0;                  // of the default domain
 };
 
+// A symbolic dimension's value as the caller writes it, NAME<separator>VALUE with a positive
+// integer VALUE (`--dim batch=8`, the query parameter `dim=batch:8`); nothing when malformed, so
+// each caller names its own syntax in the error.
+std::optional<std::pair<std::string, int64_t>> parse_dim(const std::string& text, char separator);
+
 // The importer's output format, and back. onnx_graph_from_json throws CorruptDataError naming a
 // missing or malformed field, and what OpGraph::validate() throws.
 nlohmann::json onnx_graph_json(const OnnxGraph& g);
@@ -50,5 +58,8 @@ OnnxGraph onnx_graph_from_json(const nlohmann::json& j);
 // dimension without a value, ...), CorruptDataError when it crashed or passed the deadline, and
 // IoError when it cannot be found or started.
 OnnxGraph read_onnx(const std::filesystem::path& path, const OnnxOptions& options = {});
+// The same for a model held in memory (a posted one): written to a temporary file for the
+// importer, which is removed after.
+OnnxGraph read_onnx_bytes(std::string_view bytes, const OnnxOptions& options = {});
 
 }  // namespace tessel::planner

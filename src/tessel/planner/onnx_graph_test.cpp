@@ -56,6 +56,13 @@ TEST(OnnxGraph, AMissingImporterSaysHowToBuildIt) {
   ::unsetenv("TESSEL_ONNX_IMPORT");
 }
 
+TEST(OnnxGraph, ParseDimTakesNameSeparatorPositiveValue) {
+  EXPECT_EQ(parse_dim("batch=8", '='), std::make_pair(std::string("batch"), int64_t(8)));
+  EXPECT_EQ(parse_dim("seq:1024", ':'), std::make_pair(std::string("seq"), int64_t(1024)));
+  for (const char* bad : {"batch", "=8", "batch=0", "batch=-2", "batch=x", "batch=8x", "batch:8"})
+    EXPECT_FALSE(parse_dim(bad, '=').has_value()) << bad;
+}
+
 TEST(OnnxGraph, MalformedJsonIsNamed) {
   EXPECT_THROW(onnx_graph_from_json({{"nodes", {{{"name", "x"}}}}}), CorruptDataError);
   EXPECT_THROW(onnx_graph_from_json(nlohmann::json::object()), CorruptDataError);

@@ -3,12 +3,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <cerrno>
 #include <condition_variable>
-#include <cstring>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -61,50 +56,15 @@ OnnxOptions request_dims(const httplib::Request& req) {
   o.dim_syntax = "the query parameter dim={}:VALUE";
   for (size_t i = 0; i < req.get_param_value_count("dim"); ++i) {
     const std::string d = req.get_param_value("dim", i);
-    const auto sep = d.find(':');
-    int64_t v = 0;
-    size_t used = 0;
-    bool ok = sep != std::string::npos && sep > 0;
-    if (ok) {
-      try {
-        v = std::stoll(d.substr(sep + 1), &used);
-      } catch (const std::exception&) {
-        ok = false;
-      }
-    }
-    TESSEL_CHECK(
-        ok && used == d.size() - sep - 1 && v >= 1, InvalidArgumentError,
-        "query parameter dim={} must be NAME:VALUE with a positive VALUE, e.g. dim=batch:8", d);
-    o.dims[d.substr(0, sep)] = v;
+    const auto dim = parse_dim(d, ':');
+    TESSEL_CHECK(dim.has_value(), InvalidArgumentError,
+                 "query parameter dim={} must be NAME:VALUE with a positive VALUE, e.g. "
+                 "dim=batch:8",
+                 d);
+    o.dims[dim->first] = dim->second;
   }
   return o;
 }
-
-// The posted model in a file for the importer (removed with this object).
-struct PostedModel {
-  std::string path;
-  explicit PostedModel(const std::string& bytes) {
-    char p[] = "/tmp/tessel-plan-model-XXXXXX";
-    const int fd = ::mkstemp(p);
-    TESSEL_CHECK(fd >= 0, IoError, "the planning service cannot create a file in /tmp: {}",
-                 std::strerror(errno));
-    path = p;
-    size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-      if (n <= 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        const int e = errno;
-        ::close(fd);
-        ::unlink(p);
-        TESSEL_THROW(IoError, "the planning service cannot write {}: {}", p, std::strerror(e));
-      }
-      done += size_t(n);
-    }
-    ::close(fd);
-  }
-  ~PostedModel() { ::unlink(path.c_str()); }
-};
 
 }  // namespace
 
@@ -146,15 +106,13 @@ struct PlanService::Impl {
     const ClusterSpec cluster = request_cluster(req);
     if (r.tp == 0) r.tp = cluster.devices_per_host;
     r.precision = req.has_param("precision") ? parse_precision(req.get_param_value("precision"))
-                  : cluster.device.peak(Precision::bf16) > 0 ? Precision::bf16
-                                                             : Precision::fp32;
+                                             : cluster.device.default_precision();
     OnnxOptions dims = request_dims(req);
     dims.source = "the posted model";
     dims.deadline = options.import_deadline;
     // The importer runs as its own process (onnx_graph.h): what the file does to libonnx stays
     // there.
-    const PostedModel file(model);
-    const auto imported = read_onnx(file.path, dims);
+    const auto imported = read_onnx_bytes(model, dims);
     if (!acquire()) {
       send_json(res, 503,
                 {{"error",

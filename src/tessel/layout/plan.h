@@ -127,6 +127,13 @@ struct Plan {
   int stage_of(int pp_rank, int chunk) const {
     return v_shaped() && chunk == 1 ? 2 * pp - 1 - pp_rank : chunk * pp + pp_rank;
   }
+  // True when pipeline rank `pp_rank` holds two adjacent virtual stages (the turn of a V, or a
+  // single rank's chunks): data between them passes by copy, not by message.
+  bool holds_adjacent_stages(int pp_rank) const {
+    for (int vs = 0; vs + 1 < num_stages(); ++vs)
+      if (pp_rank_of_stage(vs) == pp_rank && pp_rank_of_stage(vs + 1) == pp_rank) return true;
+    return false;
+  }
 
   // This plan with layers_per_stage filled by default_layers_per_stage when it is empty.
   Plan with_defaults(const model::ModelConfig& config) const;

@@ -228,11 +228,9 @@ std::string format_gib(double bytes) {
 }
 
 int64_t receive_buffer_bound(const layout::Plan& plan, int rank) {
-  const int p = plan.pp, v = plan.virtual_stages, stages = plan.num_stages();
+  const int p = plan.pp, v = plan.virtual_stages;
   if (p <= 1) return 0;
-  bool turn = false;  // two adjacent virtual stages on this rank
-  for (int vs = 0; vs + 1 < stages; ++vs)
-    turn |= plan.pp_rank_of_stage(vs) == rank && plan.pp_rank_of_stage(vs + 1) == rank;
+  const bool turn = plan.holds_adjacent_stages(rank);
   if (plan.schedule == layout::ScheduleKind::adaptive)
     return turn ? 2 * (int64_t(plan.dispatch_cap(rank)) + v - 1) : 0;
   int64_t alive = 0;

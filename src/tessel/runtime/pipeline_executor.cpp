@@ -176,10 +176,8 @@ std::vector<int> activation_slots(const layout::Plan& plan, int pp) {
 int receive_buffers(const layout::Plan& plan, int pp) {
   const int stages = plan.num_stages(), v = plan.virtual_stages;
   auto rank_of = [&](int vs) { return plan.pp_rank_of_stage(vs); };
-  bool turns = false;  // two adjacent virtual stages on this rank
-  for (int vs = 0; vs + 1 < stages; ++vs) turns |= rank_of(vs) == pp && rank_of(vs + 1) == pp;
   if (plan.schedule == layout::ScheduleKind::adaptive)
-    return turns ? 2 * (plan.dispatch_cap(pp) + v - 1) : 0;
+    return plan.holds_adjacent_stages(pp) ? 2 * (plan.dispatch_cap(pp) + v - 1) : 0;
   const auto program = pipeline_program(plan, pp);
   std::vector<size_t> recvs;
   for (size_t i = 0; i < program.size(); ++i)

@@ -638,7 +638,7 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
       case schedule::Op::recv_activation:
       case schedule::Op::recv_grad: {
         post_through(++waited_for + receive_lookahead_);
-        const WaitStart w;
+        const WaitStart w = start_wait();
         recvs_[i]->wait();
         waited(r, w, "", &ins);
         // The peer sent this after receiving these sends: their buffers are free.
@@ -657,7 +657,7 @@ PipelineStepResult PipelineExecutor::run_list(Stage& stage, comm::Communicator& 
                      schedule::to_string(ins));
     }
   }
-  const WaitStart w;
+  const WaitStart w = start_wait();
   for (auto& s : sends_) s.wait();
   waited(r, w, "sends");
   r.pipeline_s = seconds_since(pipeline_start);
@@ -804,7 +804,7 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     return finished;
   };
   auto wait_landing = [&] {
-    const WaitStart w;
+    const WaitStart w = start_wait();
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return !landed_.empty() || arrival_error_ || arrivals_running_ == 0; });
@@ -865,7 +865,7 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
       for (int k = 0; k < total; ++k) {
         std::array<int32_t, 4> msg{};
         {
-          const WaitStart w;
+          const WaitStart w = start_wait();
           tp->recv(msg.data(), sizeof(msg), 0, sequence_tag(uint32_t(k))).wait();
           waited(r, w, "tp leader's choice");
         }
@@ -908,7 +908,7 @@ PipelineStepResult PipelineExecutor::run_adaptive(Stage& stage, comm::Communicat
     std::lock_guard<std::mutex> lock(mu_);
     if (arrival_error_) std::rethrow_exception(arrival_error_);
   }
-  const WaitStart w;
+  const WaitStart w = start_wait();
   for (auto& s : sends_) s.wait();
   for (auto& s : choice_sends_) s.wait();
   waited(r, w, "sends");

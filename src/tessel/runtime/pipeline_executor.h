@@ -265,9 +265,13 @@ class PipelineExecutor {
   bool tracing() const { return tracer_ != nullptr && tracer_->active(); }
   // The start of a wait: steady clock for idle_s, wall clock for the trace.
   struct WaitStart {
-    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    StepTracer::Clock::time_point wall0 = StepTracer::Clock::now();
+    std::chrono::steady_clock::time_point t0;
+    StepTracer::Clock::time_point wall0;  // read only when tracing
   };
+  WaitStart start_wait() const {
+    return {std::chrono::steady_clock::now(),
+            tracing() ? StepTracer::Clock::now() : StepTracer::Clock::time_point{}};
+  }
   // Adds the wait since `w` to idle_s and, when tracing, records it as "wait <what>" (or "wait
   // <instruction>" when `ins` is given).
   void waited(PipelineStepResult& r, const WaitStart& w, const char* what,

@@ -113,6 +113,21 @@ TEST(TrainConfig, HeartbeatStopGraceAndSaveFailurePolicyAreCheckedKeys) {
   }
 }
 
+// output.trace: a path resolved against the config file, and 1..1000 steps (3 unless set).
+TEST(TrainConfig, TraceIsAPathAndABoundedStepCount) {
+  TempDir dir;
+  const std::string head = "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\n";
+  auto cfg = TrainConfig::load(write(dir, head + "output: {trace: t.json}\n"));
+  EXPECT_EQ(cfg.trace_path, (dir.path() / "t.json").string());
+  EXPECT_EQ(cfg.trace_steps, 3);
+  EXPECT_TRUE(TrainConfig::load(write(dir, head)).trace_path.empty());
+  for (const char* bad : {"0", "1001", "-2"}) {
+    const auto msg = error_of<ConfigError>(
+        write(dir, head + "output: {trace: t.json, trace_steps: " + bad + "}\n"));
+    EXPECT_NE(msg.find("trace_steps"), std::string::npos) << bad << ": " << msg;
+  }
+}
+
 TEST(TrainConfig, MalformedYamlNamesFileAndLine) {
   TempDir dir;
   auto msg = error_of<ConfigError>(write(dir, "model: {preset: gpt2-tiny\ndata: [1, 2\n"));

@@ -8,7 +8,8 @@ so that ZB-V, whose V puts the embedding and the head on rank 0, can run it) wit
 worker. On a machine with fewer cores than stages the workers would take turns on the cores and
 every rank would wait whatever the schedule; there every compute is dilated D times
 (TESSEL_PIPELINE_DELAY dilate=D, D = ceil(4 stages / cores), --dilate overrides): a rank computes
-a D-th of the time and sleeps the rest, so the ranks rarely share a core, and the run's order and
+a D-th of the time and sleeps the rest (D times the compute's CPU time, so a moment shared with
+another rank is not stretched), so the ranks rarely share a core, and the run's order and
 waits are those of a machine with a core per rank whose computes are D times slower (messages
 are not dilated, so they weigh D times less than on such a machine). It reads the
 bubble of each timed step from the run's trace (output.trace, runtime/step_trace.h): one minus the

@@ -511,6 +511,7 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
                                  const LastBackwardHook& last_backward) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto wall0 = tracing() ? StepTracer::Clock::now() : StepTracer::Clock::time_point{};
+  const double cpu0 = delay_.dilate != 1 ? thread_cpu_seconds() : 0;
   const int mb = ins.micro_batch, c = ins.chunk;
   double loss = 0;
   switch (ins.op) {
@@ -534,12 +535,15 @@ double PipelineExecutor::compute(Stage& stage, const schedule::Instruction& ins,
   }
   if (delay_.active()) {
     const double took = seconds_since(t0);
+    // Dilated, the compute's own CPU time is what gets stretched: time the thread spent
+    // preempted by another rank sharing its core is not compute a core of its own would do.
+    const double base = delay_.dilate != 1 ? thread_cpu_seconds() - cpu0 : took;
     double factor = delay_.dilate;
     if (delay_.stage < 0 || delay_.stage == pp_) {
       const double u = std::uniform_real_distribution<double>(0, 1)(delay_rng_);
       factor *= delay_.slowdown * (1 + delay_.jitter * (2 * u - 1));
     }
-    const double extra = took * (factor - 1);
+    const double extra = base * factor - took;
     if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
   }
   if (tracing())

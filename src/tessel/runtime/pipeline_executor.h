@@ -83,6 +83,9 @@ int receive_buffers(const layout::Plan& plan, int pp);
 // more ranks than the machine has cores then computes a D-th of the time and sleeps the rest,
 // so its ranks no longer take turns on the cores, and its order and waits are those of a
 // machine with a core per rank whose computes are D times slower (messages are not dilated).
+// Dilated, d is the computing thread's CPU time, not its wall time, so a compute that did share
+// a core for a moment is not stretched by the time it waited (one compute thread per rank, as
+// the pipeline bench runs, is assumed: other threads' CPU time is not counted).
 struct DelayInjection {
   int stage = -1;
   double slowdown = 1;

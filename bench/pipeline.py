@@ -77,6 +77,46 @@ def trace_bubbles(path, skip):
     return bubbles
 
 
+def replay_bubble(path, k, v_shape):
+    """The bubble step k's lists would have had with every compute at its kind's median duration
+    over the run and free messages: the executed order (from the trace) replayed on each rank as
+    soon as its inputs exist. Measured minus this is what the computes' variation cost."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    ranks = sorted({e["tid"] for e in events})
+    p = len(ranks)
+    pipes = {r: sorted((e for e in events if e["tid"] == r and e["name"] == "pipeline"),
+                       key=lambda e: e["ts"]) for r in ranks}
+    start = min(pipes[r][k]["ts"] for r in ranks)
+    end = max(pipes[r][k]["ts"] + pipes[r][k]["dur"] for r in ranks)
+    kinds = ("F", "B", "Bi", "Bw")
+    cost = {c: statistics.median(e["dur"] for e in events if e["cat"] == c)
+            for c in kinds if any(e["cat"] == c for e in events)}
+    lists = {r: [e for e in sorted(events, key=lambda e: e["ts"]) if e["tid"] == r
+                 and e["cat"] in kinds and start <= e["ts"] <= end] for r in ranks}
+    vs_of = (lambda r, c: r if c == 0 else 2 * p - 1 - r) if v_shape else (lambda r, c: c * p + r)
+    last = (2 if v_shape else max(int(e["name"].split(".")[1]) for e in lists[0]) + 1) * p - 1
+    done, t, at = {}, {r: 0.0 for r in ranks}, {r: 0 for r in ranks}
+    progress = True
+    while progress:
+        progress = False
+        for r in ranks:
+            while at[r] < len(lists[r]):
+                e = lists[r][at[r]]
+                mb, c = (int(x) for x in e["name"][len(e["cat"]):].split("."))
+                vs = vs_of(r, c)
+                dep = {"F": ("F", vs - 1) if vs > 0 else None,
+                       "Bw": ("Bi", vs)}.get(e["cat"], ("F", vs) if vs == last else (
+                           "Bi" if "Bi" in cost else "B", vs + 1))
+                if dep is not None and (dep[0], mb, dep[1]) not in done:
+                    break
+                begin = max(t[r], done[(dep[0], mb, dep[1])] if dep else 0.0)
+                t[r] = done[(e["cat"], mb, vs)] = begin + cost[e["cat"]]
+                at[r] += 1
+                progress = True
+    work = sum(cost[e["cat"]] for r in ranks for e in lists[r])
+    return 1 - work / (p * max(t.values()))
+
+
 def write_config(args, work, schedule, m, tag, extra=""):
     P = args.stages
     metrics = work / f"{tag}.jsonl"
@@ -117,7 +157,13 @@ def run(args, work, schedule, m, delay=None, tag=None, extra=""):
     recs = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
     timed = recs[args.warmup:]
     # The trace starts at the second step: drop the warmup's other steps.
-    idle = statistics.median(trace_bubbles(work / f"{tag}.trace.json", args.warmup - 1))
+    trace = work / f"{tag}.trace.json"
+    bubbles = trace_bubbles(trace, args.warmup - 1)
+    idle = statistics.median(bubbles)
+    # The replay of the step whose measured bubble is the median.
+    k = args.warmup - 1 + sorted(range(len(bubbles)), key=lambda i: bubbles[i])[len(bubbles) // 2]
+    args.last_replay = replay_bubble(trace, k, "v_shape" in extra or schedule in ("zb-v",
+                                                                                   "adaptive-v"))
     step = statistics.median(r["step_s"] for r in timed if "step_s" in r) if any(
         "step_s" in r for r in timed) else None
     return idle, step
@@ -278,13 +324,15 @@ def main():
         for schedule in ("1f1b", "zb-h1", "zb-v", "adaptive-v"):
             idle, step = run(a, work, schedule, m)
             th = theory("zb-v" if schedule == "adaptive-v" else schedule, P, m)
-            print(f"p={P} m={m:<3} {schedule:<10} bubble measured {idle:.3f}  theory {th:.3f}"
+            print(f"p={P} m={m:<3} {schedule:<10} bubble measured {idle:.3f}  theory {th:.3f}  "
+                  f"median-time replay {a.last_replay:.3f}"
                   + (f"  step {step * 1e3:.1f} ms" if step else ""))
             key = {"1f1b": "1f1b", "zb-h1": "zbh1", "zb-v": "zbv", "adaptive-v": "adaptive_v"}[
                 schedule]
             suffix = "" if m == 8 else f"_m{m}"
             out[f"bubble_{key}{suffix}"] = round(idle, 4)
             out[f"bubble_{key}{suffix}_theory"] = round(th, 4)
+            out[f"bubble_{key}{suffix}_median_replay"] = round(a.last_replay, 4)
             if step:
                 out[f"step_ms_{key}{suffix}"] = round(step * 1e3, 2)
     if "dispatcher" in parts:

@@ -1,40 +1,37 @@
-// `scripts/bench graph-planner`: the graph planner's parts on preset graphs built from their
-// ModelConfig (issue 20), for tracking them until the whole planner stands:
+// `scripts/bench graph-planner`: the graph planner (issue 20) on preset graphs built from their
+// ModelConfig:
 //   - GPT-2 124M and GPT-3 175B forward graphs (operators, critical-node segments);
 //   - their tensor-parallel sharding on a DGX A100's NVLink axis (tp 4 for GPT-2: 12 heads; tp 8)
-//   by the segment
-//     programmes and the dynamic programme (graph_sharding.h): wall time, programmes solved and
-//     proven optimal, and whether every block has Megatron's column/row/head split;
+//     by the segment programmes and the dynamic programme (graph_sharding.h): wall time,
+//     programmes solved and proven optimal, and whether every block has Megatron's
+//     column/row/head split;
 //   - GPT-3 175B cut into 8 pipeline stages by the DAG programme on the graph coarsened at its
-//     critical nodes (pipeline_ilp.h).
-// Not yet measured (null in the JSON): the graph plan's step time against the layer planner's
-// (the combined plan does not exist yet). Last line: one JSON object.
+//     critical nodes (pipeline_ilp.h);
+//   - whole graph plans (graph_plan.h: sharding, a cut between whole layers, the simulated step)
+//     of GPT-2 124M on 8 devices and GPT-3 175B on 64 and 1024, each step against the layer
+//     planner's (step_simulation.h) for the same layout: graph_vs_layer_pred_error is the
+//     largest relative difference.
+// Rates: the DGX A100 preset's (sharding_costs), which both planners use. Last line: one JSON
+// object.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tessel/planner/graph_plan.h"
 #include "tessel/planner/graph_sharding.h"
 #include "tessel/planner/pipeline_ilp.h"
+#include "tessel/planner/step_simulation.h"
 #include "tessel/planner/transformer_graph.h"
 
 using namespace tessel;
 using namespace tessel::planner;
 
 namespace {
-
-// A DGX A100's tensor-parallel axis: an A100 at 150 TFLOP/s achieved on large bf16 GEMMs (half
-// its 312 peak), NVLink 3 at about 150 GB/s per direction per device for ring collectives.
-ShardingCosts dgx_a100_tp() {
-  ShardingCosts c;
-  c.flops_per_s = 150e12;
-  c.bandwidth = 150e9;
-  c.latency_s = 10e-6;
-  c.bytes_per_element = 2;
-  return c;
-}
 
 bool megatron(const OpGraph& g, const ShardingSolution& s, int layers) {
   for (int l = 0; l < layers; ++l) {
@@ -59,7 +56,9 @@ Run shard(const char* preset, int seq, int tp) {
   const OpGraph g = transformer_graph(m, 1, seq);
   GraphShardingStats st;
   const auto t0 = std::chrono::steady_clock::now();
-  const ShardingSolution s = shard_graph(g, tp, dgx_a100_tp(), {.time_limit_s = 60}, &st);
+  const ShardingSolution s =
+      shard_graph(g, tp, sharding_costs(ClusterSpec::preset("dgx-a100"), Precision::bf16),
+                  {.time_limit_s = 60}, &st);
   Run r;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.ops = g.size();
@@ -75,6 +74,43 @@ Run shard(const char* preset, int seq, int tp) {
       preset, seq, tp, r.ops, r.segments, r.programmes, r.optimal, r.reused, r.seconds,
       r.step_s * 1e3, r.megatron ? "yes" : "no");
   return r;
+}
+
+// The graph plan of `preset` on dp x tp x pp devices against the layer planner's step for the
+// same layout; returns the relative difference.
+double agreement(const char* preset, int seq, int dp, int tp, int pp, int m) {
+  const auto model = model::ModelConfig::preset(preset);
+  const ClusterSpec cluster = ClusterSpec::preset("dgx-a100").with_devices(dp * tp * pp);
+  GraphPlanRequest r;
+  r.dp = dp;
+  r.tp = tp;
+  r.stages = pp;
+  r.micro_batches = m;
+  r.model = model;
+  r.seq = seq;
+  r.ilp.time_limit_s = 60;
+  const auto t0 = std::chrono::steady_clock::now();
+  const GraphPlan plan = plan_graph(transformer_graph(model, 1, seq), cluster, r);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!plan.layout) {
+    fmt::print("{} dp {} tp {} pp {}: not runnable: {}\n", preset, dp, tp, pp, plan.not_runnable);
+    return 1;
+  }
+  SimulateRequest rq;
+  rq.model = model;
+  rq.cluster = cluster;
+  rq.precision = Precision::bf16;
+  rq.plan = *plan.layout;
+  rq.seq = seq;
+  const double layer = simulate_step(rq).step_s;
+  const double error = std::abs(plan.step_s - layer) / layer;
+  fmt::print(
+      "{:<10} dp {:>2} tp {} pp {} m {:>2} on {:>4} devices: graph plan {:.2f} s, step {:.4f} s, "
+      "layer planner {:.4f} s ({:+.2f}%)\n",
+      preset, dp, tp, pp, m, dp * tp * pp, seconds, plan.step_s, layer,
+      100 * (plan.step_s / layer - 1));
+  return error;
 }
 
 }  // namespace
@@ -94,6 +130,10 @@ int main() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print("gpt3-175b 8 pipeline stages: {} in {:.2f} s ({} variables), {:.1f} MiB crossing\n",
                ilp_status_name(cut.status), cut_s, cut.variables, cut.crossing_bytes / (1 << 20));
+    double worst = 0;
+    worst = std::max(worst, agreement("gpt2-124m", 1024, 1, 4, 2, 8));
+    worst = std::max(worst, agreement("gpt3-175b", 2048, 1, 8, 8, 16));
+    worst = std::max(worst, agreement("gpt3-175b", 2048, 16, 8, 8, 32));
     const int programmes = gpt2.programmes + big.programmes + 1;
     const int optimal = gpt2.optimal + big.optimal + (cut.status == IlpStatus::optimal ? 1 : 0);
     nlohmann::json out = {
@@ -101,7 +141,7 @@ int main() {
         {"plan_175b_s", big.seconds + cut_s},
         {"plan_gpt2_s", gpt2.seconds},
         {"megatron_rediscovered", gpt2.megatron && big.megatron},
-        {"graph_vs_layer_pred_error", nullptr},
+        {"graph_vs_layer_pred_error", worst},
         {"subgraphs_175b", big.segments},
         {"ilp_optimal_fraction", double(optimal) / programmes},
         {"pipeline_cut_175b_s", cut_s},

@@ -28,11 +28,13 @@
 #include "tessel/cli/store_command.h"
 #include "tessel/config/init_from.h"
 #include "tessel/core/error.h"
+#include "tessel/core/json_file.h"
 #include "tessel/core/log.h"
 #include "tessel/core/stop_signal.h"
 #include "tessel/data/tokenizer.h"
 #include "tessel/elastic/cluster.h"
 #include "tessel/elastic/coordinator.h"
+#include "tessel/layout/plan.h"
 #include "tessel/model/model_config.h"
 #include "tessel/process/launcher.h"
 #include "tessel/process/parent_watch.h"
@@ -64,6 +66,7 @@ struct Args {
   std::string eval_data;   // eval --data
   int64_t eval_batches = 0;
   std::string token_file;  // train --cluster --token-file
+  std::string plan_file;   // train --plan (and its workers)
 };
 
 // `tessel eval`: the config's model, data and layout, evaluated once from the weights given
@@ -92,6 +95,19 @@ config::TrainConfig load_train_config(const Args& args) {
   auto cfg = config::TrainConfig::load(args.config);
   if (args.steps > 0) cfg.training.steps = args.steps;
   if (args.eval_only) apply_eval_flags(cfg, args);
+  if (!args.plan_file.empty()) {
+    layout::Plan plan;
+    try {
+      plan = layout::plan_from_json(read_json_file(args.plan_file));
+    } catch (const CorruptDataError& e) {
+      TESSEL_THROW(
+          ConfigError,
+          "--plan {} is not a runtime plan ({}); write one with `tessel plan --model ... "
+          "--out FILE` or, when its plan is runnable, `tessel plan --graph ... --out FILE`",
+          args.plan_file, e.what());
+    }
+    cfg.use_plan(plan, args.plan_file);
+  }
   return cfg;
 }
 
@@ -158,6 +174,9 @@ int launch_training(const Args& args) {
     opt.command.push_back("--steps");
     opt.command.push_back(std::to_string(args.steps));
   }
+  if (!args.plan_file.empty())
+    opt.command.insert(opt.command.end(),
+                       {"--plan", std::filesystem::absolute(args.plan_file).string()});
   if (args.eval_only) {
     // The workers read the same config: they are told the same overrides, resolved.
     opt.command.push_back("--eval");
@@ -252,6 +271,9 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
                                 "need); must equal dp * tp * "
                                 "pp of the parallel section, or the largest plan of the timeline")
                     ->check(kCount);
+  cmd->add_option("--plan", args.plan_file,
+                  "train with this plan (`tessel plan ... --out FILE`) instead of the config's "
+                  "parallel section");
   cmd->add_option("--log-dir", args.train_log_dir,
                   "directory for one log file per worker (--nproc > 1)");
   cmd->add_option("--cluster", args.cluster,
@@ -279,6 +301,7 @@ void add_train(CLI::App& app, Args& args, std::function<int()>& action) {
   worker->add_option("config", args.config, "YAML config file");
   worker->add_option("--steps", args.steps, "override training.steps")->check(kCount);
   worker->add_flag("--eval", args.eval_only);
+  worker->add_option("--plan", args.plan_file);
   worker->add_option("--init-from", args.init_from);
   worker->add_option("--data", args.eval_data);
   worker->add_option("--eval-batches", args.eval_batches)->check(kCount);

@@ -66,6 +66,48 @@ void write_two_step_run(const TempDir& dir, const std::string& extra = "") {
                                 << extra;
 }
 
+// The graph planner's runtime plan (`tessel plan --graph ... --out`) is what `tessel train
+// --plan` trains with, in place of the config's parallel section; with it, a Perfetto trace of
+// the simulated step. A file that is no runtime plan, or one for another batch, is one clear
+// error.
+TEST(Cli, TrainsWithTheGraphPlannersPlan) {
+  TempDir dir;
+  write_two_step_run(dir);
+  const std::string plan = (dir / "plan.json").string(), trace = (dir / "trace.json").string();
+  auto r = tessel(
+      "plan --graph --model gpt2-tiny --seq 16 --tp 1 --dp 2 --stages 2 --micro-batch 2 "
+      "--micro-batches 1 --balance 1 --out " +
+      plan + " --trace " + trace);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("runtime layout: dp=2 tp=1 pp=2"), std::string::npos) << r.output;
+  std::ifstream in(trace);
+  const std::string events((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(events.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(events.find("\"F0.0\""), std::string::npos);
+
+  r = tessel("train " + (dir / "t.yaml").string() + " --plan " + plan);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("on 4 workers (dp=2 tp=1 pp=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("done: 2 steps"), std::string::npos) << r.output;
+
+  // The whole graph plan of a graph the runtime cannot run is not a runtime plan.
+  ASSERT_EQ(
+      tessel("plan --graph --model gpt2-tiny --seq 16 --tp 2 --micro-batch 2 --out " + plan).status,
+      0);
+  r = tessel("train " + (dir / "t.yaml").string() + " --plan " + plan);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("is not a runtime plan"), std::string::npos) << r.output;
+  // A plan for another global batch.
+  ASSERT_EQ(tessel("plan --graph --model gpt2-tiny --seq 16 --tp 1 --micro-batch 2 "
+                   "--micro-batches 4 --out " +
+                   plan)
+                .status,
+            0);
+  r = tessel("train " + (dir / "t.yaml").string() + " --plan " + plan);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("training.global_batch 4"), std::string::npos) << r.output;
+}
+
 // Metrics that cannot be written (here to /dev/full, as to a full disk) do not stop training,
 // but the run says its outputs are incomplete and does not end as a success; before, it printed
 // "done" and exited 0 with nothing written.

@@ -23,6 +23,8 @@
 #include "tessel/planner/onnx_graph.h"
 #include "tessel/planner/plan_service.h"
 #include "tessel/planner/search.h"
+#include "tessel/planner/trace.h"
+#include "tessel/planner/transformer_graph.h"
 
 namespace tessel::cli {
 
@@ -46,6 +48,13 @@ struct PlanArgs {
   int tp = 0;                     // 0: the cluster's devices per host
   int stages = 1;
   double balance = 0.1;
+  // The graph planner on the graph of --model (transformer_graph.h) instead of a file.
+  bool graph = false;
+  int dp = 1;
+  int micro_batches = 1;
+  int micro_batch = 1;
+  std::string schedule = "1f1b";
+  std::string trace;  // the simulated step, Perfetto
   // tessel plan serve
   std::string host = "127.0.0.1";
   int port = 8600;
@@ -116,38 +125,66 @@ planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
   return o;
 }
 
-// `tessel plan --onnx`: the operator-graph planner (planner/graph_plan.h) on one layout.
-int run_plan_onnx(const PlanArgs& a) {
-  TESSEL_CHECK(a.model.empty() && a.config.empty() && a.profile.empty(), ConfigError,
-               "tessel plan --onnx plans the file's graph: leave out --model, --config and "
-               "--profile");
-  const auto imported = planner::read_onnx(a.onnx, onnx_options(a.dims));
-  const auto& g = imported.graph;
-  const auto cluster = planner::ClusterSpec::resolve(a.cluster.empty() ? "dgx-a100" : a.cluster);
+// `tessel plan --onnx FILE` or `--graph --model NAME`: the operator-graph planner
+// (planner/graph_plan.h) on one layout.
+int run_plan_graph(const PlanArgs& a) {
+  planner::OnnxGraph imported;
   planner::GraphPlanRequest req;
+  std::string source;
+  const auto cluster = planner::ClusterSpec::resolve(a.cluster.empty() ? "dgx-a100" : a.cluster);
+  if (a.graph) {
+    TESSEL_CHECK(a.onnx.empty() && !a.model.empty() && a.config.empty() && a.profile.empty(),
+                 ConfigError,
+                 "tessel plan --graph plans a preset's operator graph: give --model NAME (and "
+                 "--seq), without --onnx, --config or --profile");
+    const auto m = model::ModelConfig::preset(a.model);
+    req.model = m;
+    req.seq = a.seq > 0 ? a.seq : m.max_seq_len;
+    req.micro_batch = a.micro_batch;
+    imported.graph = planner::transformer_graph(m, a.micro_batch, req.seq);
+    source = fmt::format("{} (seq {}, micro-batch {})", a.model, req.seq, a.micro_batch);
+  } else {
+    TESSEL_CHECK(a.model.empty() && a.config.empty() && a.profile.empty(), ConfigError,
+                 "tessel plan --onnx plans the file's graph: leave out --model, --config and "
+                 "--profile");
+    imported = planner::read_onnx(a.onnx, onnx_options(a.dims));
+    source = a.onnx;
+  }
+  const auto& g = imported.graph;
   req.tp = a.tp > 0 ? a.tp : cluster.devices_per_host;
   req.stages = a.stages;
   req.balance = a.balance;
+  req.dp = a.dp;
+  req.micro_batches = a.micro_batches;
+  req.schedule = a.schedule;
   req.precision = !a.precision.empty() ? planner::parse_precision(a.precision)
                                        : cluster.device.default_precision();
   const auto plan = planner::plan_graph(g, cluster, req);
   nlohmann::json doc = planner::graph_plan_json(g, plan);
-  doc["model"] = a.onnx;
-  doc["producer"] = imported.producer;
-  doc["opset"] = imported.opset;
+  doc["model"] = a.graph ? a.model : a.onnx;
+  if (!a.graph) {
+    doc["producer"] = imported.producer;
+    doc["opset"] = imported.opset;
+  }
   doc["cluster"] = cluster.name;
   doc["precision"] = planner::precision_name(req.precision);
   doc["warnings"] = imported.warnings;
-  if (!a.out.empty()) write_file_atomically(a.out, doc.dump(2) + "\n");
+  // --out: the runtime's plan file when the plan is one (`tessel train --plan`), as the layer
+  // planner writes it; else the whole graph plan.
+  if (!a.out.empty())
+    write_file_atomically(a.out,
+                          (plan.layout ? layout::to_json(*plan.layout) : doc).dump(2) + "\n");
+  if (!a.trace.empty()) planner::write_trace(planner::simulation_trace(plan.sim), a.trace);
   if (a.json) {
     std::cout << doc.dump(2) << "\n";
     return 0;
   }
   std::cout << fmt::format(
-      "tessel plan: {} ({} operators, {:.3g} parameters, {:.3g} forward FLOPs) on {} ({}), tp {}, "
-      "{} stage{}\n",
-      a.onnx, g.size(), double(g.total_parameters()), g.total_flops(), cluster.name,
-      planner::precision_name(req.precision), plan.tp, plan.stages, plan.stages == 1 ? "" : "s");
+      "tessel plan: {} ({} operators, {:.3g} parameters, {:.3g} forward FLOPs) on {} ({}), dp {}, "
+      "tp {}, {} stage{}, {} micro-batches, {}\n",
+      source, g.size(), double(g.total_parameters()), g.total_flops(), cluster.name,
+      planner::precision_name(req.precision), req.dp, plan.tp, plan.stages,
+      plan.stages == 1 ? "" : "s", req.micro_batches, req.schedule);
   for (const auto& w : imported.warnings) std::cout << "warning: " << w << "\n";
   std::cout << fmt::format(
       "sharding: {} ({} segments, {} programmes of which {} proven optimal, {} reused, {:.2f} s); "
@@ -165,13 +202,7 @@ int run_plan_onnx(const PlanArgs& a) {
       ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), strategy)];
   }
   for (const auto& [what, count] : others) std::cout << fmt::format("  {:>5} x {}\n", count, what);
-  if (plan.cut && plan.cut->status == planner::IlpStatus::infeasible) {
-    std::cout << fmt::format(
-        "pipeline cut: no cut into {} stages keeps every stage's FLOPs within {:g}% of an equal "
-        "share (operators are not split across stages); try fewer --stages or a larger "
-        "--balance\n",
-        plan.stages, 100 * a.balance);
-  } else if (plan.cut) {
+  if (plan.cut) {
     std::string flops;
     for (double f : plan.cut->stage_flops) flops += fmt::format(" {:.3g}", f);
     std::cout << fmt::format(
@@ -179,8 +210,18 @@ int run_plan_onnx(const PlanArgs& a) {
         planner::ilp_status_name(plan.cut->status), plan.cut->crossing_bytes, flops,
         plan.cut->solve_s);
   }
+  std::cout << fmt::format(
+      "step: {:.4g} s = pipeline {:.4g} s (bubble {:.1f}%) + dp sync {:.4g} s + optimizer {:.4g} "
+      "s{}\n",
+      plan.step_s, plan.pipeline_s, 100 * plan.sim.bubble_fraction(), plan.dp_s, plan.optimizer_s,
+      plan.layout ? "" : " (the generic step: the dp all-reduce not overlapped)");
+  if (plan.layout) std::cout << "runtime layout: " << plan.layout->describe() << "\n";
   if (!plan.not_runnable.empty()) std::cout << "not runnable: " << plan.not_runnable << "\n";
-  if (!a.out.empty()) std::cout << fmt::format("wrote the plan to {}\n", a.out);
+  if (!a.trace.empty())
+    std::cout << fmt::format("wrote the simulated step's trace to {} (Perfetto)\n", a.trace);
+  if (!a.out.empty())
+    std::cout << fmt::format("wrote the {} to {}\n",
+                             plan.layout ? "runtime plan (tessel train --plan)" : "plan", a.out);
   return 0;
 }
 
@@ -209,7 +250,7 @@ int run_plan_serve(const PlanArgs& a) {
 }
 
 int run_plan(const PlanArgs& a) {
-  if (!a.onnx.empty()) return run_plan_onnx(a);
+  if (!a.onnx.empty() || a.graph) return run_plan_graph(a);
   planner::SearchRequest req;
   TESSEL_CHECK(
       a.model.empty() != a.config.empty(), ConfigError,
@@ -330,6 +371,24 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
                   "with --onnx --stages: each stage's FLOPs at most (1 + this) x an equal share")
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
+  cmd->add_flag("--graph", args->graph,
+                "plan --model's operator graph (as --onnx does a file's): per-operator sharding, "
+                "a cut between whole layers, and a runtime plan (--out) for `tessel train --plan`");
+  cmd->add_option("--dp", args->dp, "with --onnx or --graph: data-parallel replicas")
+      ->check(kCount)
+      ->capture_default_str();
+  cmd->add_option("--micro-batches", args->micro_batches,
+                  "with --onnx or --graph: micro-batches per step and replica (the graph is one)")
+      ->check(kCount)
+      ->capture_default_str();
+  cmd->add_option("--micro-batch", args->micro_batch, "with --graph: samples per micro-batch")
+      ->check(kCount)
+      ->capture_default_str();
+  cmd->add_option("--schedule", args->schedule,
+                  "with --onnx or --graph: the pipeline schedule (gpipe, 1f1b, zb-h1, ...)")
+      ->capture_default_str();
+  cmd->add_option("--trace", args->trace,
+                  "with --onnx or --graph: write the simulated step as a Perfetto trace");
   auto* serve = cmd->add_subcommand(
       "serve", "serve the graph planner over HTTP: POST an ONNX model to /v1/plan, get the plan");
   serve->add_option("--host", args->host,

@@ -217,10 +217,7 @@ TEST(PlanOnnx, ShardsEveryOperatorAndCutsTheGraph) {
   EXPECT_NE(table.find("33 operators"), std::string::npos) << table;
   EXPECT_NE(table.find("attn.qkv"), std::string::npos) << table;
   EXPECT_NE(table.find("not runnable"), std::string::npos) << table;
-  // Within 10% no cut exists: the MLP's matmuls are single operators.
-  const std::string tight =
-      run_plan("plan --onnx " + gpt_block() + " --dim batch=8 --stages 2", &rc);
-  EXPECT_NE(tight.find("try fewer --stages"), std::string::npos) << tight;
+  EXPECT_NE(table.find("step: "), std::string::npos) << table;
 }
 
 TEST(PlanOnnx, BadInputIsOneClearError) {
@@ -238,6 +235,10 @@ TEST(PlanOnnx, BadInputIsOneClearError) {
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --tp 16").find("tp 16"),
             std::string::npos);
   EXPECT_NE(error_of("plan --onnx missing.onnx").find("no such file"), std::string::npos);
+  // Within 10% no cut exists: the MLP's matmuls are single operators.
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --stages 2").find("--balance"),
+            std::string::npos);
+  EXPECT_NE(error_of("plan --graph --onnx " + gpt_block()).find("--model"), std::string::npos);
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --model gpt2-124m").find("leave out"),
             std::string::npos);
 }

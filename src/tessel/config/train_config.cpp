@@ -407,6 +407,26 @@ void TrainConfig::validate() const {
   validate_plan(checked_world(plan, f, "parallel"));
 }
 
+void TrainConfig::use_plan(const layout::Plan& p, const std::string& path) {
+  TESSEL_CHECK(timeline.empty(), ConfigError,
+               "--plan {}: {} has a timeline of plans, which --plan cannot replace; remove the "
+               "timeline or leave out --plan",
+               path, source);
+  const layout::Plan with = p.with_defaults(model);
+  TESSEL_CHECK(with.global_batch() == training.global_batch, ConfigError,
+               "--plan {}: its global batch is {} (dp {} x micro_batch {} x micro_batches {}), "
+               "{}'s training.global_batch {}; plan for that batch or change the config",
+               path, with.global_batch(), with.dp, with.micro_batch, with.micro_batches, source,
+               training.global_batch);
+  plan = with;
+  training.micro_batch = plan.micro_batch;
+  try {
+    validate();
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("--plan {}: {}", path, e.what()));
+  }
+}
+
 void TrainConfig::validate_plan(int workers) const {
   try {
     plan.validate(model, training.global_batch, workers);

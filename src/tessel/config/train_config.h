@@ -213,6 +213,11 @@ struct TrainConfig {
   // `prefer_micro_batch`: planner::LocalPlanRequest::prefer_micro_batch.
   layout::Plan plan_for_workers(int workers, int prefer_micro_batch = 0) const;
 
+  // `tessel train --plan FILE`: a runtime plan (`tessel plan ... --out FILE`, layout::to_json)
+  // in place of the parallel section. Throws ConfigError naming the file when the config has a
+  // timeline, the plan's global batch is not training.global_batch, or it does not fit the model.
+  void use_plan(const layout::Plan& plan, const std::string& path);
+
   // Reads and validates; relative paths are resolved against the config file's directory.
   static TrainConfig load(const std::string& path);
   // The same for YAML text read from `path` already (messages name it, relative paths resolve

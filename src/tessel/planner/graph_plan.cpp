@@ -2,8 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "tessel/core/check.h"
 #include "tessel/core/error.h"
+#include "tessel/planner/cost_model.h"
+#include "tessel/planner/step_simulation.h"
+#include "tessel/schedule/named.h"
 
 namespace tessel::planner {
 
@@ -11,31 +16,70 @@ namespace {
 constexpr int kCoarsenAbove = 2000;  // nodes
 }  // namespace
 
-ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision) {
-  const double peak = cluster.device.peak(precision);
-  TESSEL_CHECK(peak > 0, ConfigError, "{} has no {} rate; choose another --precision",
-               cluster.device.name, precision_name(precision));
-  ShardingCosts c;
-  c.flops_per_s = peak * cluster.device.gemm.max_efficiency;
-  c.bandwidth = cluster.intra_host.coll_bandwidth();
-  c.latency_s = cluster.intra_host.coll_latency();
-  c.bytes_per_element = element_bytes(precision);
-  // Parameter, gradient, Adam m and v (and the fp32 master copy in mixed precision).
-  c.state_bytes_per_weight = precision == Precision::fp32 ? 16 : 2 + 2 + 12;
-  c.memory_bytes = double(cluster.device.usable_bytes());
-  return c;
+namespace {
+
+// The units of a transformer graph (0 the embedding, 1 + l block l, n_layer + 1 the head) per
+// stage, or why the stages do not hold whole units in order.
+std::optional<std::vector<int>> units_per_stage(const OpGraph& g, const std::vector<int>& stage,
+                                                int stages, int n_layer, std::string* why) {
+  std::vector<int> unit_stage(size_t(n_layer + 2), -1);
+  bool in_blocks = false;
+  for (int v : g.validate()) {
+    const OpNode& n = g.node(v);
+    if (n.kind == OpKind::input) continue;
+    in_blocks = in_blocks || n.layer >= 0;
+    const int unit = n.layer >= 0 ? n.layer + 1 : in_blocks ? n_layer + 1 : 0;
+    const int s = stage.empty() ? 0 : stage[size_t(v)];
+    if (unit_stage[size_t(unit)] >= 0 && unit_stage[size_t(unit)] != s) {
+      *why = fmt::format("the cut puts unit {} ({}) on stages {} and {}", unit, n.name,
+                         unit_stage[size_t(unit)], s);
+      return std::nullopt;
+    }
+    unit_stage[size_t(unit)] = s;
+  }
+  std::vector<int> per_stage(size_t(stages), 0);
+  for (size_t u = 0; u < unit_stage.size(); ++u) {
+    if (unit_stage[u] < 0 || (u > 0 && unit_stage[u] < unit_stage[u - 1])) {
+      *why = fmt::format("unit {} is {}", u, unit_stage[u] < 0 ? "missing" : "out of order");
+      return std::nullopt;
+    }
+    ++per_stage[size_t(unit_stage[u])];
+  }
+  return per_stage;
 }
+
+// The split the runtime's tensor parallelism runs (Megatron-LM's), or why the sharding differs.
+std::string differs_from_runtime(const OpGraph& g, const ShardingSolution& s, int tp) {
+  if (tp == 1) return "";
+  for (int v = 0; v < g.size(); ++v) {
+    const OpNode& n = g.node(v);
+    if (n.layer < 0 || n.kind != OpKind::matmul || n.weights.empty()) continue;
+    const bool row =
+        n.name.ends_with("c_proj") || n.name.ends_with("o_proj") || n.name.ends_with("down_proj");
+    const std::string& chosen = s.chosen[size_t(v)].name;
+    if (chosen != (row ? "row" : "column"))
+      return fmt::format(
+          "the sharding splits {} as {}, the runtime's tensor parallelism as {} (Megatron-LM's)",
+          n.name, chosen, row ? "row" : "column");
+  }
+  return "";
+}
+
+}  // namespace
 
 GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                      const GraphPlanRequest& request) {
   TESSEL_CHECK(request.tp >= 1 && request.tp <= cluster.devices_per_host, InvalidArgumentError,
                "tp {} does not fit {}'s hosts of {} devices; choose tp between 1 and {}",
                request.tp, cluster.name, cluster.devices_per_host, cluster.devices_per_host);
-  TESSEL_CHECK(request.stages >= 1, InvalidArgumentError, "stages must be >= 1, got {}",
-               request.stages);
+  TESSEL_CHECK(request.stages >= 1 && request.dp >= 1 && request.micro_batches >= 1,
+               InvalidArgumentError,
+               "stages ({}), dp ({}) and micro-batches ({}) must each be at least 1",
+               request.stages, request.dp, request.micro_batches);
   GraphPlan plan;
   plan.tp = request.tp;
   plan.stages = request.stages;
+  plan.schedule = request.schedule;
   plan.sharding = shard_graph(graph, request.tp, sharding_costs(cluster, request.precision),
                               request.ilp, &plan.stats);
   if (request.stages > 1) {
@@ -43,14 +87,94 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
     o.bytes_per_element = element_bytes(request.precision);
     o.balance_tolerance = request.balance;
     // The whole DAG while its programme stays small; past that, the graph coarsened at its
-    // critical nodes (exact for transformers, whose best cuts are there).
-    o.coarsen = graph.size() > kCoarsenAbove;
+    // critical nodes (exact for transformers, whose best cuts are there). A transformer the
+    // runtime is to train is cut between its units only.
+    o.coarsen = graph.size() > kCoarsenAbove || request.model.has_value();
+    o.whole_layers = request.model.has_value();
     o.ilp = request.ilp;
     plan.cut = cut_pipeline(graph, request.stages, o);
+    TESSEL_CHECK(!plan.cut->stage.empty(), InvalidArgumentError,
+                 "no cut of the graph into {} stages keeps every stage within {:.0f}% of an equal "
+                 "share of the FLOPs{} (the programme: {}); allow more imbalance (--balance) or "
+                 "choose fewer stages",
+                 request.stages, 100 * request.balance,
+                 o.whole_layers ? " with whole layers per stage" : "",
+                 ilp_status_name(plan.cut->status));
   }
-  plan.not_runnable =
-      "the runtime trains the GPT-2 and LLaMA families from their model configs (`tessel plan "
-      "--model` or --config); it does not execute an operator graph's plan yet";
+  const std::vector<int> stage_of = plan.cut ? plan.cut->stage : std::vector<int>{};
+  plan.stage_costs = graph_stage_costs(
+      graph, plan.sharding,
+      operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of,
+      request.stages, request.tp, request.precision);
+
+  const int world = request.dp * request.tp * request.stages;
+  std::string why;
+  if (request.model) {
+    const model::ModelConfig& m = *request.model;
+    if (auto units = units_per_stage(graph, stage_of, request.stages, m.n_layer, &why)) {
+      layout::Plan l;
+      l.dp = request.dp;
+      l.tp = request.tp;
+      l.pp = request.stages;
+      l.micro_batch = request.micro_batch;
+      l.micro_batches = request.micro_batches;
+      l.schedule = layout::parse_schedule(request.schedule);
+      l.layers_per_stage = *units;
+      try {
+        l.validate(m, l.global_batch(), l.world());
+        why = differs_from_runtime(graph, plan.sharding, request.tp);
+      } catch (const ConfigError& e) {
+        why = e.what();
+      }
+      if (why.empty()) {
+        SimulateRequest rq;
+        rq.model = m;
+        rq.cluster = cluster;
+        rq.precision = request.precision;
+        rq.plan = l;
+        rq.seq = request.seq;
+        rq.schedule = request.schedule;
+        rq.stage_costs = plan.stage_costs;
+        const SimulatedStep step = simulate_step(rq);
+        plan.sim = step.sim;
+        plan.pipeline_s = step.pipeline_s;
+        plan.dp_s = step.dp_exposed_s;
+        plan.optimizer_s = step.optimizer_s;
+        plan.step_s = step.step_s;
+        plan.layout = l;
+        return plan;
+      }
+    }
+  } else {
+    why =
+        "the runtime trains the GPT-2 and LLaMA families from their model configs (`tessel plan "
+        "--model` or --config); it does not execute an arbitrary operator graph";
+  }
+  plan.not_runnable = why;
+  // Any graph: the pipeline, then the fullest stage's gradient all-reduce and Adam step.
+  SimConfig sc;
+  sc.costs = plan.stage_costs;
+  const LinkSpec& link =
+      world <= cluster.devices_per_host ? cluster.intra_host : cluster.inter_host;
+  sc.link = Link{link.latency, link.bandwidth};
+  plan.sim = simulate(
+      schedule::make_schedule(request.schedule, request.stages, request.micro_batches), sc);
+  plan.pipeline_s = plan.sim.makespan;
+  std::vector<double> params(size_t(request.stages), 0);
+  for (int v = 0; v < graph.size(); ++v)
+    params[size_t(stage_of.empty() ? 0 : stage_of[size_t(v)])] +=
+        plan.sharding.chosen[size_t(v)].weight_elements;
+  const double fullest = *std::max_element(params.begin(), params.end());
+  const double bytes = element_bytes(request.precision);
+  if (request.dp > 1) {
+    const bool cross = request.dp * request.tp > cluster.devices_per_host;
+    const LinkSpec& dpl = cross ? cluster.inter_host : cluster.intra_host;
+    plan.dp_s = CostModel::all_reduce_time(
+        fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
+  }
+  const double mem = cluster.device.memory_bandwidth;
+  plan.optimizer_s = mem > 0 ? fullest * (28 + bytes) / mem : 0;
+  plan.step_s = plan.pipeline_s + plan.dp_s + plan.optimizer_s;
   return plan;
 }
 
@@ -78,6 +202,19 @@ nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
     if (plan.cut && size_t(id) < plan.cut->stage.size()) o["stage"] = plan.cut->stage[size_t(id)];
     ops.push_back(std::move(o));
   }
+  j["schedule"] = plan.schedule;
+  j["step"] = {{"step_s", plan.step_s},
+               {"pipeline_s", plan.pipeline_s},
+               {"dp_s", plan.dp_s},
+               {"optimizer_s", plan.optimizer_s},
+               {"bubble", plan.sim.bubble_fraction()}};
+  auto& stages = j["step"]["stages"] = nlohmann::json::array();
+  for (const StageCosts& c : plan.stage_costs)
+    stages.push_back({{"forward_s", c.forward},
+                      {"backward_input_s", c.backward_input},
+                      {"backward_weight_s", c.backward_weight},
+                      {"output_bytes", c.output_bytes}});
+  if (plan.layout) j["layout"] = layout::to_json(*plan.layout);
   if (plan.cut) {
     j["cut"] = {{"status", ilp_status_name(plan.cut->status)},
                 {"stage_flops", plan.cut->stage_flops},

@@ -1,10 +1,20 @@
 // The graph planner for one layout of an operator graph on a cluster (issue 20): every operator's
-// sharding across the tp devices of a host (graph_sharding.h, TePDist's decomposition) and,
-// optionally, the graph cut into pipeline stages on its DAG (pipeline_ilp.h), with the rates of
-// the cluster the layer planner uses (sharding_costs). What `tessel plan --onnx` prints.
+// sharding across the tp devices of a host (graph_sharding.h, TePDist's decomposition), the graph
+// cut into pipeline stages on its DAG (pipeline_ilp.h), and the training step this predicts: the
+// operators' times (graph_costs.h) summed per stage and run through the pipeline simulator under
+// a named schedule, with data parallelism and the optimizer step on top. What `tessel plan
+// --onnx` prints.
 //
-// Not yet here: a step time with the pipeline schedule and data parallelism on top (the layer
-// planner's), a 2-D mesh, and a plan file the runtime can train with; `runnable` says so.
+// The step:
+//   with the transformer config the graph was built from (GraphPlanRequest::model), the stages
+//     end only between its units, the plan is a runtime layout (layers_per_stage from the cut:
+//     `tessel train --plan`), and the step is the layer planner's simulate_step
+//     (step_simulation.h) run on the graph's stage costs -- the same dp sync, optimizer and
+//     collectives, so the two planners differ only in what the stages cost;
+//   otherwise (any ONNX graph) the simulated pipeline, then the fullest stage's gradient
+//     all-reduce over dp, none of it hidden behind the backward (an upper bound), then its Adam
+//     step, memory-bound like CostModel::optimizer_step.
+// Not yet here: a 2-D mesh (dp x tp within the sharding programme).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -12,19 +22,16 @@
 #include <string>
 #include <vector>
 
+#include "tessel/layout/plan.h"
+#include "tessel/model/model_config.h"
 #include "tessel/planner/cluster.h"
+#include "tessel/planner/graph_costs.h"
 #include "tessel/planner/graph_sharding.h"
 #include "tessel/planner/op_graph.h"
 #include "tessel/planner/pipeline_ilp.h"
+#include "tessel/planner/simulator.h"
 
 namespace tessel::planner {
-
-// The tensor-parallel axis's rates: the device's peak in `precision` at its large-GEMM efficiency
-// (ClusterSpec's gemm.max_efficiency, the saturated rate of the cost model's curve), the
-// intra-host link's collective bandwidth and latency, elements of the precision's size, Adam
-// state per weight (16 bytes in fp32, 18 with a master copy), the device's usable memory.
-// Throws ConfigError when the device has no rate for the precision.
-ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision);
 
 struct GraphPlanRequest {
   int tp = 1;            // devices of one host the operators are sharded across
@@ -32,6 +39,14 @@ struct GraphPlanRequest {
   double balance = 0.1;  // each stage's FLOPs <= (1 + balance) x an equal share
   Precision precision = Precision::bf16;
   IlpOptions ilp = {};
+  int dp = 1;                     // replicas of the whole pipeline
+  int micro_batches = 1;          // per step and replica (the graph is one micro-batch's)
+  std::string schedule = "1f1b";  // schedule/named.h
+  // The transformer the graph was built from (transformer_graph.h) with micro-batches of
+  // `micro_batch` samples of `seq` tokens: see above.
+  std::optional<model::ModelConfig> model;
+  int seq = 0;
+  int64_t micro_batch = 1;
 };
 
 struct GraphPlan {
@@ -39,17 +54,26 @@ struct GraphPlan {
   ShardingSolution sharding;
   GraphShardingStats stats;
   std::optional<PipelineCut> cut;  // with stages > 1
+  std::vector<StageCosts> stage_costs;
+  SimResult sim;  // the pipeline phase, with its timeline (trace.h: simulation_trace)
+  double pipeline_s = 0, dp_s = 0, optimizer_s = 0, step_s = 0;
+  std::string schedule;
+  // The runtime's layout (with a model): `tessel train --plan` trains with its to_json.
+  std::optional<layout::Plan> layout;
   // Why the runtime cannot train with this plan (empty when it can).
   std::string not_runnable;
 };
 
-// Throws InvalidArgumentError for tp above the cluster's devices per host or below 1, stages
-// below 1, and what shard_graph and cut_pipeline throw.
+// Throws InvalidArgumentError for tp above the cluster's devices per host or below 1, stages,
+// dp or micro-batches below 1, ConfigError for an unknown schedule or a layout the model does not
+// take, and what shard_graph, cut_pipeline and the simulator throw.
 GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                      const GraphPlanRequest& request);
 
-// The plan as JSON: the layout, the objective and ILP statistics, one entry per operator (name,
-// op, kind, shape, strategy, stage), the stages' FLOPs and crossing bytes.
+// The plan as JSON: the layout, the objective and ILP statistics, the predicted step (pipeline,
+// dp, optimizer, step seconds, bubble, per-stage costs), the runtime layout when there is one,
+// one entry per operator (name, op, kind, shape, strategy, stage), the stages' FLOPs and crossing
+// bytes.
 nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan);
 
 }  // namespace tessel::planner

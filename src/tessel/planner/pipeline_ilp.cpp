@@ -13,22 +13,29 @@ namespace tessel::planner {
 namespace {
 
 // The graph with one node per segment between critical nodes (inputs left out), and for each
-// original node its segment (-1 for inputs).
-std::pair<OpGraph, std::vector<int>> coarsen(const OpGraph& g) {
+// original node its segment (-1 for inputs). With whole_layers, segments that end inside a layer
+// are merged with the next.
+std::pair<OpGraph, std::vector<int>> coarsen(const OpGraph& g, bool whole_layers) {
   OpGraph coarse;
   std::vector<int> segment_of(size_t(g.size()), -1);
-  for (const auto& nodes : g.segments()) {
+  const auto segments = g.segments();
+  OpNode node;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const auto& nodes = segments[i];
     const int index = coarse.size();
-    OpNode node;
-    node.name = g.node(nodes.back()).name;
-    node.kind = OpKind::other;
-    node.shape = g.node(nodes.back()).shape;  // the only tensor that can cross after it
-    if (index > 0) node.inputs = {index - 1};
     for (int v : nodes) {
       node.flops += g.node(v).flops;
       segment_of[size_t(v)] = index;
     }
+    if (whole_layers && i + 1 < segments.size() &&
+        g.node(segments[i + 1].front()).layer == g.node(nodes.back()).layer)
+      continue;
+    node.name = g.node(nodes.back()).name;
+    node.kind = OpKind::other;
+    node.shape = g.node(nodes.back()).shape;  // the only tensor that can cross after it
+    if (index > 0) node.inputs = {index - 1};
     coarse.add(std::move(node));
+    node = OpNode{};
   }
   return {std::move(coarse), std::move(segment_of)};
 }
@@ -37,7 +44,7 @@ std::pair<OpGraph, std::vector<int>> coarsen(const OpGraph& g) {
 
 PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
   if (o.coarsen && !g.critical_nodes().empty()) {
-    auto [coarse, segment_of] = coarsen(g);
+    auto [coarse, segment_of] = coarsen(g, o.whole_layers);
     PipelineCutOptions fine = o;
     fine.coarsen = false;
     PipelineCut cut = cut_pipeline(coarse, S, fine);
@@ -91,13 +98,15 @@ PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
       z[size_t(v)].push_back(var);
       one.push_back({var, 1.0});
       if (g.node(v).flops > 0) {
-        load[size_t(s)].push_back({var, g.node(v).flops});
+        // In shares of the total: FLOP counts near 1e11 as coefficients make CBC's presolve
+        // declare feasible programmes infeasible.
+        load[size_t(s)].push_back({var, g.node(v).flops / total});
         present[size_t(s)].push_back({var, 1.0});
       }
     }
     ilp.add_eq(one, 1);
   }
-  const double cap = (1 + o.balance_tolerance) * total / S;
+  const double cap = (1 + o.balance_tolerance) / S;
   for (int s = 0; s < S; ++s) {
     TESSEL_CHECK(!present[size_t(s)].empty(), InvalidArgumentError,
                  "cut_pipeline: no operator may go to stage {} with window {}; widen it", s,

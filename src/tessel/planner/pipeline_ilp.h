@@ -36,6 +36,9 @@ struct PipelineCutOptions {
   // cuts lie on critical nodes -- a transformer's do: anything else crosses more than the
   // residual stream. A graph without critical nodes is cut whole.
   bool coarsen = false;
+  // With coarsen: a stage may end only where OpNode::layer changes (a transformer's units:
+  // embedding, blocks, head), so that the stages map onto the runtime's layers_per_stage.
+  bool whole_layers = false;
   IlpOptions ilp = {};
 };
 

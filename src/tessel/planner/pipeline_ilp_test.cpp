@@ -138,6 +138,30 @@ TEST(PipelineIlp, AnOperatorLargerThanAStageIsInfeasible) {
   EXPECT_EQ(cut_pipeline(transformer_graph(model, 1, 1024), 4, o).status, IlpStatus::infeasible);
 }
 
+// whole_layers cuts only between a transformer's units. GPT-2 124M at 1024 tokens: 12 blocks of
+// 17.7 GFLOP and a 79.4 GFLOP head; within 10% of a quarter (80.7) the only cut is the embedding
+// and 4 blocks, 4, 4, the head. (A regression too: with the FLOP counts themselves as
+// coefficients, CBC called this programme infeasible.)
+TEST(PipelineIlp, WholeLayersCutsOnlyBetweenUnits) {
+  const auto model = model::ModelConfig::preset("gpt2-124m");
+  const OpGraph g = transformer_graph(model, 1, 1024);
+  PipelineCutOptions o;
+  o.coarsen = true;
+  o.whole_layers = true;
+  const PipelineCut cut = cut_pipeline(g, 4, o);
+  ASSERT_EQ(cut.status, IlpStatus::optimal) << ilp_status_name(cut.status);
+  std::vector<int> stage_of_layer(size_t(model.n_layer), -1);
+  for (int v = 0; v < g.size(); ++v) {
+    const OpNode& n = g.node(v);
+    if (n.layer < 0) continue;
+    if (stage_of_layer[size_t(n.layer)] < 0) stage_of_layer[size_t(n.layer)] = cut.stage[size_t(v)];
+    EXPECT_EQ(cut.stage[size_t(v)], stage_of_layer[size_t(n.layer)]) << n.name;
+  }
+  EXPECT_EQ(stage_of_layer, (std::vector<int>{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2}));
+  // Three boundaries, each crossed by one residual stream of 1024 x 768 fp32.
+  EXPECT_DOUBLE_EQ(cut.crossing_bytes, 3.0 * 1024 * 768 * 4);
+}
+
 TEST(PipelineIlp, RejectsWhatCannotBeCut) {
   const OpGraph g = transformer_graph(model::ModelConfig::preset("gpt2-tiny"), 1, 8);
   EXPECT_THROW(cut_pipeline(g, 0), InvalidArgumentError);

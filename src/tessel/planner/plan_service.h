@@ -3,8 +3,10 @@
 //
 //   POST
 //   /v1/plan?tp=4&stages=2&cluster=dgx-a100&precision=bf16&balance=0.1&dim=batch:8&dim=seq:1024
+//           &dp=2&micro_batches=8&schedule=1f1b
 //        body: the ONNX model (application/octet-stream)
-//     200 {"tp", "stages", "status", "time_s", "operators": [...], "cut", "warnings", ...}
+//     200 {"tp", "stages", "status", "time_s", "step", "operators": [...], "cut", "warnings",
+//          ...}
 //         (graph_plan.h: graph_plan_json, plus the model's producer, opset and warnings)
 //     400 {"error": "..."}  a malformed, truncated or cyclic graph, a dimension without a value,
 //                           an unknown cluster, a layout that does not fit, a model that

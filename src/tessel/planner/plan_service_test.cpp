@@ -42,7 +42,8 @@ class PlanServiceTest : public ::testing::Test {
 TEST_F(PlanServiceTest, PlansAPostedModel) {
   const auto model = gpt_block();
   ASSERT_GT(model.size(), 1000u);
-  auto res = post("?tp=2&stages=2&balance=0.5&dim=batch:8", model);
+  auto res =
+      post("?tp=2&stages=2&balance=0.5&dim=batch:8&dp=2&micro_batches=4&schedule=zb-h1", model);
   ASSERT_TRUE(res) << httplib::to_string(res.error());
   ASSERT_EQ(res->status, 200) << res->body;
   const auto doc = nlohmann::json::parse(res->body);
@@ -51,6 +52,11 @@ TEST_F(PlanServiceTest, PlansAPostedModel) {
   EXPECT_EQ(doc["operators"].size(), 33u);
   EXPECT_EQ(doc["cut"]["status"], "optimal");
   EXPECT_EQ(doc["cluster"], "dgx-a100");
+  // The simulated step of the layout asked for.
+  EXPECT_EQ(doc["schedule"], "zb-h1");
+  EXPECT_GT(doc["step"]["step_s"].get<double>(), doc["step"]["pipeline_s"].get<double>());
+  EXPECT_GT(doc["step"]["dp_s"].get<double>(), 0);
+  EXPECT_EQ(doc["step"]["stages"].size(), 2u);
 
   httplib::Client c("127.0.0.1", port_);
   auto health = c.Get("/v1/health");
@@ -79,6 +85,8 @@ TEST_F(PlanServiceTest, BadRequestsAreOneClear4xx) {
   EXPECT_NE(error_of("?cluster=/etc/passwd&dim=batch:8", model, 400).find("dgx-a100"),
             std::string::npos);
   EXPECT_NE(error_of("?dim=batch:8", "", 400).find("no model"), std::string::npos);
+  EXPECT_NE(error_of("?dim=batch:8&schedule=nope", model, 400).find("nope"), std::string::npos);
+  EXPECT_NE(error_of("?dim=batch:8&dp=0", model, 400).find("dp=0"), std::string::npos);
   // Over max_model_bytes (and the envelope's 64 KiB): refused before it is read whole.
   auto big = post("?dim=batch:8", std::string(400 << 10, 'x'));
   ASSERT_TRUE(big);

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <map>
+#include <set>
+
 #include "tessel/core/check.h"
 
 namespace tessel::planner {
@@ -40,6 +43,10 @@ void check_costs(int t, const ShardingCosts& c) {
       t, c.flops_per_s, c.bandwidth, c.latency_s);
 }
 
+// The programme's objective is in microseconds: in seconds, a step of milliseconds made of
+// microsecond terms sits near CBC's absolute tolerances, and it proved worse solutions optimal.
+constexpr double kUnitsPerSecond = 1e6;
+
 double collective(const ShardingCosts& c, double bytes) {
   return c.latency_s + bytes / c.bandwidth;
 }
@@ -47,28 +54,60 @@ double collective(const ShardingCosts& c, double bytes) {
 }  // namespace
 
 double strategy_cost(const OpGraph& g, int v, const OpStrategy& s, int t, const ShardingCosts& c) {
+  return 3 * s.flops / c.flops_per_s + 2 * inside_cost(s, c) + weight_sync_cost(g, v, s, t, c);
+}
+
+EdgeCosts edge_costs(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,
+                     const OpStrategy& to, int t, const ShardingCosts& c) {
+  const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
+  EdgeCosts e;
+  const Reshard fwd = reshard(from.out, to.in[k], bytes, t);
+  if (!fwd.collective.empty()) e.forward = collective(c, fwd.bytes_per_device);
+  // Data entering the graph needs no gradient.
+  if (g.node(u).kind != OpKind::input) {
+    const Reshard bwd = reshard(input_gradient(to, k, g.node(v)), output_gradient(from), bytes, t);
+    if (!bwd.collective.empty()) e.backward = collective(c, bwd.bytes_per_device);
+  }
+  return e;
+}
+
+double edge_cost(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,
+                 const OpStrategy& to, int t, const ShardingCosts& c) {
+  const EdgeCosts e = edge_costs(g, u, from, v, k, to, t, c);
+  return e.forward + e.backward;
+}
+
+double backward_gradient_cost(const OpGraph& g, int u, const std::vector<OpStrategy>& chosen, int t,
+                              const ShardingCosts& c) {
+  if (g.node(u).kind == OpKind::input) return 0;
+  const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
+  const Shard need = output_gradient(chosen[size_t(u)]);
+  std::set<std::string> seen;
+  double cost = 0;
+  for (int v = 0; v < g.size(); ++v)
+    for (size_t k = 0; k < g.node(v).inputs.size(); ++k) {
+      if (g.node(v).inputs[k] != u) continue;
+      const Shard layout = input_gradient(chosen[size_t(v)], k, g.node(v));
+      if (!seen.insert(to_string(layout)).second) continue;
+      const Reshard r = reshard(layout, need, bytes, t);
+      if (!r.collective.empty()) cost += collective(c, r.bytes_per_device);
+    }
+  return cost;
+}
+
+double inside_cost(const OpStrategy& s, const ShardingCosts& c) {
+  return s.comm_bytes > 0 ? collective(c, s.comm_bytes) : 0;
+}
+
+double weight_sync_cost(const OpGraph& g, int v, const OpStrategy& s, int t,
+                        const ShardingCosts& c) {
+  double cost = 0;
   const auto& weights = g.weights_used_by(v);
-  double cost = 3 * s.flops / c.flops_per_s;
-  if (s.comm_bytes > 0) cost += 2 * collective(c, s.comm_bytes);
   if (t > 1 && s.name.starts_with("batch"))
     for (size_t w = 0; w < weights.size(); ++w)
       if (s.weights[w].kind == Shard::Kind::replicated)
         cost +=
             collective(c, 2.0 * (t - 1) / t * double(elements(weights[w])) * c.bytes_per_element);
-  return cost;
-}
-
-double edge_cost(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,
-                 const OpStrategy& to, int t, const ShardingCosts& c) {
-  const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
-  double cost = 0;
-  const Reshard fwd = reshard(from.out, to.in[k], bytes, t);
-  if (!fwd.collective.empty()) cost += collective(c, fwd.bytes_per_device);
-  // Data entering the graph needs no gradient.
-  if (g.node(u).kind != OpKind::input) {
-    const Reshard bwd = reshard(input_gradient(to, k, g.node(v)), output_gradient(from), bytes, t);
-    if (!bwd.collective.empty()) cost += collective(c, bwd.bytes_per_device);
-  }
   return cost;
 }
 
@@ -111,7 +150,7 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
                    options_of[size_t(v)].size());
       const OpStrategy& s = options_of[size_t(v)][size_t(i)];
       const int var = ilp.add_binary(fmt::format("x.{}.{}", node.name, s.name),
-                                     costed ? strategy_cost(g, v, s, t, c) : 0);
+                                     costed ? kUnitsPerSecond * strategy_cost(g, v, s, t, c) : 0);
       x[size_t(v)].push_back({i, var});
       one.push_back({var, 1.0});
       // A tied head's weights are the embedding's: counted there.
@@ -122,9 +161,18 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
   }
   if (std::isfinite(c.memory_bytes) && !memory.empty())
     ilp.add_le(memory, c.memory_bytes, "memory");
+  // Readers of each node's output within the programme: (consumer, input index).
+  std::vector<std::vector<std::pair<int, size_t>>> readers(static_cast<size_t>(n));
+  for (int v = 0; v < n; ++v)
+    if (active(v))
+      for (size_t k = 0; k < g.node(v).inputs.size(); ++k)
+        if (active(g.node(v).inputs[k])) readers[size_t(g.node(v).inputs[k])].push_back({v, k});
+  auto fans_out = [&](int u) {
+    return readers[size_t(u)].size() > 1 && g.node(u).kind != OpKind::input;
+  };
   // Edges: forward, the producer's output layout against what the consumer reads there;
   // backward, the gradient the consumer makes of that input against what the producer's own
-  // backward needs.
+  // backward needs -- for a producer with several readers, below.
   for (int v = 0; v < n; ++v) {
     if (!active(v)) continue;
     const OpNode& node = g.node(v);
@@ -135,14 +183,50 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
         for (const auto& [b, xb] : x[size_t(v)]) {
           const OpStrategy& from = options_of[size_t(u)][size_t(a)];
           const OpStrategy& to = options_of[size_t(v)][size_t(b)];
-          const double cost = edge_cost(g, u, from, v, k, to, t, c);
+          const EdgeCosts e = edge_costs(g, u, from, v, k, to, t, c);
+          const double cost = fans_out(u) ? e.forward : e.forward + e.backward;
           if (cost == 0) continue;
           const int y = ilp.add_continuous(
               fmt::format("y.{}.{}.{}.{}", g.node(u).name, from.name, node.name, to.name), 0, 1,
-              cost);
+              kUnitsPerSecond * cost);
           const std::vector<Ilp::Term> link = {{y, 1.0}, {xa, -1.0}, {xb, -1.0}};
           ilp.add_ge(link, -1);
         }
+    }
+  }
+  // A producer with several readers sums the gradients they leave: those of one layout locally,
+  // then each distinct layout changed once to what its backward needs (backward_gradient_cost).
+  // has[G] >= x of every reader strategy leaving layout G (minimisation keeps it at their max);
+  // y >= x[u][a] + has[G] - 1 pays G's change for u's strategy a.
+  for (int u = 0; u < n; ++u) {
+    if (!active(u) || !fans_out(u)) continue;
+    const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
+    std::map<std::string, std::pair<Shard, int>> has;  // by to_string(G)
+    for (const auto& [v, k] : readers[size_t(u)])
+      for (const auto& [b, xb] : x[size_t(v)]) {
+        const Shard layout = input_gradient(options_of[size_t(v)][size_t(b)], k, g.node(v));
+        auto it = has.find(to_string(layout));
+        if (it == has.end())
+          it = has.emplace(
+                      to_string(layout),
+                      std::pair{layout, ilp.add_continuous(fmt::format("has.{}.{}", g.node(u).name,
+                                                                       to_string(layout)),
+                                                           0, 1, 0)})
+                   .first;
+        const std::vector<Ilp::Term> at_least = {{it->second.second, 1.0}, {xb, -1.0}};
+        ilp.add_ge(at_least, 0);
+      }
+    for (const auto& [a, xa] : x[size_t(u)]) {
+      const Shard need = output_gradient(options_of[size_t(u)][size_t(a)]);
+      for (const auto& [name, entry] : has) {
+        const Reshard r = reshard(entry.first, need, bytes, t);
+        if (r.collective.empty()) continue;
+        const int y = ilp.add_continuous(
+            fmt::format("g.{}.{}.{}", g.node(u).name, options_of[size_t(u)][size_t(a)].name, name),
+            0, 1, kUnitsPerSecond * collective(c, r.bytes_per_device));
+        const std::vector<Ilp::Term> link = {{y, 1.0}, {xa, -1.0}, {entry.second, -1.0}};
+        ilp.add_ge(link, -1);
+      }
     }
   }
   // A node reading another's weights (a head tied to the embedding) holds them as that node
@@ -164,9 +248,9 @@ ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
   out.variables = ilp.variables();
   out.constraints = ilp.constraints();
   out.solve_s = r.seconds;
-  out.bound_s = r.bound;
+  out.bound_s = r.bound / kUnitsPerSecond;
   if (!r.has_solution()) return out;
-  out.time_s = r.objective;
+  out.time_s = r.objective / kUnitsPerSecond;
   out.chosen.resize(size_t(n));
   out.index.assign(size_t(n), -1);
   for (int v = 0; v < n; ++v) {

@@ -14,7 +14,9 @@
 //                 leaves for that input (partial where every device read the input whole but
 //                 computed a part: a column-parallel matmul's input) to the layout the
 //                 producer's backward needs (its output's; whole for a partial output); each
-//                 collective latency + bytes / bandwidth;
+//                 collective latency + bytes / bandwidth. A producer read by several consumers
+//                 sums their gradients first: one change per distinct layout they leave
+//                 (backward_gradient_cost);
 //   weight sync   a strategy that splits the batch (batch(d)) and keeps a weight replicated
 //                 leaves each device part of its gradient: all-reduced, 2 (t - 1) / t of its
 //                 bytes;
@@ -24,7 +26,9 @@
 //                 node chose.
 // Variables: x[v][s] binary, one per node v and strategy s, sum_s x[v][s] = 1; for every edge and
 // pair of strategies whose layout change costs anything, y >= x[u][s] + x[v][s'] - 1 (y >= 0),
-// which minimisation keeps at 0 unless both are chosen.
+// which minimisation keeps at 0 unless both are chosen; for a producer with several readers,
+// has[u][G] >= x[v][s'] for each reader strategy leaving gradient layout G, and
+// y >= x[u][s] + has[u][G] - 1 for each G that u's strategy s must change.
 #pragma once
 
 #include <limits>
@@ -82,5 +86,23 @@ double strategy_cost(const OpGraph& graph, int node, const OpStrategy& s, int t,
                      const ShardingCosts& costs);
 double edge_cost(const OpGraph& graph, int producer, const OpStrategy& from, int consumer,
                  size_t input, const OpStrategy& to, int t, const ShardingCosts& costs);
+// The parts of those costs, for the step prediction that puts each on its pass (graph_costs.h):
+// an edge's forward and backward layout changes; one run of a strategy's own collectives (it runs
+// them forward and backward); the all-reduce of the gradients of the weights a batch split keeps
+// replicated.
+struct EdgeCosts {
+  double forward = 0, backward = 0;
+};
+EdgeCosts edge_costs(const OpGraph& graph, int producer, const OpStrategy& from, int consumer,
+                     size_t input, const OpStrategy& to, int t, const ShardingCosts& costs);
+double inside_cost(const OpStrategy& s, const ShardingCosts& costs);
+// The backward layout changes into node u's output gradient under the chosen strategies (one per
+// node): the gradients its readers leave, summed locally where they share a layout, each distinct
+// layout changed once to what u's backward needs -- so the q, k and v projections of one norm's
+// output, column-parallel, cost one all-reduce, not three (Megatron-LM's).
+double backward_gradient_cost(const OpGraph& graph, int node, const std::vector<OpStrategy>& chosen,
+                              int t, const ShardingCosts& costs);
+double weight_sync_cost(const OpGraph& graph, int node, const OpStrategy& s, int t,
+                        const ShardingCosts& costs);
 
 }  // namespace tessel::planner

@@ -408,7 +408,18 @@ SimulatedStep simulate_step(const SimulateRequest& rq) {
   SimulatedStep out;
   out.schedule =
       rq.schedule.empty() ? std::string(layout::schedule_name(plan.schedule)) : rq.schedule;
-  out.costs = stage_costs(rq, plan, unit, units_of);
+  if (rq.stage_costs.empty()) {
+    out.costs = stage_costs(rq, plan, unit, units_of);
+  } else {
+    TESSEL_CHECK(
+        !rq.plan.layers_per_stage.empty() && rq.stage_costs.size() == size_t(plan.num_stages()),
+        ConfigError,
+        "simulate: {} given stage costs for a plan of {} virtual stages{}; give one per "
+        "virtual stage and the plan's layers_per_stage",
+        rq.stage_costs.size(), plan.num_stages(),
+        rq.plan.layers_per_stage.empty() ? " without layers_per_stage" : "");
+    out.costs = rq.stage_costs;
+  }
   const SimConfig sc = sim_config(rq, plan, cost);
   const PipelineSchedule ps = pipeline_schedule(out.schedule, rq, plan);
   out.analytic_bubble = ps.analytic_bubble;

@@ -80,6 +80,10 @@ struct SimulateRequest {
   // Per-unit times measured with tensor parallelism (their all-reduces included), by tp size; used
   // for a plan of that tp at the profiled sequence length.
   std::map<int, ComputeProfile> tp_profiles;
+  // Per virtual stage, costs that replace the cost model's (an operator graph's,
+  // graph_costs.h). The plan must then give layers_per_stage: the units those stages hold decide
+  // the parameters each rank syncs over dp and updates. Empty: the cost model's.
+  std::vector<StageCosts> stage_costs;
 };
 
 struct SimulatedStep {
@@ -100,7 +104,8 @@ struct SimulatedStep {
 // Throws ConfigError when the plan does not validate against the model, its own global batch and
 // the cluster resized to its world, for a sequence outside the model, an unknown schedule, gpipe,
 // 1f1b or zb-h1 on a plan with virtual_stages > 1, a slowdown list that is not one factor per
-// pipeline rank, and what the simulator throws (simulator.h).
+// pipeline rank, stage_costs without layers_per_stage or not one per virtual stage, and what the
+// simulator throws (simulator.h).
 SimulatedStep simulate_step(const SimulateRequest& request);
 
 }  // namespace tessel::planner

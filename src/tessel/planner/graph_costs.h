@@ -1,0 +1,63 @@
+// What one micro-batch costs in each operator of a sharded graph, per pass, on one device of the
+// tensor-parallel axis, and the per-stage costs the pipeline simulator runs (issue 20: the graph
+// planner's step prediction, graph_plan.h). The rates and the rules are the layer planner's
+// (cost_model.h), applied per operator, so that a transformer's graph and its layers predict the
+// same step:
+//   matmul with weights, conv   F, Bi and Bw one GEMM of the strategy's FLOPs each
+//                               (EfficiencyCurve::gemm_time at the device's peak in the precision)
+//   matmul of two activations   F one GEMM, Bi two (both operands' gradients), no Bw
+//   (attention's q k^T, p v)
+//   memory-bound operators      stream elements through the device's memory bandwidth, in the
+//                               precision's element size, forward; Bi twice that (read the
+//                               gradient and the saved input, write the input's gradient):
+//     norms, softmax, activation functions, rope, reduce, other   2 per element (read, write)
+//     add, mul of two tensors                                      3 (read 2, write 1)
+//     gather (embedding)          1 forward (write), no Bi, Bw 2 (scatter-add)
+//     loss                        2 per logit forward and again in Bi, in fp32
+//   free                          reshape, transpose, split, concat (views, or copies folded into
+//                                 their consumer) and a mul by a constant (one input: the
+//                                 attention's scale, fused into the softmax as Megatron-LM's
+//                                 scale-mask-softmax does); inputs.
+//   An operator's elements are those of its output on one device (of its first input for a loss
+//   or a reduce): a split tensor's 1/t, a replicated or partial one's all.
+// Communication on the tp axis (sharding_ilp.h): each edge's forward layout change on the
+// consumer's F, its backward change on the consumer's Bi; a strategy's own collectives once in F
+// and once in Bi; the all-reduce of the gradient of a weight a batch split keeps replicated in Bw.
+// The recompute pass is the forward.
+#pragma once
+
+#include <vector>
+
+#include "tessel/planner/cluster.h"
+#include "tessel/planner/cost_model.h"
+#include "tessel/planner/op_graph.h"
+#include "tessel/planner/sharding_ilp.h"
+#include "tessel/planner/simulator.h"
+
+namespace tessel::planner {
+
+// The tensor-parallel axis's rates for the sharding programme: the device's peak in `precision`
+// at its large-GEMM efficiency (ClusterSpec's gemm.max_efficiency, the saturated rate of the cost
+// model's curve), the intra-host link's collective bandwidth and latency, elements of the
+// precision's size, 16 bytes of training state per weight (fp32: weight, gradient, Adam's m and v;
+// mixed: 2-byte weight and gradient, fp32 master copy, m and v), the device's usable memory. Throws
+// ConfigError when the device has no rate for the precision.
+ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision);
+
+// Per node, its times under the solution's strategies on t devices. Throws InvalidArgumentError
+// when the solution has no strategy for a node, and ConfigError when the device has no rate for
+// the precision.
+std::vector<PassTimes> operator_times(const OpGraph& graph, const ShardingSolution& sharding, int t,
+                                      const ClusterSpec& cluster, Precision precision);
+
+// Per stage (stage_of: per node, in [0, stages); empty puts every node on stage 0): the sums of
+// its operators' times; activation_bytes, the outputs of its operators on one device (what its
+// backward reads, roughly); output_bytes, the tensors on one device produced at or before the
+// stage and read after it (what the boundary carries forward, and their gradients back).
+// Throws InvalidArgumentError when sizes disagree or a stage is out of range.
+std::vector<StageCosts> graph_stage_costs(const OpGraph& graph, const ShardingSolution& sharding,
+                                          const std::vector<PassTimes>& times,
+                                          const std::vector<int>& stage_of, int stages, int t,
+                                          Precision precision);
+
+}  // namespace tessel::planner

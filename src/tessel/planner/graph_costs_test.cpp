@@ -1,0 +1,111 @@
+#include "tessel/planner/graph_costs.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "tessel/core/error.h"
+#include "tessel/planner/graph_sharding.h"
+#include "tessel/planner/transformer_graph.h"
+
+namespace tessel::planner {
+namespace {
+
+int id_of(const OpGraph& g, const std::string& name) {
+  for (int v = 0; v < g.size(); ++v)
+    if (g.node(v).name == name) return v;
+  ADD_FAILURE() << "no node " << name;
+  return 0;
+}
+
+// A two-block LLaMA-2 7B at 2048 tokens, tp 2 on a DGX A100, under the sharding the programme
+// chooses (Megatron-LM's: sharding_ilp_test). Every time below is rebuilt from the rules of
+// graph_costs.h and the cluster's rates, so a rule that changes fails here.
+class LlamaTp2 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model = model::ModelConfig::preset("llama2-7b");
+    model.n_layer = 2;
+    g = transformer_graph(model, 1, kSeq);
+    s = shard_graph(g, kT, sharding_costs(cluster, Precision::bf16), {.time_limit_s = 60});
+    ASSERT_EQ(s.status, IlpStatus::optimal);
+    times = operator_times(g, s, kT, cluster, Precision::bf16);
+  }
+  const PassTimes& at(const std::string& name) { return times[size_t(id_of(g, name))]; }
+  double gemm(double flops) const {
+    return cluster.device.gemm.gemm_time(flops, cluster.device.peak(Precision::bf16));
+  }
+  double stream(double elements) const { return elements * 2 / cluster.device.memory_bandwidth; }
+  // One all-reduce of the residual stream (2048 x 4096 bf16) over the 2 devices, as the
+  // programme's rates cost it: latency + 2 (t - 1) / t of the bytes over the collective bandwidth.
+  double all_reduce() const {
+    const ShardingCosts c = sharding_costs(cluster, Precision::bf16);
+    return c.latency_s + 2.0 * (kT - 1) / kT * kTokens * 4096 * 2 / c.bandwidth;
+  }
+
+  static constexpr int kT = 2, kSeq = 2048;
+  static constexpr double kTokens = kSeq;
+  ClusterSpec cluster = ClusterSpec::preset("dgx-a100");
+  model::ModelConfig model;
+  OpGraph g;
+  ShardingSolution s;
+  std::vector<PassTimes> times;
+};
+
+TEST_F(LlamaTp2, MatmulsTakeOneGemmPerPassAndAttentionTwoInItsBackward) {
+  const double q_flops = 2 * kTokens * 4096 * 4096 / kT;  // column: half the output per device
+  EXPECT_EQ(s.of(g, "h.0.self_attn.q_proj").name, "column");
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").forward, gemm(q_flops));
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_input, gemm(q_flops));
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_weight, gemm(q_flops));
+  const double qk_flops = 2 * kTokens * kSeq * 4096 / kT;  // half the heads
+  EXPECT_DOUBLE_EQ(at("h.0.qk").forward, gemm(qk_flops));
+  EXPECT_DOUBLE_EQ(at("h.0.qk").backward_input, 2 * gemm(qk_flops));
+  EXPECT_EQ(at("h.0.qk").backward_weight, 0);
+  // The scale by 1/sqrt(d) is fused into the softmax; the softmax streams half the scores.
+  EXPECT_EQ(at("h.0.scale").forward, 0);
+  const double scores = 32.0 * kSeq * kSeq / kT;
+  EXPECT_DOUBLE_EQ(at("h.0.softmax").forward, stream(2 * scores));
+  EXPECT_DOUBLE_EQ(at("h.0.softmax").backward_input, stream(4 * scores));
+}
+
+// Megatron-LM's communication: the row-parallel output's partial sums are all-reduced once in
+// the forward (into the residual add), and the norm whose output the q, k and v projections all
+// read sums their three partial input gradients locally and all-reduces once in the backward --
+// not three times.
+TEST_F(LlamaTp2, ABlockAllReducesOncePerDirectionAtEachHalf) {
+  const double residual = kTokens * 4096;
+  EXPECT_EQ(s.of(g, "h.0.self_attn.o_proj").name, "row");
+  EXPECT_DOUBLE_EQ(at("h.0.residual_1").forward, stream(3 * residual) + all_reduce());
+  EXPECT_DOUBLE_EQ(at("h.0.input_layernorm").forward, stream(2 * residual));
+  EXPECT_DOUBLE_EQ(at("h.0.input_layernorm").backward_input, stream(4 * residual) + all_reduce());
+}
+
+TEST_F(LlamaTp2, StagesSumTheirOperatorsAndCarryTheResidualStream) {
+  // Stage 0: everything through the first block; stage 1: the rest.
+  std::vector<int> stage(size_t(g.size()), 0);
+  bool second = false;
+  for (int v : g.validate()) {
+    second = second || g.node(v).layer == 1;
+    stage[size_t(v)] = second ? 1 : 0;
+  }
+  const auto stages = graph_stage_costs(g, s, times, stage, 2, kT, Precision::bf16);
+  ASSERT_EQ(stages.size(), 2u);
+  double f0 = 0, bw1 = 0;
+  for (int v = 0; v < g.size(); ++v) {
+    if (stage[size_t(v)] == 0) f0 += times[size_t(v)].forward;
+    if (stage[size_t(v)] == 1) bw1 += times[size_t(v)].backward_weight;
+  }
+  EXPECT_DOUBLE_EQ(stages[0].forward, f0);
+  EXPECT_DOUBLE_EQ(stages[1].backward_weight, bw1);
+  EXPECT_DOUBLE_EQ(stages[1].backward, stages[1].backward_input + stages[1].backward_weight);
+  // One residual stream, whole on every device (bf16), crosses; nothing leaves the last stage.
+  EXPECT_DOUBLE_EQ(stages[0].output_bytes, kTokens * 4096 * 2);
+  EXPECT_EQ(stages[1].output_bytes, 0);
+  EXPECT_GT(stages[0].activation_bytes, 0);
+
+  EXPECT_THROW(graph_stage_costs(g, s, times, stage, 1, kT, Precision::bf16), InvalidArgumentError);
+  EXPECT_THROW(graph_stage_costs(g, s, {}, stage, 2, kT, Precision::bf16), InvalidArgumentError);
+}
+
+}  // namespace
+}  // namespace tessel::planner

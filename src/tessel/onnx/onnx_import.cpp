@@ -524,6 +524,17 @@ class Importer {
           if (!o.empty()) constants_.insert(o);
       }
     }
+    // An Identity of a weight (PyTorch's exporter writes one for each initializer equal to
+    // another, e.g. the zero biases of convolutions with batch norm folded in) is that weight.
+    for (int i = 0; i < g_.node_size(); ++i) {
+      const auto& node = g_.node(i);
+      if (folded_node_[size_t(i)] || node.op_type() != "Identity" || node.input_size() != 1 ||
+          node.output_size() != 1 || !weights_.contains(node.input(0)))
+        continue;
+      folded_node_[size_t(i)] = 1;
+      ++folded_["Identity"];
+      aliases_[node.output(0)] = node.input(0);
+    }
   }
 
   std::string node_name(int i) const {
@@ -577,6 +588,8 @@ class Importer {
     if (name.empty()) return {};
     if (constants_.contains(name)) return {Operand::Kind::constant, name};
     if (weights_.contains(name)) return {Operand::Kind::weight, name};
+    if (auto it = aliases_.find(name); it != aliases_.end())
+      return {Operand::Kind::weight, it->second};
     TESSEL_CHECK(producer_.contains(name), CorruptDataError,
                  "{}: node '{}' reads tensor '{}', which no node, graph input or initializer "
                  "produces",
@@ -695,8 +708,11 @@ class Importer {
     n.kind = OpKind::other;
 
     if (op == "MatMul") {
+      // x [..., K] times a weight [K, N], or stacked weights [E..., K, N] (experts) whose
+      // leading dimensions line up with x's.
       if (acts.size() == 1 && acts[0] == 0 && weights.size() == 1 && weights[0] == 1 &&
-          weight_shape(ops[1].name).size() == 2 && !act_shape(0).empty()) {
+          weight_shape(ops[1].name).size() >= 2 &&
+          act_shape(0).size() >= weight_shape(ops[1].name).size()) {
         n.kind = OpKind::matmul;
         read(1);
         n.flops = 2.0 * out_elements * double(act_shape(0).back());
@@ -707,8 +723,8 @@ class Importer {
       } else {
         read_all_weights();
         downgrade(p,
-                  "a MatMul shards as activation x weight [K, N] or as two activations of the "
-                  "output's rank");
+                  "a MatMul shards as activation x weight [..., K, N] or as two activations of "
+                  "the output's rank");
       }
       return;
     }
@@ -856,7 +872,9 @@ class Importer {
       }
       return;
     }
-    if (op == "ReduceMean" || op == "ReduceSum" || op == "ReduceMax" || op == "ReduceMin") {
+    if (op == "ReduceMean" || op == "ReduceSum" || op == "ReduceMax" || op == "ReduceMin" ||
+        op == "GlobalAveragePool" || op == "GlobalMaxPool" || op == "MaxPool" ||
+        op == "AveragePool") {
       read_all_weights();
       if (acts.size() == 1 && acts[0] == 0) {
         n.kind = OpKind::reduce;
@@ -955,6 +973,7 @@ class Importer {
   std::unordered_map<std::string, const onnx::TypeProto*> types_;
   std::unordered_map<std::string, const onnx::TensorProto*> initializers_;
   std::unordered_set<std::string> weights_, constants_;
+  std::map<std::string, std::string> aliases_;  // an Identity's output -> the weight it copies
   std::vector<char> folded_node_;
   std::vector<std::pair<int, std::string>> hidden_;  // nodes kept from inference, their domain
   std::map<std::string, int> folded_;                // op_type -> nodes folded into constants

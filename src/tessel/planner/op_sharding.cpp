@@ -108,25 +108,35 @@ class Enumerator {
     out_.push_back(std::move(s));
   }
 
-  // x[..., K] W[K, N] (+ bias[N]); a tied head reads table[N, K].
+  // x[..., K] W[..., K, N] (+ bias[N]); a tied head reads table[N, K]. W's leading dimensions
+  // (stacked experts: [E, K, N]) line up with x's from the right.
   void linear() {
     const Shape& x = input_shape(0);
     const int last = int(n_.shape.size()) - 1;
     const bool tied = n_.weights_of >= 0;
+    const int w_rank = int(weights_.front().size());
     const int64_t K = x.back(), N = n_.shape.back();
-    auto weights = [&](bool column) {
-      std::vector<Shard> w;
-      // W[K, N]: column splits N (dim 1), row splits K (dim 0); the table [N, K] the reverse.
-      w.push_back(Shard::S(column != tied ? 1 : 0));
+    auto weights = [&](Shard w0, bool bias_split) {
+      std::vector<Shard> w = {w0};
       for (size_t i = 1; i < weights_.size(); ++i)  // the bias [N]: split with N, else whole
-        w.push_back(column ? Shard::S(0) : Shard::R());
+        w.push_back(bias_split ? Shard::S(0) : Shard::R());
       return w;
     };
-    if (divides(N)) add("column", Shard::S(last), {Shard::R()}, weights(true), t_);
-    if (divides(K)) add("row", Shard::P(), {Shard::S(last)}, weights(false), t_);
-    for (int d = 0; d < last; ++d)
-      if (divides(n_.shape[size_t(d)]))
-        add(fmt::format("batch({})", d), Shard::S(d), {Shard::S(d)}, {}, t_);
+    // Column splits N (W's last dimension), row splits K; the tied table [N, K] the reverse.
+    if (divides(N))
+      add("column", Shard::S(last), {Shard::R()}, weights(Shard::S(tied ? 0 : w_rank - 1), true),
+          t_);
+    if (divides(K))
+      add("row", Shard::P(), {Shard::S(last)}, weights(Shard::S(tied ? 1 : w_rank - 2), false), t_);
+    // A batch split keeps W whole, unless the dimension is one of W's own (experts): then each
+    // device holds its experts, and no weight gradient needs summing.
+    for (int d = 0; d < last; ++d) {
+      if (!divides(n_.shape[size_t(d)])) continue;
+      const int w_dim = d - (last + 1 - w_rank);
+      add(fmt::format("batch({})", d), Shard::S(d), {Shard::S(d)},
+          w_dim >= 0 && w_dim < w_rank - 2 ? weights(Shard::S(w_dim), false) : std::vector<Shard>{},
+          t_);
+    }
   }
 
   // a[..., M, K] b[..., K, N] -> y[..., M, N], or b given as [..., N, K] (q k^T).

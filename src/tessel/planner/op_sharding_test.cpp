@@ -149,6 +149,75 @@ TEST(OpSharding, LinearStrategiesComputeTheProduct) {
   }
 }
 
+// Stacked experts: x[E, M, K] W[E, K, N] -> y[E, M, N] (a mixture of experts' batched matmul),
+// each 3-D tensor a list of E matrices. Splitting E gives each device its experts, weights and
+// tokens alike; column, row and the token split act within every expert.
+TEST(OpSharding, StackedExpertWeightsSplitTheirExperts) {
+  using Stack = std::vector<Mat>;
+  std::mt19937 rng(3);
+  const int64_t E = 4, M = 4, K = 6, N = 6;
+  const int t = 2;
+  OpGraph g;
+  const int x = g.add({.name = "x", .kind = OpKind::input, .shape = {E, M, K}});
+  const int y = g.add({.name = "y",
+                       .kind = OpKind::matmul,
+                       .inputs = {x},
+                       .shape = {E, M, N},
+                       .weights = {{E, K, N}},
+                       .flops = 2.0 * E * M * K * N});
+  const auto strategies = op_strategies(g, y, t);
+  const auto names = by_name(strategies);
+  ASSERT_TRUE(names.contains("batch(0)"));
+  EXPECT_EQ(names.at("batch(0)").weights[0], Shard::S(0));
+  EXPECT_EQ(names.at("batch(1)").weights[0], Shard::R());
+  EXPECT_EQ(names.at("column").weights[0], Shard::S(2));
+  EXPECT_EQ(names.at("row").weights[0], Shard::S(1));
+  Stack X, W, want;
+  for (int64_t e = 0; e < E; ++e) {
+    X.push_back(random_mat(M, K, rng));
+    W.push_back(random_mat(K, N, rng));
+    want.push_back(matmul(X.back(), W.back()));
+  }
+  // Device i's part of a stack in layout s: a split of dimension 0 takes experts, of 1 or 2 a
+  // part of every expert's matrix (its dimension 0 or 1).
+  auto part3 = [&](const Stack& m, const Shard& s, int i) {
+    if (s.kind == Shard::Kind::split && s.dim == 0)
+      return Stack(m.begin() + i * (E / t), m.begin() + (i + 1) * (E / t));
+    Stack out;
+    for (const Mat& a : m)
+      out.push_back(s.kind == Shard::Kind::split ? part(a, Shard::S(s.dim - 1), i, t)
+                                                 : part(a, s, i, t));
+    return out;
+  };
+  for (const OpStrategy& st : strategies) {
+    SCOPED_TRACE(st.name);
+    std::vector<Stack> parts;
+    for (int i = 0; i < t; ++i) {
+      const Stack xs = part3(X, st.in[0], i), ws = part3(W, st.weights[0], i);
+      ASSERT_EQ(xs.size(), ws.size());
+      Stack ys;
+      for (size_t e = 0; e < xs.size(); ++e) ys.push_back(matmul(xs[e], ws[e]));
+      parts.push_back(ys);
+    }
+    Stack got;
+    if (st.out.kind == Shard::Kind::split && st.out.dim == 0) {
+      for (const Stack& p : parts) got.insert(got.end(), p.begin(), p.end());
+    } else {
+      const Shard inner = st.out.kind == Shard::Kind::split ? Shard::S(st.out.dim - 1) : st.out;
+      for (int64_t e = 0; e < E; ++e) {
+        std::vector<Mat> of_e;
+        for (const Stack& p : parts) of_e.push_back(p[size_t(e)]);
+        got.push_back(whole(of_e, inner));
+      }
+    }
+    ASSERT_EQ(got.size(), size_t(E));
+    for (int64_t e = 0; e < E; ++e) expect_equal(got[size_t(e)], want[size_t(e)], st.name);
+    const double full = double(E * K * N);
+    EXPECT_DOUBLE_EQ(st.weight_elements,
+                     st.weights[0].kind == Shard::Kind::split ? full / t : full);
+  }
+}
+
 // q k^T (b given as [N, K]) and p v (b as [K, N]): batch-free 2-D cases of the contraction split.
 TEST(OpSharding, ContractionOfTwoActivationsLeavesPartialSums) {
   std::mt19937 rng(2);

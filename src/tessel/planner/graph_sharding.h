@@ -25,9 +25,13 @@ struct GraphShardingStats {
   double seconds = 0;
 };
 
-// Throws what solve_sharding throws. The solution's status is optimal when every programme was,
-// feasible when some stopped at their time limit, infeasible when no combination is.
+// A graph of at most `whole_up_to` nodes is solved as one programme (segments 1), memory row
+// included. Throws what solve_sharding throws. The solution's status is optimal when every
+// programme was, feasible when some stopped at their time limit, infeasible when no combination
+// is.
+constexpr int kShardWholeUpTo = 150;
 ShardingSolution shard_graph(const OpGraph& graph, int t, const ShardingCosts& costs,
-                             const IlpOptions& options = {}, GraphShardingStats* stats = nullptr);
+                             const IlpOptions& options = {}, GraphShardingStats* stats = nullptr,
+                             int whole_up_to = kShardWholeUpTo);
 
 }  // namespace tessel::planner

@@ -26,7 +26,8 @@ TEST(GraphSharding, DynamicProgrammeEqualsTheWholeProgramme) {
           solve_sharding(g, t, testing::nvlink_costs(), {.time_limit_s = 60});
       GraphShardingStats stats;
       const ShardingSolution dp =
-          shard_graph(g, t, testing::nvlink_costs(), {.time_limit_s = 60}, &stats);
+          shard_graph(g, t, testing::nvlink_costs(), {.time_limit_s = 60}, &stats,
+                      /*whole_up_to=*/0);
       ASSERT_EQ(whole.status, IlpStatus::optimal);
       ASSERT_EQ(dp.status, IlpStatus::optimal);
       EXPECT_NEAR(dp.time_s, whole.time_s, 1e-9 * whole.time_s);
@@ -60,6 +61,25 @@ TEST(GraphSharding, Gpt3At96BlocksReusesTheBlocksProgrammes) {
     EXPECT_EQ(s.of(g, fmt::format("h.{}.mlp.c_fc", l)).name, "column") << l;
     EXPECT_EQ(s.of(g, fmt::format("h.{}.mlp.c_proj", l)).name, "row") << l;
   }
+}
+
+// A graph up to kShardWholeUpTo nodes is one programme: the same optimum as the decomposition,
+// in one solve.
+TEST(GraphSharding, ASmallGraphIsOneProgramme) {
+  auto m = model::ModelConfig::preset("gpt2-350m");
+  m.n_layer = 2;
+  const OpGraph g = transformer_graph(m, 1, 1024);
+  ASSERT_LE(g.size(), kShardWholeUpTo);
+  GraphShardingStats whole, split;
+  const ShardingSolution a =
+      shard_graph(g, 4, testing::nvlink_costs(), {.time_limit_s = 60}, &whole);
+  const ShardingSolution b =
+      shard_graph(g, 4, testing::nvlink_costs(), {.time_limit_s = 60}, &split, 0);
+  ASSERT_EQ(a.status, IlpStatus::optimal);
+  ASSERT_EQ(b.status, IlpStatus::optimal);
+  EXPECT_EQ(whole.programmes, 1);
+  EXPECT_GT(split.programmes, 1);
+  EXPECT_NEAR(a.time_s, b.time_s, 1e-9 * b.time_s);
 }
 
 }  // namespace

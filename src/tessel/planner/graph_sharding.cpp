@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <set>
@@ -183,6 +184,14 @@ class Planner {
 
 }  // namespace
 
+double state_bytes(const OpGraph& g, const ShardingSolution& s, const ShardingCosts& costs) {
+  double bytes = 0;
+  for (int v = 0; v < g.size() && size_t(v) < s.chosen.size(); ++v)
+    if (g.node(v).weights_of < 0)  // a tied reader's weights are its owner's
+      bytes += s.chosen[size_t(v)].weight_elements * costs.state_bytes_per_weight;
+  return bytes;
+}
+
 ShardingSolution shard_graph(const OpGraph& g, int t, const ShardingCosts& costs,
                              const IlpOptions& options, GraphShardingStats* stats,
                              int whole_up_to) {
@@ -201,40 +210,99 @@ ShardingSolution shard_graph(const OpGraph& g, int t, const ShardingCosts& costs
     st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   }
-  Planner planner(g, t, costs, options, st);
-  const auto& opts = planner.options();
-  // A weight read by nodes in different segments: one DP per layout of it.
-  std::vector<std::pair<int, int>> ties;  // (owner, reader)
-  for (int v = 0; v < g.size(); ++v)
-    if (g.node(v).weights_of >= 0) ties.push_back({g.node(v).weights_of, v});
-  std::vector<std::vector<int>> allowed(size_t(g.size()));
-  ShardingSolution best;
-  best.status = IlpStatus::infeasible;
-  if (ties.empty()) {
-    best = planner.run(allowed);
-  } else {
-    // The owners' weight layouts (one owner in the transformer graphs; several are tried
-    // independently of each other, so this is exact for one and a heuristic beyond).
-    std::set<std::pair<int, int>> layouts;  // (kind, dim)
-    const int owner = ties.front().first;
-    for (const auto& s : opts[size_t(owner)])
-      layouts.insert({int(s.weights.front().kind), s.weights.front().dim});
-    for (const auto& [kind, dim] : layouts) {
-      const Shard layout{Shard::Kind(kind), dim};
-      std::vector<std::vector<int>> limited(size_t(g.size()));
-      bool possible = true;
-      for (const auto& [o, r] : ties) {
-        for (int v : {o, r}) {
-          limited[size_t(v)].clear();
-          for (int i = 0; i < int(opts[size_t(v)].size()); ++i)
-            if (opts[size_t(v)][size_t(i)].weights.front() == layout)
-              limited[size_t(v)].push_back(i);
-          possible &= !limited[size_t(v)].empty();
+  // The DP at one memory price (costs.memory_price), no memory row in the programmes.
+  auto decomposed = [&](const ShardingCosts& c) {
+    Planner planner(g, t, c, options, st);
+    const auto& opts = planner.options();
+    // A weight read by nodes in different segments: one DP per layout of it.
+    std::vector<std::pair<int, int>> ties;  // (owner, reader)
+    for (int v = 0; v < g.size(); ++v)
+      if (g.node(v).weights_of >= 0) ties.push_back({g.node(v).weights_of, v});
+    std::vector<std::vector<int>> allowed(size_t(g.size()));
+    ShardingSolution best;
+    best.status = IlpStatus::infeasible;
+    if (ties.empty()) {
+      best = planner.run(allowed);
+    } else {
+      // The owners' weight layouts (one owner in the transformer graphs; several are tried
+      // independently of each other, so this is exact for one and a heuristic beyond).
+      std::set<std::pair<int, int>> layouts;  // (kind, dim)
+      const int owner = ties.front().first;
+      for (const auto& s : opts[size_t(owner)])
+        layouts.insert({int(s.weights.front().kind), s.weights.front().dim});
+      for (const auto& [kind, dim] : layouts) {
+        const Shard layout{Shard::Kind(kind), dim};
+        std::vector<std::vector<int>> limited(size_t(g.size()));
+        bool possible = true;
+        for (const auto& [o, r] : ties) {
+          for (int v : {o, r}) {
+            limited[size_t(v)].clear();
+            for (int i = 0; i < int(opts[size_t(v)].size()); ++i)
+              if (opts[size_t(v)][size_t(i)].weights.front() == layout)
+                limited[size_t(v)].push_back(i);
+            possible &= !limited[size_t(v)].empty();
+          }
+        }
+        if (!possible) continue;
+        ShardingSolution r = planner.run(limited);
+        if (!r.index.empty() && (best.index.empty() || r.time_s < best.time_s)) best = std::move(r);
+      }
+    }
+    return best;
+  };
+  ShardingCosts free = costs;
+  free.memory_bytes = std::numeric_limits<double>::infinity();
+  free.memory_price = 0;
+  ShardingSolution best = decomposed(free);
+  const double budget = costs.memory_bytes;
+  if (std::isfinite(budget) && !best.index.empty() && state_bytes(g, best, costs) > budget) {
+    // The budget couples the segments, which a programme per segment cannot see: priced instead
+    // (Lagrangian relaxation). A price p adds p x its state bytes to every strategy; the least
+    // price whose DP fits is searched by doubling, then bisection, keeping the fastest plan that
+    // fits. Not proven optimal: the status says feasible.
+    // Each priced optimum less price x budget bounds the true optimum from below (weak
+    // duality): the best of them is the solution's bound.
+    double bound = 0;
+    auto priced = [&](double price) {
+      ShardingCosts c = free;
+      c.memory_price = price;
+      ShardingSolution r = decomposed(c);
+      if (r.index.empty()) return r;
+      if (r.status == IlpStatus::optimal) bound = std::max(bound, r.time_s - price * budget);
+      r.time_s -= price * state_bytes(g, r, costs);
+      return r;
+    };
+    auto fits = [&](const ShardingSolution& r) {
+      return !r.index.empty() && state_bytes(g, r, costs) <= budget;
+    };
+    // Every node in its leanest strategy: below that, nothing fits.
+    double least = 0;
+    for (int v = 0; v < g.size(); ++v) {
+      if (g.node(v).weights_of >= 0) continue;
+      double lean = std::numeric_limits<double>::infinity();
+      for (const auto& s : op_strategies(g, v, t)) lean = std::min(lean, s.weight_elements);
+      least += lean * costs.state_bytes_per_weight;
+    }
+    double lo = 0, hi = best.time_s / state_bytes(g, best, costs);
+    ShardingSolution fitting;
+    for (int i = 0; least <= budget && i < 40 && !fits(fitting = priced(hi)); ++i) lo = hi, hi *= 4;
+    if (!fits(fitting)) {
+      best = ShardingSolution{};
+      best.status = IlpStatus::infeasible;
+    } else {
+      for (int i = 0; i < 6; ++i) {
+        const double mid = lo > 0 ? std::sqrt(lo * hi) : hi / 4;
+        ShardingSolution r = priced(mid);
+        if (fits(r)) {
+          hi = mid;
+          if (r.time_s < fitting.time_s) fitting = std::move(r);
+        } else {
+          lo = mid;
         }
       }
-      if (!possible) continue;
-      ShardingSolution r = planner.run(limited);
-      if (!r.index.empty() && (best.index.empty() || r.time_s < best.time_s)) best = std::move(r);
+      best = std::move(fitting);
+      best.bound_s = std::min(bound, best.time_s);
+      if (best.status == IlpStatus::optimal) best.status = IlpStatus::feasible;
     }
   }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

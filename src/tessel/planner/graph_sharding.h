@@ -7,10 +7,12 @@
 //
 // The result is optimal for the whole graph's programme without the memory row: the segments
 // meet only in their critical nodes, whose strategies the DP enumerates, so every edge and
-// every node is costed exactly once. (The memory constraint couples all segments; it is left to
-// the whole-graph programme, or to the layout search around this.) A weight shared across
-// segments (a head tied to the embedding) is handled by running the DP once per layout of that
-// weight, each node limited to the strategies holding it so, and keeping the best.
+// every node is costed exactly once. The memory budget couples all segments, which no segment's
+// programme sees: when the unconstrained optimum does not fit, the state is priced (Lagrangian
+// relaxation, ShardingCosts::memory_price) and the least price whose DP fits is searched; the
+// fastest fitting plan is returned as feasible, with the best dual bound as bound_s. A weight
+// shared across segments (a head tied to the embedding) is handled by running the DP once per
+// layout of that weight, each node limited to the strategies holding it so, and keeping the best.
 #pragma once
 
 #include "tessel/planner/sharding_ilp.h"
@@ -26,9 +28,9 @@ struct GraphShardingStats {
 };
 
 // A graph of at most `whole_up_to` nodes is solved as one programme (segments 1), memory row
-// included. Throws what solve_sharding throws. The solution's status is optimal when every
-// programme was, feasible when some stopped at their time limit, infeasible when no combination
-// is.
+// included. Infeasible when no sharding fits the memory budget. Throws what solve_sharding throws.
+// The solution's status is optimal when every programme was, feasible when some stopped at their
+// time limit, infeasible when no combination is.
 constexpr int kShardWholeUpTo = 150;
 ShardingSolution shard_graph(const OpGraph& graph, int t, const ShardingCosts& costs,
                              const IlpOptions& options = {}, GraphShardingStats* stats = nullptr,

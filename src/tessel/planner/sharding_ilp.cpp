@@ -54,7 +54,11 @@ double collective(const ShardingCosts& c, double bytes) {
 }  // namespace
 
 double strategy_cost(const OpGraph& g, int v, const OpStrategy& s, int t, const ShardingCosts& c) {
-  return 3 * s.flops / c.flops_per_s + 2 * inside_cost(s, c) + weight_sync_cost(g, v, s, t, c);
+  const double priced = g.node(v).weights_of < 0 && c.memory_price > 0
+                            ? c.memory_price * s.weight_elements * c.state_bytes_per_weight
+                            : 0;
+  return 3 * s.flops / c.flops_per_s + 2 * inside_cost(s, c) + weight_sync_cost(g, v, s, t, c) +
+         priced;
 }
 
 EdgeCosts edge_costs(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,

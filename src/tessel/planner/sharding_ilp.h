@@ -48,6 +48,9 @@ struct ShardingCosts {
   double bytes_per_element = 4;  // activations and weights
   double state_bytes_per_weight = 16;
   double memory_bytes = std::numeric_limits<double>::infinity();  // per device, for the state
+  // Seconds per byte of training state, added to every strategy's cost: a Lagrangian price for
+  // the budget, which graph_sharding.h uses where its per-segment programmes cannot hold it.
+  double memory_price = 0;
 };
 
 struct ShardingSolution {

@@ -385,7 +385,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
       ->check(kCount)
       ->capture_default_str();
   cmd->add_option("--schedule", args->schedule,
-                  "with --onnx or --graph: the pipeline schedule (gpipe, 1f1b, zb-h1, ...)")
+                  "with --onnx or --graph: the pipeline schedule (gpipe, 1f1b, zb-h1, ...; zb-v "
+                  "and interleaved-1f1b cut two chunks per stage)")
       ->capture_default_str();
   cmd->add_option("--trace", args->trace,
                   "with --onnx or --graph: write the simulated step as a Perfetto trace");

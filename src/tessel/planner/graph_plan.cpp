@@ -80,9 +80,13 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   plan.tp = request.tp;
   plan.stages = request.stages;
   plan.schedule = request.schedule;
+  // Model chunks per rank: the interleaved and V schedules run two.
+  const bool chunked = request.schedule == "zb-v" || request.schedule == "interleaved-1f1b";
+  plan.virtual_stages = request.virtual_stages > 0 ? request.virtual_stages : chunked ? 2 : 1;
+  const int n_vs = request.stages * plan.virtual_stages;
   plan.sharding = shard_graph(graph, request.tp, sharding_costs(cluster, request.precision),
                               request.ilp, &plan.stats);
-  if (request.stages > 1) {
+  if (n_vs > 1) {
     PipelineCutOptions o;
     o.bytes_per_element = element_bytes(request.precision);
     o.balance_tolerance = request.balance;
@@ -92,30 +96,30 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
     o.coarsen = graph.size() > kCoarsenAbove || request.model.has_value();
     o.whole_layers = request.model.has_value();
     o.ilp = request.ilp;
-    plan.cut = cut_pipeline(graph, request.stages, o);
+    plan.cut = cut_pipeline(graph, n_vs, o);
     TESSEL_CHECK(!plan.cut->stage.empty(), InvalidArgumentError,
                  "no cut of the graph into {} stages keeps every stage within {:.0f}% of an equal "
                  "share of the FLOPs{} (the programme: {}); allow more imbalance (--balance) or "
                  "choose fewer stages",
-                 request.stages, 100 * request.balance,
-                 o.whole_layers ? " with whole layers per stage" : "",
+                 n_vs, 100 * request.balance, o.whole_layers ? " with whole layers per stage" : "",
                  ilp_status_name(plan.cut->status));
   }
   const std::vector<int> stage_of = plan.cut ? plan.cut->stage : std::vector<int>{};
   plan.stage_costs = graph_stage_costs(
       graph, plan.sharding,
-      operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of,
-      request.stages, request.tp, request.precision);
+      operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of, n_vs,
+      request.tp, request.precision);
 
   const int world = request.dp * request.tp * request.stages;
   std::string why;
   if (request.model) {
     const model::ModelConfig& m = *request.model;
-    if (auto units = units_per_stage(graph, stage_of, request.stages, m.n_layer, &why)) {
+    if (auto units = units_per_stage(graph, stage_of, n_vs, m.n_layer, &why)) {
       layout::Plan l;
       l.dp = request.dp;
       l.tp = request.tp;
       l.pp = request.stages;
+      l.virtual_stages = plan.virtual_stages;
       l.micro_batch = request.micro_batch;
       l.micro_batches = request.micro_batches;
       l.schedule = layout::parse_schedule(request.schedule);
@@ -157,13 +161,16 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   const LinkSpec& link =
       world <= cluster.devices_per_host ? cluster.intra_host : cluster.inter_host;
   sc.link = Link{link.latency, link.bandwidth};
-  plan.sim = simulate(
-      schedule::make_schedule(request.schedule, request.stages, request.micro_batches), sc);
+  const schedule::Schedule lists = schedule::make_schedule(
+      request.schedule, request.stages, request.micro_batches, plan.virtual_stages);
+  plan.sim = simulate(lists, sc);
   plan.pipeline_s = plan.sim.makespan;
   std::vector<double> params(size_t(request.stages), 0);
-  for (int v = 0; v < graph.size(); ++v)
-    params[size_t(stage_of.empty() ? 0 : stage_of[size_t(v)])] +=
+  for (int v = 0; v < graph.size(); ++v) {
+    const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
+    params[size_t(schedule::stage_of(request.stages, vs, lists.placement))] +=
         plan.sharding.chosen[size_t(v)].weight_elements;
+  }
   const double fullest = *std::max_element(params.begin(), params.end());
   const double bytes = element_bytes(request.precision);
   if (request.dp > 1) {
@@ -203,6 +210,7 @@ nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
     ops.push_back(std::move(o));
   }
   j["schedule"] = plan.schedule;
+  j["virtual_stages"] = plan.virtual_stages;
   j["step"] = {{"step_s", plan.step_s},
                {"pipeline_s", plan.pipeline_s},
                {"dp_s", plan.dp_s},

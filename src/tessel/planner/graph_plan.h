@@ -42,6 +42,9 @@ struct GraphPlanRequest {
   int dp = 1;                     // replicas of the whole pipeline
   int micro_batches = 1;          // per step and replica (the graph is one micro-batch's)
   std::string schedule = "1f1b";  // schedule/named.h
+  // Model chunks per pipeline rank; 0: as the schedule needs (2 for zb-v and interleaved-1f1b),
+  // the graph then cut into stages x virtual_stages pieces.
+  int virtual_stages = 0;
   // The transformer the graph was built from (transformer_graph.h) with micro-batches of
   // `micro_batch` samples of `seq` tokens: see above.
   std::optional<model::ModelConfig> model;
@@ -50,11 +53,11 @@ struct GraphPlanRequest {
 };
 
 struct GraphPlan {
-  int tp = 1, stages = 1;
+  int tp = 1, stages = 1, virtual_stages = 1;
   ShardingSolution sharding;
   GraphShardingStats stats;
-  std::optional<PipelineCut> cut;  // with stages > 1
-  std::vector<StageCosts> stage_costs;
+  std::optional<PipelineCut> cut;       // with stages x virtual_stages > 1
+  std::vector<StageCosts> stage_costs;  // per virtual stage, in the model's order
   SimResult sim;  // the pipeline phase, with its timeline (trace.h: simulation_trace)
   double pipeline_s = 0, dp_s = 0, optimizer_s = 0, step_s = 0;
   std::string schedule;

@@ -14,6 +14,7 @@ namespace {
 
 struct Layout {
   int dp, tp, pp, m;
+  const char* schedule = "1f1b";
 };
 
 GraphPlanRequest request_for(const model::ModelConfig& m, int seq, const Layout& l) {
@@ -25,6 +26,7 @@ GraphPlanRequest request_for(const model::ModelConfig& m, int seq, const Layout&
   r.model = m;
   r.seq = seq;
   r.micro_batch = 1;
+  r.schedule = l.schedule;
   r.ilp.time_limit_s = 60;
   return r;
 }
@@ -55,9 +57,11 @@ TEST(GraphPlan, ATransformersStepMatchesTheLayerPlannersWithinTenPercent) {
   for (const Case& c :
        {Case{"gpt2-124m", 1024, {1, 1, 1, 4}}, Case{"gpt2-124m", 1024, {1, 2, 2, 8}},
         Case{"gpt2-124m", 1024, {2, 4, 4, 8}}, Case{"gpt2-350m", 1024, {1, 4, 2, 8}},
-        Case{"llama2-7b", 2048, {1, 2, 2, 8}}, Case{"llama3-8b", 2048, {2, 8, 4, 16}}}) {
-    SCOPED_TRACE(fmt::format("{} dp {} tp {} pp {} m {}", c.preset, c.layout.dp, c.layout.tp,
-                             c.layout.pp, c.layout.m));
+        Case{"gpt2-124m", 1024, {1, 2, 2, 8, "interleaved-1f1b"}},
+        Case{"gpt2-124m", 1024, {1, 2, 2, 8, "zb-h1"}}, Case{"llama2-7b", 2048, {1, 2, 2, 8}},
+        Case{"llama3-8b", 2048, {2, 8, 4, 16}}}) {
+    SCOPED_TRACE(fmt::format("{} dp {} tp {} pp {} m {} {}", c.preset, c.layout.dp, c.layout.tp,
+                             c.layout.pp, c.layout.m, c.layout.schedule));
     const auto m = model::ModelConfig::preset(c.preset);
     const OpGraph g = transformer_graph(m, 1, c.seq);
     const GraphPlan plan = plan_graph(g, cluster, request_for(m, c.seq, c.layout));
@@ -98,6 +102,21 @@ TEST(GraphPlan, ATransformersPlanIsARuntimeLayout) {
   ASSERT_EQ(plan.sim.timeline.size(), 4u);
   EXPECT_FALSE(plan.sim.timeline[0].empty());
   EXPECT_GT(plan.step_s, plan.pipeline_s);
+}
+
+// The interleaved schedule runs two chunks per rank: the cut has pp x 2 pieces of whole units,
+// the layout virtual_stages 2.
+TEST(GraphPlan, AnInterleavedScheduleCutsTwoChunksPerRank) {
+  const auto cluster = ClusterSpec::preset("dgx-a100");
+  const auto m = model::ModelConfig::preset("gpt2-124m");
+  const GraphPlan plan = plan_graph(transformer_graph(m, 1, 1024), cluster,
+                                    request_for(m, 1024, {1, 2, 2, 8, "interleaved-1f1b"}));
+  ASSERT_TRUE(plan.layout.has_value()) << plan.not_runnable;
+  EXPECT_EQ(plan.layout->virtual_stages, 2);
+  EXPECT_EQ(plan.layout->layers_per_stage.size(), 4u);
+  EXPECT_EQ(plan.stage_costs.size(), 4u);
+  EXPECT_EQ(plan.sim.chunks, 2);
+  EXPECT_NO_THROW(plan.layout->validate(m, plan.layout->global_batch(), plan.layout->world()));
 }
 
 // Without its model, a graph is planned all the same (as any ONNX graph): the step is the generic

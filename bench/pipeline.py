@@ -181,7 +181,7 @@ def simulate(args, work, cfg, profile, schedule, sim_args):
 
 def dispatcher_rows(args, work, out):
     """The adaptive dispatcher against 1F1B with one stage slowed: by a fixed 1.5x, and by a
-    random 2x +- 50% per compute (TESSEL_PIPELINE_DELAY), each beside the simulator's prediction
+    random +- 50% per compute (TESSEL_PIPELINE_DELAY), each beside the simulator's prediction
     for the same delays on this machine's profile (`tessel profile`)."""
     P, m, D = args.stages, 8, args.dilate
     cfg, _ = write_config(args, work, "adaptive", m, "profile-cfg")
@@ -213,12 +213,15 @@ def dispatcher_rows(args, work, out):
         return flags
 
     args.sim_profile, args.sim_dilated = profile, slowed({})
+    jitter_mean = 1 if D >= 2 else 2
     cases = [
         ("none", None, slowed({})),
         ("slow_first", "stage=0,slowdown=1.5", slowed({0: 1.5})),
         ("slow_stage", f"stage={slow},slowdown=1.5", slowed({slow: 1.5})),
-        ("jitter", f"stage={slow},slowdown=2,jitter=0.5,seed=7",
-         slowed({slow: 2}) + ["--stage-jitter", f"{slow}:0.5", "--seed", "7"]),
+        # +-50% per compute around the stage's own speed where dilation leaves room for the
+        # fast half (D (1 - 0.5) >= 1), else around twice its time.
+        ("jitter", f"stage={slow},slowdown={jitter_mean:g},jitter=0.5,seed=7",
+         slowed({slow: jitter_mean}) + ["--stage-jitter", f"{slow}:0.5", "--seed", "7"]),
     ]
     ratios, errors = {}, []
     for name, delay, sim_args in cases:

@@ -124,7 +124,10 @@ TEST(DelayInjection, ParsesEveryFieldAndNamesABadOne) {
   const auto dilated = DelayInjection::parse("dilate=8,stage=3,slowdown=1.5");
   EXPECT_DOUBLE_EQ(dilated.dilate, 8);
   EXPECT_TRUE(DelayInjection::parse("dilate=2").active());
+  // Dilated, a jitter around the stage's own speed leaves room for the fast half: 2 x 0.5 >= 1.
+  EXPECT_DOUBLE_EQ(DelayInjection::parse("dilate=2,jitter=0.5").jitter, 0.5);
   for (const char* bad : {"slowdown=0.5", "jitter=-1", "jitter=0.5", "slowdown=2,jitter=1",
+                          "dilate=1.5,jitter=0.5",
                           "stage=x", "speed=2", "stage", "seed=1.5", "dilate=0.5", "dilate=inf"}) {
     try {
       DelayInjection::parse(bad);

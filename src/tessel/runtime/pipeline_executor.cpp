@@ -82,10 +82,11 @@ DelayInjection DelayInjection::parse(std::string_view spec) {
                    spec, key);
     }
   }
-  TESSEL_CHECK(std::isfinite(d.slowdown) && d.slowdown * (1 - d.jitter) >= 1, ConfigError,
-               "TESSEL_PIPELINE_DELAY '{}': slowdown x (1 - jitter) = {} must be >= 1 (a delay "
-               "can only add time); raise slowdown to at least 1 / (1 - jitter)",
-               spec, d.slowdown * (1 - d.jitter));
+  TESSEL_CHECK(std::isfinite(d.slowdown) && d.dilate * d.slowdown * (1 - d.jitter) >= 1,
+               ConfigError,
+               "TESSEL_PIPELINE_DELAY '{}': dilate x slowdown x (1 - jitter) = {} must be >= 1 (a "
+               "delay can only add time); raise slowdown to at least 1 / (dilate (1 - jitter))",
+               spec, d.dilate * d.slowdown * (1 - d.jitter));
   return d;
 }
 

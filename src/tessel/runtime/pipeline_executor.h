@@ -78,7 +78,8 @@ int receive_buffers(const layout::Plan& plan, int pp);
 // stretched to d * F * (1 + J (2u - 1)), u uniform in [0, 1) drawn per compute from a generator
 // seeded with N + the pipeline rank, by sleeping the difference: the simulator's slowdown and
 // jitter (planner/simulator.h), so its prediction of a run is like for like. Sleeping can only
-// add time, so F (1 - J) must be >= 1: e.g. F = 1.5 alone, or F = 2, J = 0.5 (2x +- 50%).
+// add time, so D F (1 - J) must be >= 1: undilated e.g. F = 1.5 alone, or F = 2, J = 0.5
+// (2x +- 50%); dilated (D >= 2) also F = 1, J = 0.5 (+- 50% around the stage's own speed).
 // D (>= 1) stretches every compute on every rank D times on top (d * D * ...): a pipeline of
 // more ranks than the machine has cores then computes a D-th of the time and sleeps the rest,
 // so its ranks no longer take turns on the cores, and its order and waits are those of a

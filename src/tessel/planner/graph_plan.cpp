@@ -14,6 +14,7 @@ namespace tessel::planner {
 
 namespace {
 constexpr int kCoarsenAbove = 2000;  // nodes
+constexpr double kGiB = 1024.0 * 1024 * 1024;
 }  // namespace
 
 namespace {
@@ -84,8 +85,18 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   const bool chunked = request.schedule == "zb-v" || request.schedule == "interleaved-1f1b";
   plan.virtual_stages = request.virtual_stages > 0 ? request.virtual_stages : chunked ? 2 : 1;
   const int n_vs = request.stages * plan.virtual_stages;
-  plan.sharding = shard_graph(graph, request.tp, sharding_costs(cluster, request.precision),
-                              request.ilp, &plan.stats);
+  // The sharding comes before the cut: its budget is the whole pipeline's (each rank holds its
+  // stage's share); the cut's ranks are checked against one device below.
+  ShardingCosts rates = sharding_costs(cluster, request.precision);
+  const double device_bytes = rates.memory_bytes;
+  rates.memory_bytes = device_bytes * request.stages;
+  plan.sharding = shard_graph(graph, request.tp, rates, request.ilp, &plan.stats);
+  TESSEL_CHECK(!plan.sharding.chosen.empty(), InvalidArgumentError,
+               "no sharding over tp {} fits the graph's {:.1f} GiB of parameters' training state "
+               "({} bytes each) in {} x {:.1f} GiB ({} stage{} of {}); raise --tp or --stages",
+               request.tp, double(graph.total_parameters()) * rates.state_bytes_per_weight / kGiB,
+               rates.state_bytes_per_weight, request.stages, device_bytes / kGiB, request.stages,
+               request.stages == 1 ? "" : "s", cluster.device.name);
   if (n_vs > 1) {
     PipelineCutOptions o;
     o.bytes_per_element = element_bytes(request.precision);
@@ -105,6 +116,26 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                  ilp_status_name(plan.cut->status));
   }
   const std::vector<int> stage_of = plan.cut ? plan.cut->stage : std::vector<int>{};
+  {
+    // Each pipeline rank's state on one device.
+    std::vector<double> state(size_t(request.stages), 0);
+    for (int v = 0; v < graph.size(); ++v) {
+      if (graph.node(v).weights_of >= 0) continue;  // a tied reader's weights are its owner's
+      const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
+      const int rank =
+          schedule::stage_of(request.stages, vs,
+                             request.schedule == "zb-v" ? schedule::Placement::v_shape
+                                                        : schedule::Placement::interleaved);
+      state[size_t(rank)] +=
+          plan.sharding.chosen[size_t(v)].weight_elements * rates.state_bytes_per_weight;
+    }
+    const auto fullest = std::max_element(state.begin(), state.end());
+    TESSEL_CHECK(*fullest <= device_bytes, InvalidArgumentError,
+                 "pipeline rank {} would hold {:.1f} GiB of training state, more than a {}'s "
+                 "{:.1f} GiB; raise --tp or --stages",
+                 fullest - state.begin(), *fullest / kGiB, cluster.device.name,
+                 device_bytes / kGiB);
+  }
   plan.stage_costs = graph_stage_costs(
       graph, plan.sharding,
       operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of, n_vs,

@@ -14,6 +14,10 @@
 //   otherwise (any ONNX graph) the simulated pipeline, then the fullest stage's gradient
 //     all-reduce over dp, none of it hidden behind the backward (an upper bound), then its Adam
 //     step, memory-bound like CostModel::optimizer_step.
+// Memory: the sharding programme holds the parameters' training state within the whole
+// pipeline's memory (a device's usable bytes x stages); the cut's fullest pipeline rank must then
+// fit one device, else one error names it and the fix (more tp or stages). Activations are not
+// counted here (the layer planner's memory model does that for the runtime's layouts).
 // Not yet here: a 2-D mesh (dp x tp within the sharding programme).
 #pragma once
 

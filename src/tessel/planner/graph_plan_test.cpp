@@ -163,6 +163,19 @@ TEST(GraphPlan, AnImpossibleCutOrLayoutIsOneClearError) {
   EXPECT_NE(error_of(r).find("no-such-schedule"), std::string::npos) << error_of(r);
   r = request_for(m, 1024, {0, 1, 1, 4});
   EXPECT_NE(error_of(r).find("dp (0)"), std::string::npos) << error_of(r);
+  // GPT-3 175B's 2.6 TiB of training state in 8 A100s: no sharding fits; in 8 x 8 it does.
+  const auto big = model::ModelConfig::preset("gpt3-175b");
+  const OpGraph g175 = transformer_graph(big, 1, 2048);
+  const std::string no_room = [&] {
+    try {
+      plan_graph(g175, cluster, request_for(big, 2048, {1, 8, 1, 1}));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  EXPECT_NE(no_room.find("raise --tp or --stages"), std::string::npos) << no_room;
+  EXPECT_TRUE(plan_graph(g175, cluster, request_for(big, 2048, {1, 8, 8, 16})).layout.has_value());
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "tessel/model/recompute.h"
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/graph_plan.h"
+#include "tessel/planner/mesh_sharding.h"
 #include "tessel/planner/onnx_graph.h"
 #include "tessel/planner/plan_service.h"
 #include "tessel/planner/search.h"
@@ -55,6 +56,7 @@ struct PlanArgs {
   int micro_batch = 1;
   std::string schedule = "1f1b";
   std::string trace;  // the simulated step, Perfetto
+  std::string mesh;   // "HOSTSxDEVICES": shard on a 2-axis mesh instead (mesh_sharding.h)
   // tessel plan serve
   std::string host = "127.0.0.1";
   int port = 8600;
@@ -125,13 +127,81 @@ planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
   return o;
 }
 
+// `--mesh 2x4`: the graph's sharding on a mesh of an outer axis (across hosts, on the cluster's
+// inter-host link, once the mesh outgrows a host) and an inner one within a host, every operator's
+// pair of strategies chosen by one programme (planner/mesh_sharding.h). The sharding only: the step
+// prediction and the runtime plan are the one-axis planner's (--tp) so far.
+int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster,
+                  planner::Precision precision, const PlanArgs& a, const std::string& source,
+                  const std::vector<std::string>& warnings) {
+  planner::Mesh mesh;
+  const size_t x = a.mesh.find('x');
+  for (const auto& part : x == std::string::npos ? std::vector<std::string>{a.mesh}
+                                                 : std::vector<std::string>{a.mesh.substr(0, x),
+                                                                            a.mesh.substr(x + 1)}) {
+    const auto n = planner::parse_dim("mesh=" + part, '=');
+    TESSEL_CHECK(n.has_value(), ConfigError,
+                 "--mesh '{}': write HOSTSxDEVICES (e.g. 2x4: 2 hosts of 4 devices) or DEVICES",
+                 a.mesh);
+    mesh.sizes.push_back(int(n->second));
+  }
+  const int inner = mesh.sizes.back();
+  TESSEL_CHECK(inner <= cluster.devices_per_host && mesh.devices() <= cluster.num_devices(),
+               ConfigError,
+               "--mesh {}: {} has {} devices per host and {} in all; the inner axis must fit a "
+               "host and the mesh the cluster (--gpus grows it)",
+               a.mesh, cluster.name, cluster.devices_per_host, cluster.num_devices());
+  planner::MeshCosts costs;
+  costs.mesh = mesh;
+  planner::ShardingCosts within = planner::sharding_costs(cluster, precision);
+  // The outer axis crosses hosts once the mesh outgrows one.
+  planner::ShardingCosts across = within;
+  if (mesh.devices() > cluster.devices_per_host) {
+    across.bandwidth = cluster.inter_host.coll_bandwidth();
+    across.latency_s = cluster.inter_host.coll_latency();
+  }
+  costs.axes = mesh.sizes.size() == 2 ? std::vector{across, within} : std::vector{within};
+  const auto s = planner::solve_mesh_sharding(g, costs, {.time_limit_s = 60});
+  nlohmann::json doc = {{"model", source},
+                        {"cluster", cluster.name},
+                        {"precision", planner::precision_name(precision)},
+                        {"mesh", mesh.sizes},
+                        {"status", planner::ilp_status_name(s.status)},
+                        {"time_s", s.time_s},
+                        {"bound_s", s.bound_s},
+                        {"variables", s.variables},
+                        {"solve_s", s.solve_s},
+                        {"warnings", warnings}};
+  auto& ops = doc["operators"] = nlohmann::json::array();
+  for (int id = 0; id < g.size() && size_t(id) < s.chosen.size(); ++id)
+    ops.push_back({{"name", g.node(id).name},
+                   {"kind", std::string(planner::op_kind_name(g.node(id).kind))},
+                   {"strategy", s.chosen[size_t(id)].name}});
+  if (!a.out.empty()) write_file_atomically(a.out, doc.dump(2) + "\n");
+  if (a.json) {
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << fmt::format(
+      "tessel plan: {} ({} operators) on a mesh of {} ({}, {}): {} in {:.2f} s ({} variables), "
+      "{:.4g} s per step on the mesh\n",
+      source, g.size(), a.mesh, cluster.name, planner::precision_name(precision),
+      planner::ilp_status_name(s.status), s.solve_s, s.variables, s.time_s);
+  for (const auto& w : warnings) std::cout << "warning: " << w << "\n";
+  for (int id = 0; id < g.size() && size_t(id) < s.chosen.size(); ++id)
+    if (!g.node(id).weights.empty())
+      std::cout << fmt::format("  {:<40} {}\n", g.node(id).name, s.chosen[size_t(id)].name);
+  return s.chosen.empty() ? 1 : 0;
+}
+
 // `tessel plan --onnx FILE` or `--graph --model NAME`: the operator-graph planner
 // (planner/graph_plan.h) on one layout.
 int run_plan_graph(const PlanArgs& a) {
   planner::OnnxGraph imported;
   planner::GraphPlanRequest req;
   std::string source;
-  const auto cluster = planner::ClusterSpec::resolve(a.cluster.empty() ? "dgx-a100" : a.cluster);
+  auto cluster = planner::ClusterSpec::resolve(a.cluster.empty() ? "dgx-a100" : a.cluster);
+  if (a.gpus > 0) cluster = cluster.with_devices(a.gpus);
   if (a.graph) {
     TESSEL_CHECK(a.onnx.empty() && !a.model.empty() && a.config.empty() && a.profile.empty(),
                  ConfigError,
@@ -159,6 +229,8 @@ int run_plan_graph(const PlanArgs& a) {
   req.schedule = a.schedule;
   req.precision = !a.precision.empty() ? planner::parse_precision(a.precision)
                                        : cluster.device.default_precision();
+  if (!a.mesh.empty())
+    return run_plan_mesh(g, cluster, req.precision, a, source, imported.warnings);
   const auto plan = planner::plan_graph(g, cluster, req);
   nlohmann::json doc = planner::graph_plan_json(g, plan);
   doc["model"] = a.graph ? a.model : a.onnx;
@@ -388,6 +460,9 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
                   "with --onnx or --graph: the pipeline schedule (gpipe, 1f1b, zb-h1, ...; zb-v "
                   "and interleaved-1f1b cut two chunks per stage)")
       ->capture_default_str();
+  cmd->add_option("--mesh", args->mesh,
+                  "with --onnx or --graph: shard on a 2-axis mesh, HOSTSxDEVICES (e.g. 2x4), each "
+                  "operator's strategy per axis chosen together (the sharding only)");
   cmd->add_option("--trace", args->trace,
                   "with --onnx or --graph: write the simulated step as a Perfetto trace");
   auto* serve = cmd->add_subcommand(

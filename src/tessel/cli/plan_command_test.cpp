@@ -220,6 +220,23 @@ TEST(PlanOnnx, ShardsEveryOperatorAndCutsTheGraph) {
   EXPECT_NE(table.find("step: "), std::string::npos) << table;
 }
 
+// --mesh: the block's sharding on 2 hosts x 4 devices, one strategy per axis for every operator.
+TEST(PlanOnnx, ShardsOnATwoAxisMesh) {
+  int rc = -1;
+  const std::string out =
+      run_plan("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2x4 --json", &rc);
+  ASSERT_EQ(rc, 0) << out;
+  const auto doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["mesh"], nlohmann::json::array({2, 4}));
+  EXPECT_EQ(doc["status"], "optimal");
+  ASSERT_EQ(doc["operators"].size(), 33u);
+  for (const auto& op : doc["operators"])
+    EXPECT_NE(op["strategy"].get<std::string>().find(" x "), std::string::npos) << op.dump();
+  const std::string table =
+      run_plan("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2x4", &rc);
+  EXPECT_NE(table.find("on a mesh of 2x4"), std::string::npos) << table;
+}
+
 TEST(PlanOnnx, BadInputIsOneClearError) {
   auto error_of = [](const std::string& args) {
     try {
@@ -239,6 +256,10 @@ TEST(PlanOnnx, BadInputIsOneClearError) {
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --stages 2").find("--balance"),
             std::string::npos);
   EXPECT_NE(error_of("plan --graph --onnx " + gpt_block()).find("--model"), std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2x16").find("a host"),
+            std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2xfour").find("HOSTSx"),
+            std::string::npos);
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --model gpt2-124m").find("leave out"),
             std::string::npos);
 }

@@ -104,17 +104,28 @@ std::vector<MeshStrategy> mesh_strategies(const OpGraph& g, int id, const Mesh& 
 }
 
 std::vector<Reshard> mesh_reshard(const MeshLayout& from, const MeshLayout& to, double bytes,
-                                  const Mesh& mesh) {
+                                  const Mesh& mesh, int first) {
   check_mesh(mesh);
   TESSEL_CHECK(from.size() == mesh.sizes.size() && to.size() == mesh.sizes.size(),
                InvalidArgumentError, "mesh_reshard: layouts of {} and {} axes on a mesh of {}",
                from.size(), to.size(), mesh.sizes.size());
-  std::vector<Reshard> out;
-  for (size_t a = 0; a < mesh.sizes.size(); ++a) {
+  TESSEL_CHECK(first >= 0 && size_t(first) < mesh.sizes.size(), InvalidArgumentError,
+               "mesh_reshard: axis {} of a mesh of {}", first, mesh.sizes.size());
+  // The first axis moves while the others hold the source's layout; each later one while the
+  // axes before it already hold the target's.
+  std::vector<size_t> order = {size_t(first)};
+  for (size_t a = 0; a < mesh.sizes.size(); ++a)
+    if (a != size_t(first)) order.push_back(a);
+  std::vector<Reshard> out(mesh.sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    const size_t a = order[i];
     double held = bytes;
-    for (size_t b = 0; b < mesh.sizes.size(); ++b)
-      if (b != a && from[b].kind == Shard::Kind::split) held /= mesh.sizes[b];
-    out.push_back(reshard(from[a], to[a], held, mesh.sizes[a]));
+    for (size_t j = 0; j < order.size(); ++j) {
+      if (j == i) continue;
+      const Shard& other = j < i ? to[order[j]] : from[order[j]];
+      if (other.kind == Shard::Kind::split) held /= mesh.sizes[order[j]];
+    }
+    out[a] = reshard(from[a], to[a], held, mesh.sizes[a]);
   }
   return out;
 }

@@ -12,9 +12,9 @@
 //
 // Moving a tensor between mesh layouts goes axis by axis: the groups along axis a (devices that
 // differ only in their axis-a coordinate) run the one-axis collective of reshard() on what each
-// holds -- the tensor's bytes divided by the parts the source layout's other axis splits it into.
-// (When both axes change, the second axis's move is costed on the source's split, an upper bound
-// when the first move gathers.)
+// holds -- the tensor's bytes divided by the parts the other axis splits it into at that moment:
+// the source's layout when axis a moves first, the target's when it moves second. A planner
+// takes the cheaper order.
 #pragma once
 
 #include <string>
@@ -49,9 +49,9 @@ struct MeshStrategy {
 // than two, or an axis below 1, and what op_strategies throws.
 std::vector<MeshStrategy> mesh_strategies(const OpGraph& graph, int id, const Mesh& mesh);
 
-// Moving a tensor of `bytes` from layout `from` to `to`: per axis, the collective its groups run
-// and the bytes each device sends (reshard() on the bytes each holds).
+// Moving a tensor of `bytes` from layout `from` to `to`, axis `first` first: per axis, the
+// collective its groups run and the bytes each device sends (reshard() on the bytes each holds).
 std::vector<Reshard> mesh_reshard(const MeshLayout& from, const MeshLayout& to, double bytes,
-                                  const Mesh& mesh);
+                                  const Mesh& mesh, int first = 0);
 
 }  // namespace tessel::planner

@@ -104,6 +104,16 @@ TEST(MeshStrategies, ReshardsGoAxisByAxisOnWhatEachDeviceHolds) {
   r = mesh_reshard({Shard::S(0), Shard::S(1)}, {Shard::R(), Shard::S(1)}, bytes, mesh);
   EXPECT_EQ(r[0].collective, "all-gather");
   EXPECT_DOUBLE_EQ(r[0].bytes_per_device, 0.5 * bytes / 4);
+  // Both axes change: gathering axis 0 first moves a quarter of the tensor per device on axis 0
+  // (axis 1 still splits it) and then all of it on axis 1; axis 1 first, half on each.
+  const auto first0 =
+      mesh_reshard({Shard::S(0), Shard::S(1)}, {Shard::R(), Shard::R()}, bytes, mesh, 0);
+  EXPECT_DOUBLE_EQ(first0[0].bytes_per_device, 0.5 * bytes / 4);
+  EXPECT_DOUBLE_EQ(first0[1].bytes_per_device, 0.75 * bytes);
+  const auto first1 =
+      mesh_reshard({Shard::S(0), Shard::S(1)}, {Shard::R(), Shard::R()}, bytes, mesh, 1);
+  EXPECT_DOUBLE_EQ(first1[1].bytes_per_device, 0.75 * bytes / 2);
+  EXPECT_DOUBLE_EQ(first1[0].bytes_per_device, 0.5 * bytes);
   // Megatron's row output summed within the host, the batch split kept across hosts.
   r = mesh_reshard({Shard::S(0), Shard::P()}, {Shard::S(0), Shard::R()}, bytes, mesh);
   EXPECT_EQ(r[0].collective, "");

@@ -99,6 +99,12 @@ struct EdgeCosts {
 EdgeCosts edge_costs(const OpGraph& graph, int producer, const OpStrategy& from, int consumer,
                      size_t input, const OpStrategy& to, int t, const ShardingCosts& costs);
 double inside_cost(const OpStrategy& s, const ShardingCosts& costs);
+// The layout of the gradient strategy s's backward leaves for its input k, and the layout a
+// producer's backward needs its output's gradient in (strategy s). One collective's time:
+// latency + bytes sent per device / bandwidth.
+Shard input_gradient(const OpStrategy& s, size_t input, const OpNode& node);
+Shard output_gradient(const OpStrategy& s);
+double collective(const ShardingCosts& costs, double bytes_per_device);
 // The backward layout changes into node u's output gradient under the chosen strategies (one per
 // node): the gradients its readers leave, summed locally where they share a layout, each distinct
 // layout changed once to what u's backward needs -- so the q, k and v projections of one norm's

@@ -1,0 +1,77 @@
+// The sharding programme (sharding_ilp.h's model) over any space of per-operator strategies: one
+// mesh axis (solve_sharding) or a mesh of two (mesh_sharding.h). The space prices each choice;
+// the programme is the same:
+//   x[v][s] binary, sum_s x[v][s] = 1 for every active node;
+//   minimise sum node_cost x + the layout changes on the edges: y >= x[u][a] + x[v][b] - 1 with
+//     the edge's forward cost (and backward, for a producer with one reader); a producer read by
+//     several sums their gradients first: has[u][G] >= x[v][b] for each reader strategy leaving
+//     gradient G, y >= x[u][a] + has[u][G] - 1 with the cost of changing G into what a needs;
+//   the weights' state within memory_bytes; a tied reader's weights in its owner's layout.
+// Objective terms are microseconds (seconds near CBC's absolute tolerances proved worse
+// solutions optimal).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tessel/planner/ilp.h"
+#include "tessel/planner/op_graph.h"
+#include "tessel/planner/sharding_ilp.h"
+
+namespace tessel::planner {
+
+class StrategySpace {
+ public:
+  virtual ~StrategySpace() = default;
+  virtual int count(int v) const = 0;
+  virtual std::string name(int v, int s) const = 0;
+  // Seconds per step of its own: compute, its collectives, weight-gradient sync (memory price).
+  virtual double node_cost(int v, int s) const = 0;
+  virtual double state_bytes(int v, int s) const = 0;  // its weights' training state per device
+  virtual EdgeCosts edge(int u, int a, int v, size_t k, int b) const = 0;
+  // The gradient strategy b of v leaves for its input k, as a key (equal layouts, equal keys),
+  // and the cost of changing that gradient into what strategy a of its producer u needs.
+  virtual std::string gradient_key(int v, int b, size_t k) const = 0;
+  virtual double gradient_change(int u, int a, int v, int b, size_t k) const = 0;
+  // Whether a tied reader's strategy b holds its owner's weights as the owner's strategy a does.
+  virtual bool same_weights(int owner, int a, int reader, int b) const = 0;
+};
+
+struct Programme {
+  IlpStatus status = IlpStatus::no_solution;
+  std::vector<int> index;  // per node: the chosen strategy, -1 when inactive (empty: none)
+  double time_s = 0, bound_s = 0;
+  int variables = 0, constraints = 0;
+  double solve_s = 0;
+};
+
+// `tight`: each edge's pairs as variables whose marginals are the two nodes' choices (sum over
+// b of e[a][b] = x[u][a], and over a = x[v][b]) instead of y >= x[u][a] + x[v][b] - 1: many
+// more variables, but a relaxation that is near the integer optimum where the weak linking's
+// is far below it (a 2-axis mesh's 25 strategies per node: bound at half the optimum after 60 s).
+// Throws InvalidArgumentError when the problem's sizes do not match the graph or a node allows a
+// strategy the space does not have.
+Programme solve_programme(const OpGraph& graph, const StrategySpace& space, double memory_bytes,
+                          const IlpOptions& options, const ShardingProblem& problem,
+                          bool tight = false);
+
+// A programme's result as a solution of the space's strategies (ShardingSolution, MeshSolution:
+// status, statistics, time, and per node its index and strategy, `space.of(v)` listing them).
+template <class Solution, class Space>
+Solution solution_of(const Programme& r, const Space& space, int nodes) {
+  Solution out;
+  out.status = r.status;
+  out.variables = r.variables;
+  out.constraints = r.constraints;
+  out.solve_s = r.solve_s;
+  out.bound_s = r.bound_s;
+  if (r.index.empty()) return out;
+  out.time_s = r.time_s;
+  out.index = r.index;
+  out.chosen.resize(size_t(nodes));
+  for (int v = 0; v < nodes; ++v)
+    if (r.index[size_t(v)] >= 0) out.chosen[size_t(v)] = space.of(v)[size_t(r.index[size_t(v)])];
+  return out;
+}
+
+}  // namespace tessel::planner

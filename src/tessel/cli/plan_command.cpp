@@ -433,14 +433,18 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--dim", args->dims,
                   "with --onnx: NAME=VALUE for a symbolic dimension of the model's inputs "
                   "(repeatable), e.g. --dim batch=8 --dim seq=1024");
-  cmd->add_option("--tp", args->tp,
-                  "with --onnx: devices to shard across (default: the cluster's devices per host)")
+  cmd->add_option(
+         "--tp", args->tp,
+         "with --onnx or --graph: devices to shard across (default: the cluster's devices per "
+         "host)")
       ->check(kCount);
-  cmd->add_option("--stages", args->stages, "with --onnx: pipeline stages to cut the graph into")
+  cmd->add_option("--stages", args->stages,
+                  "with --onnx or --graph: pipeline stages to cut the graph into")
       ->check(kCount)
       ->capture_default_str();
   cmd->add_option("--balance", args->balance,
-                  "with --onnx --stages: each stage's FLOPs at most (1 + this) x an equal share")
+                  "with --onnx or --graph and --stages: each stage's FLOPs at most (1 + this) x an "
+                  "equal share")
       ->check(CLI::Range(0.0, 100.0))
       ->capture_default_str();
   cmd->add_flag("--graph", args->graph,

@@ -146,9 +146,15 @@ class Enumerator {
     const int rank = int(n_.shape.size());
     const bool b_transposed = b.back() != n_.shape.back();
     const int b_k = b_transposed ? rank - 1 : rank - 2;
+    // A batch dimension an operand broadcasts (size 1 there: the MoE's tokens [b, 1, t, C] for
+    // every expert) is read whole by every device.
+    auto batch_layout = [&](const Shape& operand, int d) {
+      return operand[size_t(d)] == 1 && n_.shape[size_t(d)] != 1 ? Shard::R() : Shard::S(d);
+    };
     for (int d = 0; d < rank - 2; ++d)
       if (divides(n_.shape[size_t(d)]))
-        add(fmt::format("batch({})", d), Shard::S(d), {Shard::S(d), Shard::S(d)}, {}, t_);
+        add(fmt::format("batch({})", d), Shard::S(d), {batch_layout(a, d), batch_layout(b, d)}, {},
+            t_);
     if (divides(a.back()))
       add("contraction", Shard::P(), {Shard::S(rank - 1), Shard::S(b_k)}, {}, t_);
   }

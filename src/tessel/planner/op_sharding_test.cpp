@@ -142,6 +142,23 @@ TEST(OpSharding, StackedExpertWeightsSplitTheirExperts) {
   }
 }
 
+// An operand broadcast along a batch dimension (size 1 there) is read whole when the batch
+// splits it: the expert-choice MoE's dispatch [b, E, cap, t] x tokens [b, 1, t, C].
+TEST(OpSharding, ABroadcastBatchDimensionIsReadWhole) {
+  OpGraph g;
+  const int dispatch = g.add({.name = "dispatch", .kind = OpKind::input, .shape = {2, 8, 4, 16}});
+  const int tokens = g.add({.name = "tokens", .kind = OpKind::input, .shape = {2, 1, 16, 32}});
+  const int y = g.add({.name = "y",
+                       .kind = OpKind::matmul,
+                       .inputs = {dispatch, tokens},
+                       .shape = {2, 8, 4, 32},
+                       .flops = 2.0 * 2 * 8 * 4 * 16 * 32});
+  const auto names = by_name(op_strategies(g, y, 2));
+  ASSERT_TRUE(names.contains("batch(1)"));
+  EXPECT_EQ(names.at("batch(1)").in, (std::vector<Shard>{Shard::S(1), Shard::R()}));
+  EXPECT_EQ(names.at("batch(0)").in, (std::vector<Shard>{Shard::S(0), Shard::S(0)}));
+}
+
 // q k^T (b given as [N, K]) and p v (b as [K, N]): batch-free 2-D cases of the contraction split.
 TEST(OpSharding, ContractionOfTwoActivationsLeavesPartialSums) {
   std::mt19937 rng(2);

@@ -129,8 +129,7 @@ MeshSolution solve_mesh_sharding(const OpGraph& g, const MeshCosts& c, const Ilp
         "mesh sharding: an axis with {} FLOP/s, {} B/s, latency {} s; need positive rates",
         a.flops_per_s, a.bandwidth, a.latency_s);
   const MeshSpace space(g, c);
-  const Programme r =
-      solve_programme(g, space, c.axes[0].memory_bytes, options, problem, /*tight=*/true);
+  const Programme r = solve_programme(g, space, c.axes[0].memory_bytes, options, problem);
   return solution_of<MeshSolution>(r, space, g.size());
 }
 

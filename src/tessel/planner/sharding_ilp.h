@@ -24,9 +24,9 @@
 //                 fp32 weight, gradient and Adam's two moments by default) within memory_bytes.
 //   tied weights  a node reading another's weights (a tied head) holds them in the layout that
 //                 node chose.
-// Variables: x[v][s] binary, one per node v and strategy s, sum_s x[v][s] = 1; for every edge and
-// pair of strategies whose layout change costs anything, y >= x[u][s] + x[v][s'] - 1 (y >= 0),
-// which minimisation keeps at 0 unless both are chosen; for a producer with several readers,
+// Variables (sharding_programme.h): x[v][s] binary, one per node v and strategy s,
+// sum_s x[v][s] = 1; for every edge a variable per pair of strategies, the pairs summing to each
+// node's choice; for a producer with several readers,
 // has[u][G] >= x[v][s'] for each reader strategy leaving gradient layout G, and
 // y >= x[u][s] + has[u][G] - 1 for each G that u's strategy s must change.
 #pragma once

@@ -44,6 +44,7 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
   auto stream = [&](double elements, double bytes) {
     return bandwidth > 0 ? elements * bytes / bandwidth : 0.0;
   };
+  const auto readers = g.readers();
   std::vector<PassTimes> out(size_t(g.size()));
   for (int v = 0; v < g.size(); ++v) {
     const OpNode& node = g.node(v);
@@ -105,7 +106,7 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
       const int u = node.inputs[k];
       p.forward += edge_costs(g, u, sharding.chosen[size_t(u)], v, k, s, t, rates).forward;
     }
-    p.backward_input += backward_gradient_cost(g, v, sharding.chosen, t, rates);
+    p.backward_input += backward_gradient_cost(g, v, readers[size_t(v)], sharding.chosen, t, rates);
     p.recompute = p.forward;
   }
   return out;

@@ -34,14 +34,14 @@ class MeshSpace : public StrategySpace {
       const OpStrategy& s_a = m.axis[a];
       const int d = c_.mesh.sizes[a];
       // What the other axis leaves of the tokens (its split of the first input).
-      const double other = split_by_other(m, a, s_a.in.empty() ? m.out() : m.in(0));
+      const double other = split_by_other(a, s_a.in.empty() ? m.out() : m.in(0));
       if (s_a.comm_bytes > 0) cost += 2 * collective(c_.axes[a], s_a.comm_bytes / other);
       if (d > 1 && s_a.name.starts_with("batch"))
         for (size_t w = 0; w < weights.size(); ++w)
           if (s_a.weights[w].kind == Shard::Kind::replicated)
-            cost += collective(c_.axes[a], 2.0 * (d - 1) / d * double(elements(weights[w])) /
-                                               split_by_other(m, a, m.weight(w)) *
-                                               base.bytes_per_element);
+            cost +=
+                collective(c_.axes[a], 2.0 * (d - 1) / d * double(elements(weights[w])) /
+                                           split_by_other(a, m.weight(w)) * base.bytes_per_element);
     }
     if (g_.node(v).weights_of < 0 && base.memory_price > 0)
       cost += base.memory_price * state_bytes(v, s);
@@ -72,7 +72,7 @@ class MeshSpace : public StrategySpace {
   const MeshStrategy& at(int v, int s) const { return of(v)[size_t(s)]; }
   size_t axes() const { return c_.mesh.sizes.size(); }
   // The parts the axes other than `a` split a tensor of this layout into.
-  double split_by_other(const MeshStrategy&, size_t a, const MeshLayout& layout) const {
+  double split_by_other(size_t a, const MeshLayout& layout) const {
     double parts = 1;
     for (size_t x = 0; x < axes(); ++x)
       if (x != a && layout[x].kind == Shard::Kind::split) parts *= c_.mesh.sizes[x];

@@ -125,6 +125,14 @@ std::vector<int> OpGraph::critical_nodes() const {
   return critical_in(validate());
 }
 
+std::vector<std::vector<OpGraph::Read>> OpGraph::readers() const {
+  std::vector<std::vector<Read>> out(nodes_.size());
+  for (int v = 0; v < size(); ++v)
+    for (size_t k = 0; k < nodes_[size_t(v)].inputs.size(); ++k)
+      out[size_t(nodes_[size_t(v)].inputs[k])].push_back({v, k});
+  return out;
+}
+
 std::vector<std::vector<int>> OpGraph::segments() const {
   const std::vector<int> order = validate();
   const auto critical = critical_in(order);

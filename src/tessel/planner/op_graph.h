@@ -89,6 +89,13 @@ class OpGraph {
     return n.weights_of >= 0 ? node(n.weights_of).weights : n.weights;
   }
 
+  // Per node, the nodes reading its output and at which of their inputs, in id order.
+  struct Read {
+    int node;
+    size_t input;
+  };
+  std::vector<std::vector<Read>> readers() const;
+
   // Sums over the nodes (forward FLOPs; parameters as elements).
   double total_flops() const;
   int64_t total_parameters() const;

@@ -119,9 +119,7 @@ PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
     for (int s = lo[size_t(v)]; s <= hi[size_t(v)]; ++s)
       if ((s <= b) == le) terms.push_back({on(v, s), coef});
   };
-  std::vector<std::vector<int>> readers(static_cast<size_t>(n));
-  for (int v = 0; v < n; ++v)
-    for (int u : g.node(v).inputs) readers[size_t(u)].push_back(v);
+  const auto readers = g.readers();
   for (int v = 0; v < n; ++v) {
     for (int u : g.node(v).inputs) {
       // stage(u) <= stage(v).
@@ -138,10 +136,11 @@ PipelineCut cut_pipeline(const OpGraph& g, int S, const PipelineCutOptions& o) {
     if (readers[size_t(u)].empty() || g.node(u).kind == OpKind::input) continue;
     const double bytes = double(elements(g.node(u).shape)) * o.bytes_per_element;
     int last = lo[size_t(u)];
-    for (int v : readers[size_t(u)]) last = std::max(last, hi[size_t(v)]);
+    for (const auto& r : readers[size_t(u)]) last = std::max(last, hi[size_t(r.node)]);
     for (int b = lo[size_t(u)]; b < last; ++b) {
       const int w = ilp.add_binary(fmt::format("w.{}.{}", g.node(u).name, b), bytes);
-      for (int v : readers[size_t(u)]) {
+      for (const auto& r : readers[size_t(u)]) {
+        const int v = r.node;
         if (hi[size_t(v)] <= b) continue;  // v never beyond b
         std::vector<Ilp::Term> row = {{w, 1.0}};
         part(u, b, true, -1.0, row);

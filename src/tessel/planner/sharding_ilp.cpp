@@ -77,21 +77,20 @@ double edge_cost(const OpGraph& g, int u, const OpStrategy& from, int v, size_t 
   return e.forward + e.backward;
 }
 
-double backward_gradient_cost(const OpGraph& g, int u, const std::vector<OpStrategy>& chosen, int t,
+double backward_gradient_cost(const OpGraph& g, int u, const std::vector<OpGraph::Read>& readers,
+                              const std::vector<OpStrategy>& chosen, int t,
                               const ShardingCosts& c) {
   if (g.node(u).kind == OpKind::input) return 0;
   const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
   const Shard need = output_gradient(chosen[size_t(u)]);
   std::set<std::string> seen;
   double cost = 0;
-  for (int v = 0; v < g.size(); ++v)
-    for (size_t k = 0; k < g.node(v).inputs.size(); ++k) {
-      if (g.node(v).inputs[k] != u) continue;
-      const Shard layout = input_gradient(chosen[size_t(v)], k, g.node(v));
-      if (!seen.insert(to_string(layout)).second) continue;
-      const Reshard r = reshard(layout, need, bytes, t);
-      if (!r.collective.empty()) cost += collective(c, r.bytes_per_device);
-    }
+  for (const auto& [v, k] : readers) {
+    const Shard layout = input_gradient(chosen[size_t(v)], k, g.node(v));
+    if (!seen.insert(to_string(layout)).second) continue;
+    const Reshard r = reshard(layout, need, bytes, t);
+    if (!r.collective.empty()) cost += collective(c, r.bytes_per_device);
+  }
   return cost;
 }
 

@@ -109,8 +109,11 @@ double collective(const ShardingCosts& costs, double bytes_per_device);
 // node): the gradients its readers leave, summed locally where they share a layout, each distinct
 // layout changed once to what u's backward needs -- so the q, k and v projections of one norm's
 // output, column-parallel, cost one all-reduce, not three (Megatron-LM's).
-double backward_gradient_cost(const OpGraph& graph, int node, const std::vector<OpStrategy>& chosen,
-                              int t, const ShardingCosts& costs);
+// `readers`: the node's, as OpGraph::readers() lists them.
+double backward_gradient_cost(const OpGraph& graph, int node,
+                              const std::vector<OpGraph::Read>& readers,
+                              const std::vector<OpStrategy>& chosen, int t,
+                              const ShardingCosts& costs);
 double weight_sync_cost(const OpGraph& graph, int node, const OpStrategy& s, int t,
                         const ShardingCosts& costs);
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <utility>
@@ -55,12 +56,11 @@ Programme solve_programme(const OpGraph& g, const StrategySpace& space, double m
     ilp.add_eq(one, 1, fmt::format("one.{}", node.name));
   }
   if (std::isfinite(memory_bytes) && !memory.empty()) ilp.add_le(memory, memory_bytes, "memory");
-  // Readers of each node's output within the programme: (consumer, input index).
-  std::vector<std::vector<std::pair<int, size_t>>> readers(static_cast<size_t>(n));
-  for (int v = 0; v < n; ++v)
-    if (active(v))
-      for (size_t k = 0; k < g.node(v).inputs.size(); ++k)
-        if (active(g.node(v).inputs[k])) readers[size_t(g.node(v).inputs[k])].push_back({v, k});
+  // Readers of each node's output within the programme.
+  std::vector<std::vector<OpGraph::Read>> readers = g.readers();
+  for (int u = 0; u < n; ++u)
+    std::erase_if(readers[size_t(u)],
+                  [&](const OpGraph::Read& r) { return !active(u) || !active(r.node); });
   auto fans_out = [&](int u) {
     return readers[size_t(u)].size() > 1 && g.node(u).kind != OpKind::input;
   };

@@ -358,9 +358,13 @@ double CostModel::dp_exposed(const DpSync& sync, double window) const {
 }
 
 double CostModel::optimizer_step(double params) const {
+  return adam_step_time(params, act_bytes_, cluster_.device.memory_bandwidth);
+}
+
+double CostModel::adam_step_time(double params, int act_bytes, double memory_bandwidth) {
   // Adam reads the gradient, the master weight and m, v, writes the three back and the
   // training-precision copy (mixed precision): 28 bytes plus the gradient per parameter.
-  return stream(params, 28 + act_bytes_);
+  return memory_bandwidth > 0 ? params * (28 + act_bytes) / memory_bandwidth : 0;
 }
 
 double CostModel::tied_embedding_sync(int tp, int pp, int world) const {

@@ -184,6 +184,9 @@ class CostModel {
   double dp_exposed(const DpSync& sync, double window) const;
   // The optimizer step over `params` parameters held by one device (Adam, memory-bound).
   double optimizer_step(double params) const;
+  // The same for parameters of `act_bytes` each on a device streaming `memory_bandwidth` bytes/s
+  // (0: not modelled).
+  static double adam_step_time(double params, int act_bytes, double memory_bandwidth);
   // Summing the tied embedding's gradient between the first and last pipeline ranks.
   double tied_embedding_sync(int tp, int pp, int world) const;
 

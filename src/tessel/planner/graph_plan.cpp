@@ -116,26 +116,24 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                  ilp_status_name(plan.cut->status));
   }
   const std::vector<int> stage_of = plan.cut ? plan.cut->stage : std::vector<int>{};
-  {
-    // Each pipeline rank's state on one device.
-    std::vector<double> state(size_t(request.stages), 0);
-    for (int v = 0; v < graph.size(); ++v) {
-      if (graph.node(v).weights_of >= 0) continue;  // a tied reader's weights are its owner's
-      const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
-      const int rank =
-          schedule::stage_of(request.stages, vs,
-                             request.schedule == "zb-v" ? schedule::Placement::v_shape
-                                                        : schedule::Placement::interleaved);
-      state[size_t(rank)] +=
-          plan.sharding.chosen[size_t(v)].weight_elements * rates.state_bytes_per_weight;
-    }
-    const auto fullest = std::max_element(state.begin(), state.end());
-    TESSEL_CHECK(*fullest <= device_bytes, InvalidArgumentError,
-                 "pipeline rank {} would hold {:.1f} GiB of training state, more than a {}'s "
-                 "{:.1f} GiB; raise --tp or --stages",
-                 fullest - state.begin(), *fullest / kGiB, cluster.device.name,
-                 device_bytes / kGiB);
+  // Each pipeline rank's weights on one device (zb-v places its chunks as a V); the fullest must
+  // fit a device with their training state.
+  const auto placement =
+      request.schedule == "zb-v" ? schedule::Placement::v_shape : schedule::Placement::interleaved;
+  std::vector<double> rank_weights(size_t(request.stages), 0);
+  for (int v = 0; v < graph.size(); ++v) {
+    if (graph.node(v).weights_of >= 0) continue;  // a tied reader's weights are its owner's
+    const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
+    rank_weights[size_t(schedule::stage_of(request.stages, vs, placement))] +=
+        plan.sharding.chosen[size_t(v)].weight_elements;
   }
+  const auto fullest = std::max_element(rank_weights.begin(), rank_weights.end());
+  const double fullest_state = *fullest * rates.state_bytes_per_weight;
+  TESSEL_CHECK(fullest_state <= device_bytes, InvalidArgumentError,
+               "pipeline rank {} would hold {:.1f} GiB of training state, more than a {}'s "
+               "{:.1f} GiB; raise --tp or --stages",
+               fullest - rank_weights.begin(), fullest_state / kGiB, cluster.device.name,
+               device_bytes / kGiB);
   plan.stage_costs = graph_stage_costs(
       graph, plan.sharding,
       operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of, n_vs,
@@ -192,26 +190,18 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   const LinkSpec& link =
       world <= cluster.devices_per_host ? cluster.intra_host : cluster.inter_host;
   sc.link = Link{link.latency, link.bandwidth};
-  const schedule::Schedule lists = schedule::make_schedule(
-      request.schedule, request.stages, request.micro_batches, plan.virtual_stages);
-  plan.sim = simulate(lists, sc);
+  plan.sim = simulate(schedule::make_schedule(request.schedule, request.stages,
+                                              request.micro_batches, plan.virtual_stages),
+                      sc);
   plan.pipeline_s = plan.sim.makespan;
-  std::vector<double> params(size_t(request.stages), 0);
-  for (int v = 0; v < graph.size(); ++v) {
-    const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
-    params[size_t(schedule::stage_of(request.stages, vs, lists.placement))] +=
-        plan.sharding.chosen[size_t(v)].weight_elements;
-  }
-  const double fullest = *std::max_element(params.begin(), params.end());
-  const double bytes = element_bytes(request.precision);
+  const int bytes = element_bytes(request.precision);
   if (request.dp > 1) {
     const bool cross = request.dp * request.tp > cluster.devices_per_host;
     const LinkSpec& dpl = cross ? cluster.inter_host : cluster.intra_host;
     plan.dp_s = CostModel::all_reduce_time(
-        fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
+        *fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
   }
-  const double mem = cluster.device.memory_bandwidth;
-  plan.optimizer_s = mem > 0 ? fullest * (28 + bytes) / mem : 0;
+  plan.optimizer_s = CostModel::adam_step_time(*fullest, bytes, cluster.device.memory_bandwidth);
   plan.step_s = plan.pipeline_s + plan.dp_s + plan.optimizer_s;
   return plan;
 }

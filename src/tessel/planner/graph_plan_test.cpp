@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "tessel/core/error.h"
+#include "tessel/planner/cost_model.h"
 #include "tessel/planner/step_simulation.h"
 #include "tessel/planner/transformer_graph.h"
 
@@ -141,6 +142,14 @@ TEST(GraphPlan, AGraphWithoutItsModelGetsTheGenericStep) {
   const double b = plan.stage_costs[1].forward + plan.stage_costs[1].backward;
   EXPECT_GE(plan.pipeline_s, 8 * std::max(a, b));
   EXPECT_LT(plan.pipeline_s, 8 * (a + b));
+
+  // On one device the optimizer updates every parameter once: GPT-2's head tied to its
+  // embedding holds no weights of its own (it was counted twice).
+  GraphPlanRequest one = request_for(m, 1024, {2, 1, 1, 8});
+  one.model.reset();
+  const GraphPlan whole = plan_graph(g, cluster, one);
+  EXPECT_DOUBLE_EQ(whole.optimizer_s, CostModel::adam_step_time(double(g.total_parameters()), 2,
+                                                                cluster.device.memory_bandwidth));
 }
 
 TEST(GraphPlan, AnImpossibleCutOrLayoutIsOneClearError) {

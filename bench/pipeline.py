@@ -61,33 +61,40 @@ def split(stages):
     return [k + 1] + [k] * (stages - 2) + [k + 1] if stages > 1 else [LAYERS + 2]
 
 
-def trace_bubbles(path, skip):
-    """Per traced step (the first `skip` dropped): 1 - compute / (ranks x pipeline makespan)."""
+def read_trace(path):
+    """A run's trace: its slices, the ranks (tracks) and each rank's pipeline slices in order."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     ranks = sorted({e["tid"] for e in events})
     pipes = {r: sorted((e for e in events if e["tid"] == r and e["name"] == "pipeline"),
                        key=lambda e: e["ts"]) for r in ranks}
+    return events, ranks, pipes
+
+
+def step_window(ranks, pipes, k):
+    """Step k's pipeline across ranks: the earliest rank's start to the latest rank's end."""
+    return (min(pipes[r][k]["ts"] for r in ranks),
+            max(pipes[r][k]["ts"] + pipes[r][k]["dur"] for r in ranks))
+
+
+def trace_bubbles(trace, skip):
+    """Per traced step (the first `skip` dropped): 1 - compute / (ranks x pipeline makespan)."""
+    events, ranks, pipes = trace
     bubbles = []
     for k in range(skip, min(len(p) for p in pipes.values())):
-        start = min(pipes[r][k]["ts"] for r in ranks)
-        end = max(pipes[r][k]["ts"] + pipes[r][k]["dur"] for r in ranks)
+        start, end = step_window(ranks, pipes, k)
         busy = sum(e["dur"] for e in events if e["cat"] in ("F", "B", "Bi", "Bw", "R")
                    and start <= e["ts"] <= end)
         bubbles.append(1 - busy / (len(ranks) * (end - start)))
     return bubbles
 
 
-def replay_bubble(path, k, v_shape):
+def replay_bubble(trace, k, v_shape):
     """The bubble step k's lists would have had with every compute at its kind's median duration
     over the run and free messages: the executed order (from the trace) replayed on each rank as
     soon as its inputs exist. Measured minus this is what the computes' variation cost."""
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
-    ranks = sorted({e["tid"] for e in events})
+    events, ranks, pipes = trace
     p = len(ranks)
-    pipes = {r: sorted((e for e in events if e["tid"] == r and e["name"] == "pipeline"),
-                       key=lambda e: e["ts"]) for r in ranks}
-    start = min(pipes[r][k]["ts"] for r in ranks)
-    end = max(pipes[r][k]["ts"] + pipes[r][k]["dur"] for r in ranks)
+    start, end = step_window(ranks, pipes, k)
     kinds = ("F", "B", "Bi", "Bw")
     cost = {c: statistics.median(e["dur"] for e in events if e["cat"] == c)
             for c in kinds if any(e["cat"] == c for e in events)}
@@ -157,7 +164,7 @@ def run(args, work, schedule, m, delay=None, tag=None, extra=""):
     recs = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
     timed = recs[args.warmup:]
     # The trace starts at the second step: drop the warmup's other steps.
-    trace = work / f"{tag}.trace.json"
+    trace = read_trace(work / f"{tag}.trace.json")
     bubbles = trace_bubbles(trace, args.warmup - 1)
     idle = statistics.median(bubbles)
     # The replay of the step whose measured bubble is the median.

@@ -170,11 +170,13 @@ TEST(CoordinatorLoss, AProcessWaitingToJoinASwitchLeavesAndTheWorldSaves) {
                  "checkpoint: {dir: ck, every: 1000}\noutput: {metrics: metrics.jsonl}\n"
                  "timeline:\n  - {at_step: 160, workers: 3}\n",
                  ", prepare_steps: 150"));
-  // The joiner exists from the announcement (step 9) on; killed once it has had time to start.
+  // The joiner exists from the announcement (step 9) on; the launcher is killed once the joiner
+  // says it waits. Earlier it may still be loading, before its watch on the launcher exists, and
+  // the launcher's death signal ends it silently (parent_watch.h) -- as the CI once saw.
   const std::string log = kill_the_launcher(
       dir, cfg,
-      "for i in $(seq 3000); do [ $(job | wc -l) -ge 3 ] && break; sleep 0.01; done\n"
-      "n=$(lines); wait_lines $((n + 5))\n"
+      "for i in $(seq 3000); do grep -q 'waiting for the world to switch' train.out && break; "
+      "kill -0 $L || break; sleep 0.01; done\n"
       "kill_launcher_and_wait\n");
   EXPECT_NE(log.find("this process was started for began: it holds no state; leaving"),
             std::string::npos)

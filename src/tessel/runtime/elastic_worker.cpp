@@ -483,6 +483,11 @@ std::shared_ptr<const PlannedSwitch> ElasticWorker::plan_switch(const Reconfigur
 
 std::optional<Reconfiguration> ElasticWorker::await_switch(const Reconfiguration& announced) {
   const int new_rank = index_of(announced.to_members, env.rank);
+  // The user's sign that the process the switch needs is up (and the tests' cue that it waits).
+  spdlog::info(
+      "process {}: started for the switch to generation {} ({}); building its state and "
+      "waiting for the world to switch",
+      env.rank, announced.generation, announced.to.describe());
   Preparation p;
   p.sw = announced;
   const int g = announced.generation;

@@ -129,7 +129,8 @@ planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
 
 // `--mesh 2x4`: the graph's sharding on a mesh of an outer axis (across hosts, on the cluster's
 // inter-host link, once the mesh outgrows a host) and an inner one within a host, every operator's
-// pair of strategies chosen by one programme (planner/mesh_sharding.h). The sharding only: the step
+// pair of strategies chosen jointly (planner/mesh_sharding.h: one programme, or segments joined by
+// dynamic programming for large graphs). The sharding only: the step
 // prediction and the runtime plan are the one-axis planner's (--tp) so far.
 int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster,
                   planner::Precision precision, const PlanArgs& a, const std::string& source,
@@ -161,7 +162,15 @@ int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster
     across.latency_s = cluster.inter_host.coll_latency();
   }
   costs.axes = mesh.sizes.size() == 2 ? std::vector{across, within} : std::vector{within};
-  const auto s = planner::solve_mesh_sharding(g, costs, {.time_limit_s = 60});
+  planner::GraphShardingStats st;
+  const auto s = planner::shard_mesh_graph(g, costs, {.time_limit_s = 60}, &st);
+  TESSEL_CHECK(
+      s.status != planner::IlpStatus::infeasible, ConfigError,
+      "{}: no sharding on a mesh of {} fits the parameters' training state ({:.1f} GiB, "
+      "{} bytes per parameter) in {:.1f} GiB per {}; use a larger mesh, or pipeline "
+      "stages (--stages with --tp)",
+      source, a.mesh, double(g.total_parameters()) * within.state_bytes_per_weight / (1u << 30),
+      within.state_bytes_per_weight, within.memory_bytes / (1u << 30), cluster.device.name);
   nlohmann::json doc = {{"model", source},
                         {"cluster", cluster.name},
                         {"precision", planner::precision_name(precision)},
@@ -170,6 +179,11 @@ int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster
                         {"time_s", s.time_s},
                         {"bound_s", s.bound_s},
                         {"variables", s.variables},
+                        {"segments", st.segments},
+                        {"programmes", st.programmes},
+                        {"optimal_programmes", st.optimal_programmes},
+                        {"reused", st.reused},
+                        {"pruned", st.pruned},
                         {"solve_s", s.solve_s},
                         {"warnings", warnings}};
   auto& ops = doc["operators"] = nlohmann::json::array();
@@ -183,10 +197,14 @@ int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster
     return 0;
   }
   std::cout << fmt::format(
-      "tessel plan: {} ({} operators) on a mesh of {} ({}, {}): {} in {:.2f} s ({} variables), "
-      "{:.4g} s per step on the mesh\n",
+      "tessel plan: {} ({} operators) on a mesh of {} ({}, {}): {} in {:.2f} s ({}), {:.4g} s "
+      "per step on the mesh\n",
       source, g.size(), a.mesh, cluster.name, planner::precision_name(precision),
-      planner::ilp_status_name(s.status), s.solve_s, s.variables, s.time_s);
+      planner::ilp_status_name(s.status), s.solve_s,
+      st.segments == 1 ? fmt::format("one programme of {} variables", s.variables)
+                       : fmt::format("{} segments, {} programmes, {} reused, {} pairs pruned",
+                                     st.segments, st.programmes, st.reused, st.pruned),
+      s.time_s);
   for (const auto& w : warnings) std::cout << "warning: " << w << "\n";
   for (int id = 0; id < g.size() && size_t(id) < s.chosen.size(); ++id)
     if (!g.node(id).weights.empty())

@@ -237,6 +237,33 @@ TEST(PlanOnnx, ShardsOnATwoAxisMesh) {
   EXPECT_NE(table.find("on a mesh of 2x4"), std::string::npos) << table;
 }
 
+// A graph past one programme's size (GPT-2 124M: 249 operators) is sharded on the mesh by
+// segments joined by dynamic programming, most (head, tail) pairs skipped by their bounds; a
+// model whose training state fits no sharding of the mesh is one clear error naming the fix.
+TEST(PlanGraph, ShardsALargeGraphOnAMeshBySegments) {
+  int rc = -1;
+  const std::string out = run_plan("plan --graph --model gpt2-124m --mesh 2x4 --json", &rc);
+  ASSERT_EQ(rc, 0) << out;
+  const auto doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["status"], "optimal");
+  EXPECT_EQ(doc["segments"], 28);
+  EXPECT_EQ(doc["programmes"].get<int>(), doc["optimal_programmes"].get<int>());
+  EXPECT_GT(doc["pruned"].get<int>(), 0);
+  for (const auto& op : doc["operators"]) {
+    if (op["name"].get<std::string>().ends_with("c_attn")) {
+      EXPECT_NE(op["strategy"].get<std::string>().find("column"), std::string::npos) << op.dump();
+    }
+  }
+  try {
+    run_plan("plan --graph --model llama2-7b --mesh 1x1");
+    ADD_FAILURE() << "7B parameters' training state fit one device";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("use a larger mesh, or pipeline stages"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PlanOnnx, BadInputIsOneClearError) {
   auto error_of = [](const std::string& args) {
     try {

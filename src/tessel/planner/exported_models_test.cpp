@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "tessel/planner/graph_costs.h"
+#include "tessel/planner/graph_plan.h"
 #include "tessel/planner/graph_sharding.h"
 #include "tessel/planner/onnx_graph.h"
 
@@ -66,6 +67,29 @@ TEST(ExportedModels, TheCnnsConvolutionsRunDataParallel) {
       EXPECT_EQ(s.chosen[size_t(v)].name, "batch(0)") << cnn.graph.node(v).name;
     }
   }
+}
+
+// The convolutions' batch split leaves each device part of their weights' gradients: they are
+// all-reduced once per step, after the last micro-batch's backward (as data parallelism's are),
+// not once per micro-batch.
+TEST(ExportedModels, TheCnnsWeightGradientsAreAllReducedOncePerStep) {
+  const auto cnn = read_onnx(testdata("wide_resnet.onnx"), {.dims = {{"batch", 256}}});
+  const auto cluster = ClusterSpec::preset("dgx-a100");
+  GraphPlanRequest r;
+  r.tp = 4;
+  r.ilp.time_limit_s = 60;
+  const GraphPlan one = plan_graph(cnn.graph, cluster, r);
+  r.micro_batches = 4;
+  const GraphPlan four = plan_graph(cnn.graph, cluster, r);
+  const auto costs = sharding_costs(cluster, r.precision);
+  double expected = 0;  // summed in node order, as plan_graph sums one rank's
+  for (int v = 0; v < cnn.graph.size(); ++v)
+    expected += weight_sync_cost(cnn.graph, v, one.sharding.chosen[size_t(v)], 4, costs);
+  EXPECT_GT(expected, 0);
+  EXPECT_EQ(one.tp_sync_s, expected);
+  EXPECT_EQ(four.tp_sync_s, expected);
+  EXPECT_GT(four.pipeline_s, 3 * one.pipeline_s);  // four micro-batches through one stage
+  EXPECT_DOUBLE_EQ(four.step_s, four.pipeline_s + four.tp_sync_s + four.dp_s + four.optimizer_s);
 }
 
 // Eight experts of [32, 128] and [128, 32] stacked as [E, C, F] and [E, F, C]. With room for

@@ -30,7 +30,8 @@ ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision) {
 }
 
 std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& sharding, int t,
-                                      const ClusterSpec& cluster, Precision precision) {
+                                      const ClusterSpec& cluster, Precision precision,
+                                      std::vector<double>* step_sync) {
   TESSEL_CHECK(sharding.chosen.size() == size_t(g.size()), InvalidArgumentError,
                "operator_times: a sharding of {} nodes for a graph of {}", sharding.chosen.size(),
                g.size());
@@ -46,6 +47,7 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
   };
   const auto readers = g.readers();
   std::vector<PassTimes> out(size_t(g.size()));
+  if (step_sync != nullptr) step_sync->assign(size_t(g.size()), 0);
   for (int v = 0; v < g.size(); ++v) {
     const OpNode& node = g.node(v);
     const OpStrategy& s = sharding.chosen[size_t(v)];
@@ -101,7 +103,7 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
     const double inside = inside_cost(s, rates);
     p.forward += inside;
     p.backward_input += inside;
-    p.backward_weight += weight_sync_cost(g, v, s, t, rates);
+    if (step_sync != nullptr) (*step_sync)[size_t(v)] = weight_sync_cost(g, v, s, t, rates);
     for (size_t k = 0; k < node.inputs.size(); ++k) {
       const int u = node.inputs[k];
       p.forward += edge_costs(g, u, sharding.chosen[size_t(u)], v, k, s, t, rates).forward;

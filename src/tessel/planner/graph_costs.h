@@ -22,7 +22,9 @@
 //   or a reduce): a split tensor's 1/t, a replicated or partial one's all.
 // Communication on the tp axis (sharding_ilp.h): each edge's forward layout change on the
 // consumer's F, its backward change on the consumer's Bi; a strategy's own collectives once in F
-// and once in Bi; the all-reduce of the gradient of a weight a batch split keeps replicated in Bw.
+// and once in Bi. The all-reduce of the gradient of a weight a batch split keeps replicated runs
+// once per step, after the last micro-batch's backward (as data parallelism's does), so it is
+// not a pass's: `step_sync` gets it per node.
 // The recompute pass is the forward.
 #pragma once
 
@@ -44,11 +46,13 @@ namespace tessel::planner {
 // ConfigError when the device has no rate for the precision.
 ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision);
 
-// Per node, its times under the solution's strategies on t devices. Throws InvalidArgumentError
-// when the solution has no strategy for a node, and ConfigError when the device has no rate for
-// the precision.
+// Per node, its times per micro-batch under the solution's strategies on t devices, and in
+// *step_sync (when given) its once-per-step weight-gradient all-reduce. Throws
+// InvalidArgumentError when the solution has no strategy for a node, and ConfigError when the
+// device has no rate for the precision.
 std::vector<PassTimes> operator_times(const OpGraph& graph, const ShardingSolution& sharding, int t,
-                                      const ClusterSpec& cluster, Precision precision);
+                                      const ClusterSpec& cluster, Precision precision,
+                                      std::vector<double>* step_sync = nullptr);
 
 // Per stage (stage_of: per node, in [0, stages); empty puts every node on stage 0): the sums of
 // its operators' times; activation_bytes, the outputs of its operators on one device (what its

@@ -69,13 +69,16 @@ TEST_F(LlamaTp2, MatmulsTakeOneGemmPerPassAndAttentionTwoInItsBackward) {
 }
 
 // Megatron-LM's communication: the row-parallel output's partial sums are all-reduced once in
-// the forward (into the residual add), and the norm whose output the q, k and v projections all
-// read sums their three partial input gradients locally and all-reduces once in the backward --
-// not three times.
+// the forward, and the norm whose output the q, k and v projections all read sums their three
+// partial input gradients locally and all-reduces once in the backward -- not three times.
+// The forward's all-reduce is either the residual add's (into a replicated residual stream) or
+// the next norm's (the add keeping the sum's terms apart, the skip connection's on one device):
+// equal optima, and which one CBC returns depends on its search, so the test takes the pair.
 TEST_F(LlamaTp2, ABlockAllReducesOncePerDirectionAtEachHalf) {
   const double residual = kTokens * 4096;
   EXPECT_EQ(s.of(g, "h.0.self_attn.o_proj").name, "row");
-  EXPECT_DOUBLE_EQ(at("h.0.residual_1").forward, stream(3 * residual) + all_reduce());
+  EXPECT_DOUBLE_EQ(at("h.0.residual_1").forward + at("h.0.post_attention_layernorm").forward,
+                   stream(3 * residual) + stream(2 * residual) + all_reduce());
   EXPECT_DOUBLE_EQ(at("h.0.input_layernorm").forward, stream(2 * residual));
   EXPECT_DOUBLE_EQ(at("h.0.input_layernorm").backward_input, stream(4 * residual) + all_reduce());
 }

@@ -134,10 +134,19 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                "{:.1f} GiB; raise --tp or --stages",
                fullest - rank_weights.begin(), fullest_state / kGiB, cluster.device.name,
                device_bytes / kGiB);
+  std::vector<double> sync;
   plan.stage_costs = graph_stage_costs(
       graph, plan.sharding,
-      operator_times(graph, plan.sharding, request.tp, cluster, request.precision), stage_of, n_vs,
-      request.tp, request.precision);
+      operator_times(graph, plan.sharding, request.tp, cluster, request.precision, &sync), stage_of,
+      n_vs, request.tp, request.precision);
+  // The tp axis's own weight-gradient all-reduces (a batch split there), once per step on each
+  // pipeline rank, after its backward: the slowest rank's.
+  std::vector<double> rank_sync(size_t(request.stages), 0);
+  for (int v = 0; v < graph.size(); ++v) {
+    const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
+    rank_sync[size_t(schedule::stage_of(request.stages, vs, placement))] += sync[size_t(v)];
+  }
+  plan.tp_sync_s = *std::max_element(rank_sync.begin(), rank_sync.end());
 
   const int world = request.dp * request.tp * request.stages;
   std::string why;
@@ -173,7 +182,7 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
         plan.pipeline_s = step.pipeline_s;
         plan.dp_s = step.dp_exposed_s;
         plan.optimizer_s = step.optimizer_s;
-        plan.step_s = step.step_s;
+        plan.step_s = step.step_s + plan.tp_sync_s;
         plan.layout = l;
         return plan;
       }
@@ -202,7 +211,7 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
         *fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
   }
   plan.optimizer_s = CostModel::adam_step_time(*fullest, bytes, cluster.device.memory_bandwidth);
-  plan.step_s = plan.pipeline_s + plan.dp_s + plan.optimizer_s;
+  plan.step_s = plan.pipeline_s + plan.tp_sync_s + plan.dp_s + plan.optimizer_s;
   return plan;
 }
 
@@ -232,11 +241,9 @@ nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
   }
   j["schedule"] = plan.schedule;
   j["virtual_stages"] = plan.virtual_stages;
-  j["step"] = {{"step_s", plan.step_s},
-               {"pipeline_s", plan.pipeline_s},
-               {"dp_s", plan.dp_s},
-               {"optimizer_s", plan.optimizer_s},
-               {"bubble", plan.sim.bubble_fraction()}};
+  j["step"] = {{"step_s", plan.step_s},           {"pipeline_s", plan.pipeline_s},
+               {"tp_sync_s", plan.tp_sync_s},     {"dp_s", plan.dp_s},
+               {"optimizer_s", plan.optimizer_s}, {"bubble", plan.sim.bubble_fraction()}};
   auto& stages = j["step"]["stages"] = nlohmann::json::array();
   for (const StageCosts& c : plan.stage_costs)
     stages.push_back({{"forward_s", c.forward},

@@ -11,9 +11,10 @@
 //     `tessel train --plan`), and the step is the layer planner's simulate_step
 //     (step_simulation.h) run on the graph's stage costs -- the same dp sync, optimizer and
 //     collectives, so the two planners differ only in what the stages cost;
-//   otherwise (any ONNX graph) the simulated pipeline, then the fullest stage's gradient
-//     all-reduce over dp, none of it hidden behind the backward (an upper bound), then its Adam
-//     step, memory-bound like CostModel::optimizer_step.
+//   otherwise (any ONNX graph) the simulated pipeline, then the weight-gradient all-reduces of the
+//     operators whose sharding splits the batch on the tp axis (once per step: graph_costs.h),
+//     then the fullest stage's gradient all-reduce over dp, none of it hidden behind the backward
+//     (an upper bound), then its Adam step, memory-bound like CostModel::optimizer_step.
 // Memory: the sharding programme holds the parameters' training state within the whole
 // pipeline's memory (a device's usable bytes x stages); the cut's fullest pipeline rank must then
 // fit one device, else one error names it and the fix (more tp or stages). Activations are not
@@ -63,7 +64,9 @@ struct GraphPlan {
   std::optional<PipelineCut> cut;       // with stages x virtual_stages > 1
   std::vector<StageCosts> stage_costs;  // per virtual stage, in the model's order
   SimResult sim;  // the pipeline phase, with its timeline (trace.h: simulation_trace)
-  double pipeline_s = 0, dp_s = 0, optimizer_s = 0, step_s = 0;
+  // step_s: the pipeline, the tp axis's weight-gradient all-reduces (a batch split there: once
+  // per step, not overlapped), dp and the optimizer.
+  double pipeline_s = 0, tp_sync_s = 0, dp_s = 0, optimizer_s = 0, step_s = 0;
   std::string schedule;
   // The runtime's layout (with a model): `tessel train --plan` trains with its to_json.
   std::optional<layout::Plan> layout;

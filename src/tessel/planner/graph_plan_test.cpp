@@ -134,7 +134,7 @@ TEST(GraphPlan, AGraphWithoutItsModelGetsTheGenericStep) {
   EXPECT_NE(plan.not_runnable.find("operator graph"), std::string::npos) << plan.not_runnable;
   EXPECT_GT(plan.dp_s, 0);
   EXPECT_GT(plan.optimizer_s, 0);
-  EXPECT_DOUBLE_EQ(plan.step_s, plan.pipeline_s + plan.dp_s + plan.optimizer_s);
+  EXPECT_DOUBLE_EQ(plan.step_s, plan.pipeline_s + plan.tp_sync_s + plan.dp_s + plan.optimizer_s);
   // 1F1B over 2 stages and 8 micro-batches: at least the slower stage's 8 forwards and
   // backwards, less than both stages' one after the other.
   ASSERT_EQ(plan.stage_costs.size(), 2u);

@@ -105,7 +105,7 @@ class MeshSpace : public StrategySpace {
   }
 
   const OpGraph& g_;
-  const MeshCosts& c_;
+  const MeshCosts c_;
   mutable std::vector<std::vector<MeshStrategy>> options_;
 };
 
@@ -117,8 +117,9 @@ const MeshStrategy& MeshSolution::of(const OpGraph& graph, const std::string& na
   TESSEL_THROW(InvalidArgumentError, "mesh sharding: no node named '{}' with a strategy", name);
 }
 
-MeshSolution solve_mesh_sharding(const OpGraph& g, const MeshCosts& c, const IlpOptions& options,
-                                 const ShardingProblem& problem) {
+namespace {
+
+void check_costs(const MeshCosts& c) {
   TESSEL_CHECK(c.axes.size() == c.mesh.sizes.size(), InvalidArgumentError,
                "mesh sharding: {} axis costs for a mesh of {} axes", c.axes.size(),
                c.mesh.sizes.size());
@@ -128,9 +129,35 @@ MeshSolution solve_mesh_sharding(const OpGraph& g, const MeshCosts& c, const Ilp
         InvalidArgumentError,
         "mesh sharding: an axis with {} FLOP/s, {} B/s, latency {} s; need positive rates",
         a.flops_per_s, a.bandwidth, a.latency_s);
+}
+
+}  // namespace
+
+MeshSolution solve_mesh_sharding(const OpGraph& g, const MeshCosts& c, const IlpOptions& options,
+                                 const ShardingProblem& problem) {
+  check_costs(c);
   const MeshSpace space(g, c);
   const Programme r = solve_programme(g, space, c.axes[0].memory_bytes, options, problem);
   return solution_of<MeshSolution>(r, space, g.size());
+}
+
+MeshSolution shard_mesh_graph(const OpGraph& g, const MeshCosts& c, const IlpOptions& options,
+                              GraphShardingStats* stats, int whole_up_to) {
+  check_costs(c);
+  GraphShardingStats local;
+  auto space_at = [&](double price) {
+    MeshCosts priced = c;
+    priced.axes[0].memory_price = price;
+    return std::make_unique<MeshSpace>(g, priced);
+  };
+  // What the costs depend on besides the graph: the mesh and each axis's link.
+  std::string key = "mesh";
+  for (size_t a = 0; a < c.axes.size(); ++a)
+    key += fmt::format("|{}:{}/{}/{}", c.mesh.sizes[a], c.axes[a].bandwidth, c.axes[a].latency_s,
+                       c.axes[a].flops_per_s);
+  const Programme r = shard_by_segments(g, space_at, key, c.axes[0].memory_bytes, options,
+                                        stats != nullptr ? *stats : local, whole_up_to);
+  return solution_of<MeshSolution>(r, MeshSpace(g, c), g.size());
 }
 
 }  // namespace tessel::planner

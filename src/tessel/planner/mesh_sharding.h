@@ -11,8 +11,8 @@
 //   edges        forward and backward layout changes axis by axis (mesh_reshard), a producer
 //                with several readers summing their gradients first, as on one axis;
 //   memory       the weights' training state per device within memory_bytes.
-// A whole graph is one programme here (no segment decomposition yet): for graphs of hundreds of
-// operators.
+// solve_mesh_sharding is one programme for a whole (sub)graph; shard_mesh_graph decomposes a large
+// graph at its critical nodes as on one axis (segment_sharding.h).
 #pragma once
 
 #include <string>
@@ -21,6 +21,7 @@
 #include "tessel/planner/ilp.h"
 #include "tessel/planner/mesh_strategies.h"
 #include "tessel/planner/op_graph.h"
+#include "tessel/planner/segment_sharding.h"
 #include "tessel/planner/sharding_ilp.h"
 
 namespace tessel::planner {
@@ -47,5 +48,12 @@ struct MeshSolution {
 MeshSolution solve_mesh_sharding(const OpGraph& graph, const MeshCosts& costs,
                                  const IlpOptions& options = {},
                                  const ShardingProblem& problem = {});
+
+// The whole graph: one programme up to `whole_up_to` nodes, else segments joined by dynamic
+// programming with the memory priced across them (segment_sharding.h). Throws as
+// solve_mesh_sharding does.
+MeshSolution shard_mesh_graph(const OpGraph& graph, const MeshCosts& costs,
+                              const IlpOptions& options = {}, GraphShardingStats* stats = nullptr,
+                              int whole_up_to = kShardWholeUpTo);
 
 }  // namespace tessel::planner

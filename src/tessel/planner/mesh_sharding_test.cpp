@@ -66,3 +66,39 @@ TEST(MeshSharding, AnAxisOfOneIsTheOneAxisProgramme) {
 
 }  // namespace
 }  // namespace tessel::planner
+
+namespace tessel::planner {
+namespace {
+
+// The decomposition at the critical nodes (a programme per segment and pair of boundary
+// strategies, joined by dynamic programming, pairs skipped by their bounds) finds the whole
+// programme's optimum on a mesh too: the segments meet only in the critical nodes, whose
+// strategies the DP enumerates. Both programmes are solved to optimality (relative gap 0), so
+// their objectives agree up to CBC's integrality and primal tolerances on microsecond terms
+// (1e-6 relative covers them with room).
+TEST(MeshSharding, SegmentsJoinedByDynamicProgrammingEqualTheWholeProgramme) {
+  auto m = model::ModelConfig::preset("gpt2-124m");
+  m.n_layer = 2;
+  const OpGraph g = transformer_graph(m, 4, 256);
+  ShardingCosts nvlink = testing::nvlink_costs();
+  ShardingCosts network = nvlink;
+  network.bandwidth = 25e9;
+  network.latency_s = 20e-6;
+  const MeshCosts costs{Mesh{{2, 2}}, {network, nvlink}};
+  const MeshSolution whole = shard_mesh_graph(g, costs, {.time_limit_s = 120}, nullptr, g.size());
+  GraphShardingStats st;
+  const MeshSolution parts = shard_mesh_graph(g, costs, {.time_limit_s = 120}, &st, 0);
+  ASSERT_EQ(whole.status, IlpStatus::optimal);
+  ASSERT_EQ(parts.status, IlpStatus::optimal);
+  EXPECT_GT(st.segments, 4);
+  EXPECT_GT(st.pruned, 0);  // the bounds skipped pairs
+  EXPECT_NEAR(parts.time_s, whole.time_s, 1e-6 * whole.time_s);
+  fmt::print(
+      "whole {:.6f} ms in {:.1f} s; {} segments, {} programmes, {} reused, {} pruned in "
+      "{:.1f} s\n",
+      whole.time_s * 1e3, whole.solve_s, st.segments, st.programmes, st.reused, st.pruned,
+      st.seconds);
+}
+
+}  // namespace
+}  // namespace tessel::planner

@@ -155,11 +155,16 @@ class OneAxis : public StrategySpace {
   const OpStrategy& at(int v, int s) const { return of(v)[size_t(s)]; }
   const OpGraph& g_;
   const int t_;
-  const ShardingCosts& c_;
+  const ShardingCosts c_;
   mutable std::vector<std::vector<OpStrategy>> options_;
 };
 
 }  // namespace
+
+std::unique_ptr<StrategySpace> one_axis_space(const OpGraph& g, int t, const ShardingCosts& c) {
+  check_costs(t, c);
+  return std::make_unique<OneAxis>(g, t, c);
+}
 
 ShardingSolution solve_sharding(const OpGraph& g, int t, const ShardingCosts& c,
                                 const IlpOptions& options, const ShardingProblem& p) {

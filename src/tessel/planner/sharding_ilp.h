@@ -32,6 +32,7 @@
 #pragma once
 
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,13 @@ struct ShardingProblem {
 };
 ShardingSolution solve_sharding(const OpGraph& graph, int t, const ShardingCosts& costs,
                                 const IlpOptions& options, const ShardingProblem& problem);
+
+// The programme's view of these strategies and costs (sharding_programme.h), for callers that
+// build programmes of their own (segment_sharding.h). Throws as solve_sharding does for bad
+// rates.
+class StrategySpace;
+std::unique_ptr<StrategySpace> one_axis_space(const OpGraph& graph, int t,
+                                              const ShardingCosts& costs);
 
 // The same costs for a node's strategies and an edge's layout changes, for callers that combine
 // programmes (graph_sharding.h).

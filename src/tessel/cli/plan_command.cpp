@@ -127,89 +127,31 @@ planner::OnnxOptions onnx_options(const std::vector<std::string>& dims) {
   return o;
 }
 
-// `--mesh 2x4`: the graph's sharding on a mesh of an outer axis (across hosts, on the cluster's
-// inter-host link, once the mesh outgrows a host) and an inner one within a host, every operator's
-// pair of strategies chosen jointly (planner/mesh_sharding.h: one programme, or segments joined by
-// dynamic programming for large graphs). The sharding only: the step
-// prediction and the runtime plan are the one-axis planner's (--tp) so far.
-int run_plan_mesh(const planner::OpGraph& g, const planner::ClusterSpec& cluster,
-                  planner::Precision precision, const PlanArgs& a, const std::string& source,
-                  const std::vector<std::string>& warnings) {
-  planner::Mesh mesh;
-  const size_t x = a.mesh.find('x');
-  for (const auto& part : x == std::string::npos ? std::vector<std::string>{a.mesh}
-                                                 : std::vector<std::string>{a.mesh.substr(0, x),
-                                                                            a.mesh.substr(x + 1)}) {
+// `--mesh 2x4`: every operator's sharding on a mesh of an outer axis (across hosts, on the
+// cluster's inter-host link, once the mesh outgrows a host) and an inner one within a host, its
+// pair of strategies chosen jointly (planner/mesh_sharding.h); `--mesh 4`, one axis (--tp 4).
+// Sets the request's outer axis and tp.
+void apply_mesh(const std::string& text, const planner::ClusterSpec& cluster,
+                planner::GraphPlanRequest& req) {
+  std::vector<int> sizes;
+  const size_t x = text.find('x');
+  for (const auto& part : x == std::string::npos
+                              ? std::vector<std::string>{text}
+                              : std::vector<std::string>{text.substr(0, x), text.substr(x + 1)}) {
     const auto n = planner::parse_dim("mesh=" + part, '=');
-    TESSEL_CHECK(n.has_value(), ConfigError,
+    TESSEL_CHECK(n && n->second >= 1, ConfigError,
                  "--mesh '{}': write HOSTSxDEVICES (e.g. 2x4: 2 hosts of 4 devices) or DEVICES",
-                 a.mesh);
-    mesh.sizes.push_back(int(n->second));
+                 text);
+    sizes.push_back(int(n->second));
   }
-  const int inner = mesh.sizes.back();
-  TESSEL_CHECK(inner <= cluster.devices_per_host && mesh.devices() <= cluster.num_devices(),
-               ConfigError,
+  const int inner = sizes.back();
+  const int devices = sizes.size() == 2 ? sizes[0] * inner : inner;
+  TESSEL_CHECK(inner <= cluster.devices_per_host && devices <= cluster.num_devices(), ConfigError,
                "--mesh {}: {} has {} devices per host and {} in all; the inner axis must fit a "
                "host and the mesh the cluster (--gpus grows it)",
-               a.mesh, cluster.name, cluster.devices_per_host, cluster.num_devices());
-  planner::MeshCosts costs;
-  costs.mesh = mesh;
-  planner::ShardingCosts within = planner::sharding_costs(cluster, precision);
-  // The outer axis crosses hosts once the mesh outgrows one.
-  planner::ShardingCosts across = within;
-  if (mesh.devices() > cluster.devices_per_host) {
-    across.bandwidth = cluster.inter_host.coll_bandwidth();
-    across.latency_s = cluster.inter_host.coll_latency();
-  }
-  costs.axes = mesh.sizes.size() == 2 ? std::vector{across, within} : std::vector{within};
-  planner::GraphShardingStats st;
-  const auto s = planner::shard_mesh_graph(g, costs, {.time_limit_s = 60}, &st);
-  TESSEL_CHECK(
-      s.status != planner::IlpStatus::infeasible, ConfigError,
-      "{}: no sharding on a mesh of {} fits the parameters' training state ({:.1f} GiB, "
-      "{} bytes per parameter) in {:.1f} GiB per {}; use a larger mesh, or pipeline "
-      "stages (--stages with --tp)",
-      source, a.mesh, double(g.total_parameters()) * within.state_bytes_per_weight / (1u << 30),
-      within.state_bytes_per_weight, within.memory_bytes / (1u << 30), cluster.device.name);
-  nlohmann::json doc = {{"model", source},
-                        {"cluster", cluster.name},
-                        {"precision", planner::precision_name(precision)},
-                        {"mesh", mesh.sizes},
-                        {"status", planner::ilp_status_name(s.status)},
-                        {"time_s", s.time_s},
-                        {"bound_s", s.bound_s},
-                        {"variables", s.variables},
-                        {"segments", st.segments},
-                        {"programmes", st.programmes},
-                        {"optimal_programmes", st.optimal_programmes},
-                        {"reused", st.reused},
-                        {"pruned", st.pruned},
-                        {"solve_s", s.solve_s},
-                        {"warnings", warnings}};
-  auto& ops = doc["operators"] = nlohmann::json::array();
-  for (int id = 0; id < g.size() && size_t(id) < s.chosen.size(); ++id)
-    ops.push_back({{"name", g.node(id).name},
-                   {"kind", std::string(planner::op_kind_name(g.node(id).kind))},
-                   {"strategy", s.chosen[size_t(id)].name}});
-  if (!a.out.empty()) write_file_atomically(a.out, doc.dump(2) + "\n");
-  if (a.json) {
-    std::cout << doc.dump(2) << "\n";
-    return 0;
-  }
-  std::cout << fmt::format(
-      "tessel plan: {} ({} operators) on a mesh of {} ({}, {}): {} in {:.2f} s ({}), {:.4g} s "
-      "per step on the mesh\n",
-      source, g.size(), a.mesh, cluster.name, planner::precision_name(precision),
-      planner::ilp_status_name(s.status), s.solve_s,
-      st.segments == 1 ? fmt::format("one programme of {} variables", s.variables)
-                       : fmt::format("{} segments, {} programmes, {} reused, {} pairs pruned",
-                                     st.segments, st.programmes, st.reused, st.pruned),
-      s.time_s);
-  for (const auto& w : warnings) std::cout << "warning: " << w << "\n";
-  for (int id = 0; id < g.size() && size_t(id) < s.chosen.size(); ++id)
-    if (!g.node(id).weights.empty())
-      std::cout << fmt::format("  {:<40} {}\n", g.node(id).name, s.chosen[size_t(id)].name);
-  return s.chosen.empty() ? 1 : 0;
+               text, cluster.name, cluster.devices_per_host, cluster.num_devices());
+  req.outer = sizes.size() == 2 ? sizes[0] : 1;
+  req.tp = inner;
 }
 
 // `tessel plan --onnx FILE` or `--graph --model NAME`: the operator-graph planner
@@ -247,9 +189,16 @@ int run_plan_graph(const PlanArgs& a) {
   req.schedule = a.schedule;
   req.precision = !a.precision.empty() ? planner::parse_precision(a.precision)
                                        : cluster.device.default_precision();
-  if (!a.mesh.empty())
-    return run_plan_mesh(g, cluster, req.precision, a, source, imported.warnings);
+  if (!a.mesh.empty()) {
+    TESSEL_CHECK(a.tp == 0, ConfigError, "--mesh {} sets tp (its inner axis): leave out --tp",
+                 a.mesh);
+    apply_mesh(a.mesh, cluster, req);
+  }
   const auto plan = planner::plan_graph(g, cluster, req);
+  auto strategy = [&](int id) -> const std::string& {
+    return plan.mesh ? plan.mesh->chosen.at(size_t(id)).name
+                     : plan.sharding.chosen.at(size_t(id)).name;
+  };
   nlohmann::json doc = planner::graph_plan_json(g, plan);
   doc["model"] = a.graph ? a.model : a.onnx;
   if (!a.graph) {
@@ -271,25 +220,28 @@ int run_plan_graph(const PlanArgs& a) {
   }
   std::cout << fmt::format(
       "tessel plan: {} ({} operators, {:.3g} parameters, {:.3g} forward FLOPs) on {} ({}), dp {}, "
-      "tp {}, {} stage{}, {} micro-batches, {}\n",
+      "{}, {} stage{}, {} micro-batches, {}\n",
       source, g.size(), double(g.total_parameters()), g.total_flops(), cluster.name,
-      planner::precision_name(req.precision), req.dp, plan.tp, plan.stages,
-      plan.stages == 1 ? "" : "s", req.micro_batches, req.schedule);
+      planner::precision_name(req.precision), req.dp,
+      plan.mesh ? fmt::format("on a mesh of {}x{}", plan.outer, plan.tp)
+                : fmt::format("tp {}", plan.tp),
+      plan.stages, plan.stages == 1 ? "" : "s", req.micro_batches, req.schedule);
   for (const auto& w : imported.warnings) std::cout << "warning: " << w << "\n";
   std::cout << fmt::format(
-      "sharding: {} ({} segments, {} programmes of which {} proven optimal, {} reused, {:.2f} s); "
-      "{:.4g} s per pass on the tp axis\n",
-      planner::ilp_status_name(plan.sharding.status), plan.stats.segments, plan.stats.programmes,
-      plan.stats.optimal_programmes, plan.stats.reused, plan.stats.seconds, plan.sharding.time_s);
+      "sharding: {} ({} segments, {} programmes of which {} proven optimal, {} reused, {} pairs "
+      "pruned, {:.2f} s); {:.4g} s per pass on the {}\n",
+      planner::ilp_status_name(plan.mesh ? plan.mesh->status : plan.sharding.status),
+      plan.stats.segments, plan.stats.programmes, plan.stats.optimal_programmes, plan.stats.reused,
+      plan.stats.pruned, plan.stats.seconds, plan.mesh ? plan.mesh->time_s : plan.sharding.time_s,
+      plan.mesh ? "mesh" : "tp axis");
   // The operators with weights, the ones whose choice matters, then a count of the rest.
   std::map<std::string, int> others;
   for (int id = 0; id < g.size(); ++id) {
     const auto& n = g.node(id);
-    const auto& strategy = plan.sharding.chosen.at(size_t(id)).name;
     if (!n.weights.empty())
-      std::cout << fmt::format("  {:<40} {:<10} {}\n", n.name, n.op_type, strategy);
+      std::cout << fmt::format("  {:<40} {:<10} {}\n", n.name, n.op_type, strategy(id));
     else
-      ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), strategy)];
+      ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), strategy(id))];
   }
   for (const auto& [what, count] : others) std::cout << fmt::format("  {:>5} x {}\n", count, what);
   if (plan.cut) {
@@ -301,10 +253,10 @@ int run_plan_graph(const PlanArgs& a) {
         plan.cut->solve_s);
   }
   std::cout << fmt::format(
-      "step: {:.4g} s = pipeline {:.4g} s (bubble {:.1f}%) + dp sync {:.4g} s + optimizer {:.4g} "
-      "s{}\n",
-      plan.step_s, plan.pipeline_s, 100 * plan.sim.bubble_fraction(), plan.dp_s, plan.optimizer_s,
-      plan.layout ? "" : " (the generic step: the dp all-reduce not overlapped)");
+      "step: {:.4g} s = pipeline {:.4g} s (bubble {:.1f}%) + the sharding's weight sync {:.4g} s + "
+      "dp sync {:.4g} s + optimizer {:.4g} s{}\n",
+      plan.step_s, plan.pipeline_s, 100 * plan.sim.bubble_fraction(), plan.tp_sync_s, plan.dp_s,
+      plan.optimizer_s, plan.layout ? "" : " (the generic step: the dp all-reduce not overlapped)");
   if (plan.layout) std::cout << "runtime layout: " << plan.layout->describe() << "\n";
   if (!plan.not_runnable.empty()) std::cout << "not runnable: " << plan.not_runnable << "\n";
   if (!a.trace.empty())
@@ -484,7 +436,8 @@ void add_plan_command(CLI::App& app, std::function<int()>& action) {
       ->capture_default_str();
   cmd->add_option("--mesh", args->mesh,
                   "with --onnx or --graph: shard on a 2-axis mesh, HOSTSxDEVICES (e.g. 2x4), each "
-                  "operator's strategy per axis chosen together (the sharding only)");
+                  "operator's strategy per axis chosen together, per pipeline stage (in place of "
+                  "--tp; the graph is one micro-batch of the whole mesh)");
   cmd->add_option("--trace", args->trace,
                   "with --onnx or --graph: write the simulated step as a Perfetto trace");
   auto* serve = cmd->add_subcommand(

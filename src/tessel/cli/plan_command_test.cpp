@@ -257,8 +257,8 @@ TEST(PlanGraph, ShardsALargeGraphOnAMeshBySegments) {
   try {
     run_plan("plan --graph --model llama2-7b --mesh 1x1");
     ADD_FAILURE() << "7B parameters' training state fit one device";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("use a larger mesh, or pipeline stages"),
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("raise --tp or --stages (or use a larger mesh)"),
               std::string::npos)
         << e.what();
   }

@@ -29,14 +29,15 @@ ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision) {
   return c;
 }
 
-std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& sharding, int t,
-                                      const ClusterSpec& cluster, Precision precision,
-                                      std::vector<double>* step_sync) {
-  TESSEL_CHECK(sharding.chosen.size() == size_t(g.size()), InvalidArgumentError,
-               "operator_times: a sharding of {} nodes for a graph of {}", sharding.chosen.size(),
-               g.size());
-  const ShardingCosts rates = sharding_costs(cluster, precision);
+std::vector<PassTimes> operator_times(const OpGraph& g, const std::vector<NodeWork>& work,
+                                      const std::vector<NodeComm>& comm, const ClusterSpec& cluster,
+                                      Precision precision) {
+  TESSEL_CHECK(work.size() == size_t(g.size()) && comm.size() == size_t(g.size()),
+               InvalidArgumentError, "operator_times: {} works and {} communications for {} nodes",
+               work.size(), comm.size(), g.size());
   const double peak = cluster.device.peak(precision);
+  TESSEL_CHECK(peak > 0, ConfigError, "{} has no {} rate; choose another --precision",
+               cluster.device.name, precision_name(precision));
   const double bandwidth = cluster.device.memory_bandwidth;
   const double act_bytes = element_bytes(precision);
   auto gemm = [&](double flops) {
@@ -45,14 +46,12 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
   auto stream = [&](double elements, double bytes) {
     return bandwidth > 0 ? elements * bytes / bandwidth : 0.0;
   };
-  const auto readers = g.readers();
   std::vector<PassTimes> out(size_t(g.size()));
-  if (step_sync != nullptr) step_sync->assign(size_t(g.size()), 0);
   for (int v = 0; v < g.size(); ++v) {
     const OpNode& node = g.node(v);
-    const OpStrategy& s = sharding.chosen[size_t(v)];
+    const NodeWork& w = work[size_t(v)];
     PassTimes& p = out[size_t(v)];
-    const double el = on_device(node.shape, s.out, t);
+    const double el = w.out_elements;
     auto memory_bound = [&](double per_element) {
       p.forward = stream(per_element * el, act_bytes);
       p.backward_input = 2 * p.forward;
@@ -60,7 +59,7 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
     switch (node.kind) {
       case OpKind::matmul:
       case OpKind::conv:
-        p.forward = gemm(s.flops);
+        p.forward = gemm(w.flops);
         if (!g.weights_used_by(v).empty() || node.kind == OpKind::conv) {
           p.backward_input = p.backward_weight = p.forward;
         } else {
@@ -76,12 +75,10 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
         if (node.inputs.size() >= 2) memory_bound(3);
         break;  // by a constant: fused
       case OpKind::loss:
-        p.forward = p.backward_input =
-            stream(2 * on_device(g.node(node.inputs.at(0)).shape, s.in.at(0), t), 4);
+        p.forward = p.backward_input = stream(2 * w.in_elements, 4);
         break;
       case OpKind::reduce:
-        p.forward =
-            stream(2 * on_device(g.node(node.inputs.at(0)).shape, s.in.at(0), t), act_bytes);
+        p.forward = stream(2 * w.in_elements, act_bytes);
         p.backward_input = 2 * p.forward;
         break;
       case OpKind::layer_norm:
@@ -100,31 +97,98 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
       case OpKind::concat:
         break;
     }
-    const double inside = inside_cost(s, rates);
-    p.forward += inside;
-    p.backward_input += inside;
-    if (step_sync != nullptr) (*step_sync)[size_t(v)] = weight_sync_cost(g, v, s, t, rates);
-    for (size_t k = 0; k < node.inputs.size(); ++k) {
-      const int u = node.inputs[k];
-      p.forward += edge_costs(g, u, sharding.chosen[size_t(u)], v, k, s, t, rates).forward;
-    }
-    p.backward_input += backward_gradient_cost(g, v, readers[size_t(v)], sharding.chosen, t, rates);
+    const NodeComm& c = comm[size_t(v)];
+    p.forward += c.inside + c.forward_edges;
+    p.backward_input += c.inside + c.backward_edges;
     p.recompute = p.forward;
   }
   return out;
 }
 
-std::vector<StageCosts> graph_stage_costs(const OpGraph& g, const ShardingSolution& sharding,
+namespace {
+
+std::vector<PassTimes> with_sync(const std::vector<PassTimes>& times,
+                                 const std::vector<NodeComm>& comm,
+                                 std::vector<double>* step_sync) {
+  if (step_sync != nullptr) {
+    step_sync->clear();
+    for (const NodeComm& c : comm) step_sync->push_back(c.step_sync);
+  }
+  return times;
+}
+
+}  // namespace
+
+std::vector<NodeWork> node_work(const OpGraph& g, const ShardingSolution& sharding, int t) {
+  TESSEL_CHECK(sharding.chosen.size() == size_t(g.size()), InvalidArgumentError,
+               "operator_times: a sharding of {} nodes for a graph of {}", sharding.chosen.size(),
+               g.size());
+  std::vector<NodeWork> out(size_t(g.size()));
+  for (int v = 0; v < g.size(); ++v) {
+    const OpStrategy& s = sharding.chosen[size_t(v)];
+    const OpNode& node = g.node(v);
+    out[size_t(v)].flops = s.flops;
+    out[size_t(v)].out_elements = on_device(node.shape, s.out, t);
+    if (!node.inputs.empty() && !s.in.empty())
+      out[size_t(v)].in_elements = on_device(g.node(node.inputs[0]).shape, s.in[0], t);
+  }
+  return out;
+}
+
+std::vector<NodeWork> node_work(const OpGraph& g, const MeshSolution& sharding, const Mesh& mesh) {
+  TESSEL_CHECK(sharding.chosen.size() == size_t(g.size()), InvalidArgumentError,
+               "operator_times: a mesh sharding of {} nodes for a graph of {}",
+               sharding.chosen.size(), g.size());
+  auto held = [&](const std::vector<int64_t>& shape, const MeshLayout& layout) {
+    double n = double(elements(shape));
+    for (size_t a = 0; a < layout.size() && a < mesh.sizes.size(); ++a)
+      if (layout[a].kind == Shard::Kind::split) n /= mesh.sizes[a];
+    return n;
+  };
+  std::vector<NodeWork> out(size_t(g.size()));
+  for (int v = 0; v < g.size(); ++v) {
+    const MeshStrategy& s = sharding.chosen[size_t(v)];
+    const OpNode& node = g.node(v);
+    out[size_t(v)].flops = s.flops;
+    if (s.axis.empty()) {  // data entering the graph without a strategy: held whole
+      out[size_t(v)].out_elements = double(elements(node.shape));
+      continue;
+    }
+    out[size_t(v)].out_elements = held(node.shape, s.out());
+    if (!node.inputs.empty() && !s.axis[0].in.empty())
+      out[size_t(v)].in_elements = held(g.node(node.inputs[0]).shape, s.in(0));
+  }
+  return out;
+}
+
+std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& sharding, int t,
+                                      const ClusterSpec& cluster, Precision precision,
+                                      std::vector<double>* step_sync) {
+  const auto work = node_work(g, sharding, t);
+  const auto comm =
+      node_comm(g, *one_axis_space(g, t, sharding_costs(cluster, precision)), sharding.index);
+  return with_sync(operator_times(g, work, comm, cluster, precision), comm, step_sync);
+}
+
+std::vector<PassTimes> operator_times(const OpGraph& g, const MeshSolution& sharding,
+                                      const MeshCosts& costs, const ClusterSpec& cluster,
+                                      Precision precision, std::vector<double>* step_sync) {
+  const auto work = node_work(g, sharding, costs.mesh);
+  const auto comm = node_comm(g, *mesh_space(g, costs), sharding.index);
+  return with_sync(operator_times(g, work, comm, cluster, precision), comm, step_sync);
+}
+
+std::vector<StageCosts> graph_stage_costs(const OpGraph& g, const std::vector<NodeWork>& work,
                                           const std::vector<PassTimes>& times,
-                                          const std::vector<int>& stage_of, int stages, int t,
+                                          const std::vector<int>& stage_of, int stages,
                                           Precision precision) {
   const size_t n = size_t(g.size());
-  TESSEL_CHECK(stages >= 1 && times.size() == n && sharding.chosen.size() == n &&
+  TESSEL_CHECK(stages >= 1 && times.size() == n && work.size() == n &&
                    (stage_of.empty() || stage_of.size() == n),
                InvalidArgumentError,
                "graph_stage_costs: {} stages, {} times, {} strategies and {} stage entries for {} "
                "nodes",
-               stages, times.size(), sharding.chosen.size(), stage_of.size(), n);
+               stages, times.size(), work.size(), stage_of.size(), n);
   auto stage = [&](int v) { return stage_of.empty() ? 0 : stage_of[size_t(v)]; };
   const double bytes = element_bytes(precision);
   std::vector<StageCosts> out(size_t(stages), StageCosts{0, 0, 0, 0, 0, 0});
@@ -146,13 +210,20 @@ std::vector<StageCosts> graph_stage_costs(const OpGraph& g, const ShardingSoluti
     c.backward += p.backward();
     const OpNode& node = g.node(v);
     if (node.kind == OpKind::input) continue;
-    const double held = on_device(node.shape, sharding.chosen[size_t(v)].out, t) * bytes;
+    const double held = work[size_t(v)].out_elements * bytes;
     c.activation_bytes += held;
     // Data entering the graph is loaded where it is read; a computed tensor crosses every
     // boundary between its stage and its last reader's.
     for (int b = stage(v); b < read_until[size_t(v)]; ++b) out[size_t(b)].output_bytes += held;
   }
   return out;
+}
+
+std::vector<StageCosts> graph_stage_costs(const OpGraph& g, const ShardingSolution& sharding,
+                                          const std::vector<PassTimes>& times,
+                                          const std::vector<int>& stage_of, int stages, int t,
+                                          Precision precision) {
+  return graph_stage_costs(g, node_work(g, sharding, t), times, stage_of, stages, precision);
 }
 
 }  // namespace tessel::planner

@@ -1,8 +1,8 @@
-// What one micro-batch costs in each operator of a sharded graph, per pass, on one device of the
-// tensor-parallel axis, and the per-stage costs the pipeline simulator runs (issue 20: the graph
-// planner's step prediction, graph_plan.h). The rates and the rules are the layer planner's
-// (cost_model.h), applied per operator, so that a transformer's graph and its layers predict the
-// same step:
+// What one micro-batch costs in each operator of a sharded graph, per pass, on one device (of the
+// tensor-parallel axis, or of a 2-axis mesh: mesh_sharding.h), and the per-stage costs the pipeline
+// simulator runs (issue 20: the graph planner's step prediction, graph_plan.h). The rates and the
+// rules are the layer planner's (cost_model.h), applied per operator, so that a transformer's graph
+// and its layers predict the same step:
 //   matmul with weights, conv   F, Bi and Bw one GEMM of the strategy's FLOPs each
 //                               (EfficiencyCurve::gemm_time at the device's peak in the precision)
 //   matmul of two activations   F one GEMM, Bi two (both operands' gradients), no Bw
@@ -32,8 +32,10 @@
 
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/cost_model.h"
+#include "tessel/planner/mesh_sharding.h"
 #include "tessel/planner/op_graph.h"
 #include "tessel/planner/sharding_ilp.h"
+#include "tessel/planner/sharding_programme.h"
 #include "tessel/planner/simulator.h"
 
 namespace tessel::planner {
@@ -46,12 +48,31 @@ namespace tessel::planner {
 // ConfigError when the device has no rate for the precision.
 ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision);
 
-// Per node, its times per micro-batch under the solution's strategies on t devices, and in
-// *step_sync (when given) its once-per-step weight-gradient all-reduce. Throws
-// InvalidArgumentError when the solution has no strategy for a node, and ConfigError when the
-// device has no rate for the precision.
+// What the pass times need of each node's strategy besides its communication: its FLOPs per
+// device and the elements each device holds of its output and of its first input.
+struct NodeWork {
+  double flops = 0, out_elements = 0, in_elements = 0;
+};
+std::vector<NodeWork> node_work(const OpGraph& graph, const ShardingSolution& sharding, int t);
+std::vector<NodeWork> node_work(const OpGraph& graph, const MeshSolution& sharding,
+                                const Mesh& mesh);
+
+// Per node, its times per micro-batch (the rules above) from its work and its communication
+// (sharding_programme.h's node_comm; its step_sync is not a pass's). Throws InvalidArgumentError
+// when sizes disagree and ConfigError when the device has no rate for the precision.
+std::vector<PassTimes> operator_times(const OpGraph& graph, const std::vector<NodeWork>& work,
+                                      const std::vector<NodeComm>& comm, const ClusterSpec& cluster,
+                                      Precision precision);
+
+// The same under a one-axis solution on t devices (its rates: sharding_costs) or a mesh solution
+// (its costs), and in *step_sync (when given) per node its once-per-step weight-gradient
+// all-reduces. Throws InvalidArgumentError when the solution has no strategy for a node.
 std::vector<PassTimes> operator_times(const OpGraph& graph, const ShardingSolution& sharding, int t,
                                       const ClusterSpec& cluster, Precision precision,
+                                      std::vector<double>* step_sync = nullptr);
+std::vector<PassTimes> operator_times(const OpGraph& graph, const MeshSolution& sharding,
+                                      const MeshCosts& costs, const ClusterSpec& cluster,
+                                      Precision precision,
                                       std::vector<double>* step_sync = nullptr);
 
 // Per stage (stage_of: per node, in [0, stages); empty puts every node on stage 0): the sums of
@@ -59,6 +80,10 @@ std::vector<PassTimes> operator_times(const OpGraph& graph, const ShardingSoluti
 // backward reads, roughly); output_bytes, the tensors on one device produced at or before the
 // stage and read after it (what the boundary carries forward, and their gradients back).
 // Throws InvalidArgumentError when sizes disagree or a stage is out of range.
+std::vector<StageCosts> graph_stage_costs(const OpGraph& graph, const std::vector<NodeWork>& work,
+                                          const std::vector<PassTimes>& times,
+                                          const std::vector<int>& stage_of, int stages,
+                                          Precision precision);
 std::vector<StageCosts> graph_stage_costs(const OpGraph& graph, const ShardingSolution& sharding,
                                           const std::vector<PassTimes>& times,
                                           const std::vector<int>& stage_of, int stages, int t,

@@ -83,6 +83,36 @@ TEST_F(LlamaTp2, ABlockAllReducesOncePerDirectionAtEachHalf) {
   EXPECT_DOUBLE_EQ(at("h.0.input_layernorm").backward_input, stream(4 * residual) + all_reduce());
 }
 
+// The mesh's costing (node_work and node_comm over the mesh's space) on a mesh whose outer axis
+// has one device is the one axis's: the same strategies, expressed as "replicated x <strategy>",
+// cost every operator the same in every pass, and sync the same weights.
+TEST_F(LlamaTp2, AMeshWithAnOuterAxisOfOneDeviceCostsAsTheOneAxis) {
+  const Mesh mesh{{1, kT}};
+  const ShardingCosts rates = sharding_costs(cluster, Precision::bf16);
+  const MeshCosts costs{mesh, {rates, rates}};
+  MeshSolution on_mesh;
+  for (int v = 0; v < g.size(); ++v) {
+    const auto all = mesh_strategies(g, v, mesh);
+    int at = -1;
+    for (size_t i = 0; i < all.size(); ++i)
+      if (all[i].axis[0].name == "replicated" && all[i].axis[1].name == s.chosen[size_t(v)].name)
+        at = int(i);
+    ASSERT_GE(at, 0) << g.node(v).name << " " << s.chosen[size_t(v)].name;
+    on_mesh.index.push_back(at);
+    on_mesh.chosen.push_back(all[size_t(at)]);
+  }
+  std::vector<double> sync, mesh_sync;
+  const auto flat = operator_times(g, s, kT, cluster, Precision::bf16, &sync);
+  const auto meshed = operator_times(g, on_mesh, costs, cluster, Precision::bf16, &mesh_sync);
+  for (int v = 0; v < g.size(); ++v) {
+    SCOPED_TRACE(g.node(v).name);
+    EXPECT_DOUBLE_EQ(meshed[size_t(v)].forward, flat[size_t(v)].forward);
+    EXPECT_DOUBLE_EQ(meshed[size_t(v)].backward_input, flat[size_t(v)].backward_input);
+    EXPECT_DOUBLE_EQ(meshed[size_t(v)].backward_weight, flat[size_t(v)].backward_weight);
+    EXPECT_DOUBLE_EQ(mesh_sync[size_t(v)], sync[size_t(v)]);
+  }
+}
+
 TEST_F(LlamaTp2, StagesSumTheirOperatorsAndCarryTheResidualStream) {
   // Stage 0: everything through the first block; stage 1: the rest.
   std::vector<int> stage(size_t(g.size()), 0);

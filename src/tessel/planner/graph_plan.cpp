@@ -73,12 +73,15 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   TESSEL_CHECK(request.tp >= 1 && request.tp <= cluster.devices_per_host, InvalidArgumentError,
                "tp {} does not fit {}'s hosts of {} devices; choose tp between 1 and {}",
                request.tp, cluster.name, cluster.devices_per_host, cluster.devices_per_host);
-  TESSEL_CHECK(request.stages >= 1 && request.dp >= 1 && request.micro_batches >= 1,
-               InvalidArgumentError,
-               "stages ({}), dp ({}) and micro-batches ({}) must each be at least 1",
-               request.stages, request.dp, request.micro_batches);
+  TESSEL_CHECK(
+      request.stages >= 1 && request.dp >= 1 && request.micro_batches >= 1 && request.outer >= 1,
+      InvalidArgumentError,
+      "stages ({}), dp ({}), micro-batches ({}) and the mesh's outer axis ({}) must each "
+      "be at least 1",
+      request.stages, request.dp, request.micro_batches, request.outer);
   GraphPlan plan;
   plan.tp = request.tp;
+  plan.outer = request.outer;
   plan.stages = request.stages;
   plan.schedule = request.schedule;
   // Model chunks per rank: the interleaved and V schedules run two.
@@ -90,13 +93,39 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   ShardingCosts rates = sharding_costs(cluster, request.precision);
   const double device_bytes = rates.memory_bytes;
   rates.memory_bytes = device_bytes * request.stages;
-  plan.sharding = shard_graph(graph, request.tp, rates, request.ilp, &plan.stats);
-  TESSEL_CHECK(!plan.sharding.chosen.empty(), InvalidArgumentError,
-               "no sharding over tp {} fits the graph's {:.1f} GiB of parameters' training state "
-               "({} bytes each) in {} x {:.1f} GiB ({} stage{} of {}); raise --tp or --stages",
-               request.tp, double(graph.total_parameters()) * rates.state_bytes_per_weight / kGiB,
+  const int mesh_devices = request.outer * request.tp;
+  std::optional<MeshCosts> mesh_costs;
+  if (request.outer > 1) {
+    ShardingCosts across = rates;
+    if (mesh_devices > cluster.devices_per_host) {
+      across.bandwidth = cluster.inter_host.coll_bandwidth();
+      across.latency_s = cluster.inter_host.coll_latency();
+    }
+    // The programme prices one micro-batch's passes, and the weight-gradient sync runs once a
+    // step: on a mesh, whose outer axis is data parallelism when the programme chooses so, each
+    // micro-batch carries 1/m of it. (The tp axis alone keeps the whole sync per micro-batch:
+    // there data parallelism is dp's, outside the programme, and a batch split on the tp axis --
+    // which 1/m makes the cheaper choice for models as small as GPT-2 124M -- is not what the
+    // runtime's tensor parallelism runs.)
+    across.sync_share = rates.sync_share = 1.0 / request.micro_batches;
+    mesh_costs = MeshCosts{Mesh{{request.outer, request.tp}}, {across, rates}};
+    plan.mesh = shard_mesh_graph(graph, *mesh_costs, request.ilp, &plan.stats);
+  } else {
+    plan.sharding = shard_graph(graph, request.tp, rates, request.ilp, &plan.stats);
+  }
+  TESSEL_CHECK(plan.mesh ? !plan.mesh->chosen.empty() : !plan.sharding.chosen.empty(),
+               InvalidArgumentError,
+               "no sharding over {} device{} fits the graph's {:.1f} GiB of parameters' training "
+               "state ({} bytes each) in {} x {:.1f} GiB ({} stage{} of {}); raise --tp or "
+               "--stages (or use a larger mesh)",
+               mesh_devices, mesh_devices == 1 ? "" : "s",
+               double(graph.total_parameters()) * rates.state_bytes_per_weight / kGiB,
                rates.state_bytes_per_weight, request.stages, device_bytes / kGiB, request.stages,
                request.stages == 1 ? "" : "s", cluster.device.name);
+  auto weight_elements = [&](int v) {
+    return plan.mesh ? plan.mesh->chosen[size_t(v)].weight_elements
+                     : plan.sharding.chosen[size_t(v)].weight_elements;
+  };
   if (n_vs > 1) {
     PipelineCutOptions o;
     o.bytes_per_element = element_bytes(request.precision);
@@ -124,8 +153,7 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   for (int v = 0; v < graph.size(); ++v) {
     if (graph.node(v).weights_of >= 0) continue;  // a tied reader's weights are its owner's
     const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
-    rank_weights[size_t(schedule::stage_of(request.stages, vs, placement))] +=
-        plan.sharding.chosen[size_t(v)].weight_elements;
+    rank_weights[size_t(schedule::stage_of(request.stages, vs, placement))] += weight_elements(v);
   }
   const auto fullest = std::max_element(rank_weights.begin(), rank_weights.end());
   const double fullest_state = *fullest * rates.state_bytes_per_weight;
@@ -135,12 +163,20 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                fullest - rank_weights.begin(), fullest_state / kGiB, cluster.device.name,
                device_bytes / kGiB);
   std::vector<double> sync;
-  plan.stage_costs = graph_stage_costs(
-      graph, plan.sharding,
-      operator_times(graph, plan.sharding, request.tp, cluster, request.precision, &sync), stage_of,
-      n_vs, request.tp, request.precision);
-  // The tp axis's own weight-gradient all-reduces (a batch split there), once per step on each
-  // pipeline rank, after its backward: the slowest rank's.
+  if (plan.mesh) {
+    plan.stage_costs = graph_stage_costs(
+        graph, node_work(graph, *plan.mesh, mesh_costs->mesh),
+        operator_times(graph, *plan.mesh, *mesh_costs, cluster, request.precision, &sync), stage_of,
+        n_vs, request.precision);
+  } else {
+    plan.stage_costs = graph_stage_costs(
+        graph, plan.sharding,
+        operator_times(graph, plan.sharding, request.tp, cluster, request.precision, &sync),
+        stage_of, n_vs, request.tp, request.precision);
+  }
+  // The sharding's own weight-gradient all-reduces (a batch split on the tp axis, or on either
+  // axis of a mesh), once per step on each pipeline rank, after its backward: the slowest
+  // rank's.
   std::vector<double> rank_sync(size_t(request.stages), 0);
   for (int v = 0; v < graph.size(); ++v) {
     const int vs = stage_of.empty() ? 0 : stage_of[size_t(v)];
@@ -148,9 +184,13 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   }
   plan.tp_sync_s = *std::max_element(rank_sync.begin(), rank_sync.end());
 
-  const int world = request.dp * request.tp * request.stages;
+  const int world = request.dp * mesh_devices * request.stages;
   std::string why;
-  if (request.model) {
+  if (plan.mesh) {
+    why =
+        "the runtime trains tensor parallelism within hosts and data parallelism across them "
+        "(--tp and --dp write that plan); a plan on a 2-axis mesh is a prediction";
+  } else if (request.model) {
     const model::ModelConfig& m = *request.model;
     if (auto units = units_per_stage(graph, stage_of, n_vs, m.n_layer, &why)) {
       layout::Plan l;
@@ -205,7 +245,7 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   plan.pipeline_s = plan.sim.makespan;
   const int bytes = element_bytes(request.precision);
   if (request.dp > 1) {
-    const bool cross = request.dp * request.tp > cluster.devices_per_host;
+    const bool cross = request.dp * mesh_devices > cluster.devices_per_host;
     const LinkSpec& dpl = cross ? cluster.inter_host : cluster.intra_host;
     plan.dp_s = CostModel::all_reduce_time(
         *fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
@@ -218,14 +258,16 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
 nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
   nlohmann::json j;
   j["tp"] = plan.tp;
+  if (plan.mesh) j["mesh"] = {plan.outer, plan.tp};
   j["stages"] = plan.stages;
-  j["status"] = ilp_status_name(plan.sharding.status);
-  j["time_s"] = plan.sharding.time_s;
-  j["bound_s"] = plan.sharding.bound_s;
+  j["status"] = ilp_status_name(plan.mesh ? plan.mesh->status : plan.sharding.status);
+  j["time_s"] = plan.mesh ? plan.mesh->time_s : plan.sharding.time_s;
+  j["bound_s"] = plan.mesh ? plan.mesh->bound_s : plan.sharding.bound_s;
   j["segments"] = plan.stats.segments;
   j["programmes"] = plan.stats.programmes;
   j["optimal_programmes"] = plan.stats.optimal_programmes;
   j["reused"] = plan.stats.reused;
+  j["pruned"] = plan.stats.pruned;
   j["solve_s"] = plan.stats.seconds;
   auto& ops = j["operators"] = nlohmann::json::array();
   for (int id = 0; id < graph.size(); ++id) {
@@ -234,7 +276,9 @@ nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
                         {"op", n.op_type},
                         {"kind", std::string(op_kind_name(n.kind))},
                         {"shape", n.shape}};
-    if (size_t(id) < plan.sharding.chosen.size())
+    if (plan.mesh && size_t(id) < plan.mesh->chosen.size())
+      o["strategy"] = plan.mesh->chosen[size_t(id)].name;
+    else if (size_t(id) < plan.sharding.chosen.size())
       o["strategy"] = plan.sharding.chosen[size_t(id)].name;
     if (plan.cut && size_t(id) < plan.cut->stage.size()) o["stage"] = plan.cut->stage[size_t(id)];
     ops.push_back(std::move(o));

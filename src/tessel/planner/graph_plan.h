@@ -19,7 +19,10 @@
 // pipeline's memory (a device's usable bytes x stages); the cut's fullest pipeline rank must then
 // fit one device, else one error names it and the fix (more tp or stages). Activations are not
 // counted here (the layer planner's memory model does that for the runtime's layouts).
-// Not yet here: a 2-D mesh (dp x tp within the sharding programme).
+// On a 2-axis mesh (GraphPlanRequest::outer) the sharding is the mesh's and the step the generic
+// one: the outer axis's weight-gradient all-reduces (its batch splits: data parallelism) once per
+// step, not overlapped. The runtime does not take such a plan (it trains tp within hosts and dp
+// across them: --tp and --dp write that plan).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -32,6 +35,7 @@
 #include "tessel/planner/cluster.h"
 #include "tessel/planner/graph_costs.h"
 #include "tessel/planner/graph_sharding.h"
+#include "tessel/planner/mesh_sharding.h"
 #include "tessel/planner/op_graph.h"
 #include "tessel/planner/pipeline_ilp.h"
 #include "tessel/planner/simulator.h"
@@ -44,6 +48,11 @@ struct GraphPlanRequest {
   double balance = 0.1;  // each stage's FLOPs <= (1 + balance) x an equal share
   Precision precision = Precision::bf16;
   IlpOptions ilp = {};
+  // A 2-axis mesh's outer axis: every operator's sharding over outer x tp devices per stage
+  // (mesh_sharding.h: one strategy per axis, chosen jointly; the outer axis on the inter-host
+  // link once the mesh outgrows a host). The graph is then one micro-batch of the whole mesh.
+  // 1: the tp axis alone.
+  int outer = 1;
   int dp = 1;                     // replicas of the whole pipeline
   int micro_batches = 1;          // per step and replica (the graph is one micro-batch's)
   std::string schedule = "1f1b";  // schedule/named.h
@@ -58,8 +67,9 @@ struct GraphPlanRequest {
 };
 
 struct GraphPlan {
-  int tp = 1, stages = 1, virtual_stages = 1;
-  ShardingSolution sharding;
+  int tp = 1, stages = 1, virtual_stages = 1, outer = 1;
+  ShardingSolution sharding;         // on the tp axis (empty on a mesh)
+  std::optional<MeshSolution> mesh;  // on the outer x tp mesh (GraphPlanRequest::outer > 1)
   GraphShardingStats stats;
   std::optional<PipelineCut> cut;       // with stages x virtual_stages > 1
   std::vector<StageCosts> stage_costs;  // per virtual stage, in the model's order

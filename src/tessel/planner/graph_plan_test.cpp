@@ -152,6 +152,43 @@ TEST(GraphPlan, AGraphWithoutItsModelGetsTheGenericStep) {
                                                                 cluster.device.memory_bandwidth));
 }
 
+// On a 2-axis mesh (2 x 4) the plan holds the mesh's sharding, every operator a strategy per axis;
+// its step is the generic one over the stages' operator sums; the runtime does not take it.
+TEST(GraphPlan, AMeshPlanPredictsTheGenericStepOverItsOperators) {
+  const auto cluster = ClusterSpec::preset("dgx-a100");
+  auto m = model::ModelConfig::preset("gpt2-124m");
+  m.n_layer = 2;
+  const OpGraph g = transformer_graph(m, 8, 256);
+  GraphPlanRequest r = request_for(m, 256, {1, 4, 2, 4});
+  r.outer = 2;
+  r.micro_batch = 8;
+  r.balance = 1;  // two blocks and a head as large as one and a half: any whole-unit cut
+  const GraphPlan plan = plan_graph(g, cluster, r);
+  ASSERT_TRUE(plan.mesh.has_value());
+  ASSERT_EQ(plan.mesh->status, IlpStatus::optimal);
+  EXPECT_TRUE(plan.sharding.chosen.empty());
+  EXPECT_FALSE(plan.layout.has_value());
+  EXPECT_NE(plan.not_runnable.find("2-axis mesh"), std::string::npos) << plan.not_runnable;
+  EXPECT_DOUBLE_EQ(plan.step_s, plan.pipeline_s + plan.tp_sync_s + plan.dp_s + plan.optimizer_s);
+  // The stages carry exactly the operators' passes under the mesh's costs.
+  ShardingCosts rates = sharding_costs(cluster, r.precision);
+  const MeshCosts costs{Mesh{{2, 4}}, {rates, rates}};  // 8 devices: one host's NVLink
+  const auto times = operator_times(g, *plan.mesh, costs, cluster, r.precision);
+  double forward = 0, stages_forward = 0;
+  for (const auto& t : times) forward += t.forward;
+  ASSERT_EQ(plan.stage_costs.size(), 2u);
+  for (const auto& c : plan.stage_costs) stages_forward += c.forward;
+  // Two orders of summing the same nonnegative terms: within n u of the total (n < 200 terms,
+  // u = 2^-53), far inside 1e-12 relative.
+  EXPECT_NEAR(stages_forward, forward, 1e-12 * forward);
+  const auto doc = graph_plan_json(g, plan);
+  EXPECT_EQ(doc["mesh"], nlohmann::json::array({2, 4}));
+  for (const auto& op : doc["operators"])
+    if (op["kind"] != "input") {
+      EXPECT_NE(op["strategy"].get<std::string>().find(" x "), std::string::npos) << op.dump();
+    }
+}
+
 TEST(GraphPlan, AnImpossibleCutOrLayoutIsOneClearError) {
   const auto cluster = ClusterSpec::preset("dgx-a100");
   const auto m = model::ModelConfig::preset("gpt2-124m");

@@ -26,25 +26,41 @@ class MeshSpace : public StrategySpace {
   int count(int v) const override { return int(of(v).size()); }
   std::string name(int v, int s) const override { return at(v, s).name; }
   double node_cost(int v, int s) const override {
-    const MeshStrategy& m = at(v, s);
     const ShardingCosts& base = c_.axes[0];
-    double cost = 3 * m.flops / base.flops_per_s;
+    double cost = 3 * at(v, s).flops / base.flops_per_s + 2 * inside(v, s) +
+                  base.sync_share * step_sync(v, s);
+    if (g_.node(v).weights_of < 0 && base.memory_price > 0)
+      cost += base.memory_price * state_bytes(v, s);
+    return cost;
+  }
+  // Per axis, the strategy's collectives on what each device holds (the tokens the other axis's
+  // split leaves).
+  double inside(int v, int s) const override {
+    const MeshStrategy& m = at(v, s);
+    double cost = 0;
+    for (size_t a = 0; a < axes(); ++a) {
+      const OpStrategy& s_a = m.axis[a];
+      const double other = split_by_other(a, s_a.in.empty() ? m.out() : m.in(0));
+      if (s_a.comm_bytes > 0) cost += collective(c_.axes[a], s_a.comm_bytes / other);
+    }
+    return cost;
+  }
+  // Per axis, a batch split keeping a weight whole on that axis all-reduces its gradient among
+  // the axis's groups (its bytes after the other axis's split).
+  double step_sync(int v, int s) const override {
+    const MeshStrategy& m = at(v, s);
     const auto& weights = g_.weights_used_by(v);
+    double cost = 0;
     for (size_t a = 0; a < axes(); ++a) {
       const OpStrategy& s_a = m.axis[a];
       const int d = c_.mesh.sizes[a];
-      // What the other axis leaves of the tokens (its split of the first input).
-      const double other = split_by_other(a, s_a.in.empty() ? m.out() : m.in(0));
-      if (s_a.comm_bytes > 0) cost += 2 * collective(c_.axes[a], s_a.comm_bytes / other);
       if (d > 1 && s_a.name.starts_with("batch"))
         for (size_t w = 0; w < weights.size(); ++w)
           if (s_a.weights[w].kind == Shard::Kind::replicated)
-            cost +=
-                collective(c_.axes[a], 2.0 * (d - 1) / d * double(elements(weights[w])) /
-                                           split_by_other(a, m.weight(w)) * base.bytes_per_element);
+            cost += collective(c_.axes[a], 2.0 * (d - 1) / d * double(elements(weights[w])) /
+                                               split_by_other(a, m.weight(w)) *
+                                               c_.axes[0].bytes_per_element);
     }
-    if (g_.node(v).weights_of < 0 && base.memory_price > 0)
-      cost += base.memory_price * state_bytes(v, s);
     return cost;
   }
   double state_bytes(int v, int s) const override {
@@ -139,6 +155,11 @@ MeshSolution solve_mesh_sharding(const OpGraph& g, const MeshCosts& c, const Ilp
   const MeshSpace space(g, c);
   const Programme r = solve_programme(g, space, c.axes[0].memory_bytes, options, problem);
   return solution_of<MeshSolution>(r, space, g.size());
+}
+
+std::unique_ptr<StrategySpace> mesh_space(const OpGraph& g, const MeshCosts& c) {
+  check_costs(c);
+  return std::make_unique<MeshSpace>(g, c);
 }
 
 MeshSolution shard_mesh_graph(const OpGraph& g, const MeshCosts& c, const IlpOptions& options,

@@ -15,6 +15,7 @@
 // graph at its critical nodes as on one axis (segment_sharding.h).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,10 @@ struct MeshSolution {
 MeshSolution solve_mesh_sharding(const OpGraph& graph, const MeshCosts& costs,
                                  const IlpOptions& options = {},
                                  const ShardingProblem& problem = {});
+
+// The programme's view of the mesh's strategies and costs (sharding_programme.h), for the step
+// prediction (graph_costs.h). Throws as solve_mesh_sharding does for bad costs.
+std::unique_ptr<StrategySpace> mesh_space(const OpGraph& graph, const MeshCosts& costs);
 
 // The whole graph: one programme up to `whole_up_to` nodes, else segments joined by dynamic
 // programming with the memory priced across them (segment_sharding.h). Throws as

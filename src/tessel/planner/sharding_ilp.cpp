@@ -53,8 +53,8 @@ double strategy_cost(const OpGraph& g, int v, const OpStrategy& s, int t, const 
   const double priced = g.node(v).weights_of < 0 && c.memory_price > 0
                             ? c.memory_price * s.weight_elements * c.state_bytes_per_weight
                             : 0;
-  return 3 * s.flops / c.flops_per_s + 2 * inside_cost(s, c) + weight_sync_cost(g, v, s, t, c) +
-         priced;
+  return 3 * s.flops / c.flops_per_s + 2 * inside_cost(s, c) +
+         c.sync_share * weight_sync_cost(g, v, s, t, c) + priced;
 }
 
 EdgeCosts edge_costs(const OpGraph& g, int u, const OpStrategy& from, int v, size_t k,
@@ -149,6 +149,10 @@ class OneAxis : public StrategySpace {
   }
   bool same_weights(int owner, int a, int reader, int b) const override {
     return at(owner, a).weights.front() == at(reader, b).weights.front();
+  }
+  double inside(int v, int s) const override { return inside_cost(at(v, s), c_); }
+  double step_sync(int v, int s) const override {
+    return weight_sync_cost(g_, v, at(v, s), t_, c_);
   }
 
  private:

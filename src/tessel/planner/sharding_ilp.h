@@ -52,6 +52,9 @@ struct ShardingCosts {
   // Seconds per byte of training state, added to every strategy's cost: a Lagrangian price for
   // the budget, which graph_sharding.h uses where its per-segment programmes cannot hold it.
   double memory_price = 0;
+  // The share of a step's weight-gradient sync each programme's objective (one micro-batch's
+  // passes) carries: 1 / the micro-batches per step, whose passes share one sync.
+  double sync_share = 1;
 };
 
 struct ShardingSolution {

@@ -1,5 +1,7 @@
 #include "tessel/planner/sharding_programme.h"
 
+#include <set>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -181,6 +183,38 @@ Programme solve_programme(const OpGraph& g, const StrategySpace& space, double m
       if (r.integer(var) == 1) out.index[size_t(v)] = i;
     TESSEL_CHECK(out.index[size_t(v)] >= 0, Error, "internal: no strategy chosen for node '{}'",
                  g.node(v).name);
+  }
+  return out;
+}
+
+std::vector<NodeComm> node_comm(const OpGraph& g, const StrategySpace& space,
+                                const std::vector<int>& index) {
+  TESSEL_CHECK(index.size() == size_t(g.size()), InvalidArgumentError,
+               "node_comm: {} strategies for a graph of {} nodes", index.size(), g.size());
+  for (int v = 0; v < g.size(); ++v)
+    TESSEL_CHECK(index[size_t(v)] < space.count(v) &&
+                     (index[size_t(v)] >= 0 || g.node(v).kind == OpKind::input),
+                 InvalidArgumentError, "node_comm: node '{}' has strategy {} of {}", g.node(v).name,
+                 index[size_t(v)], space.count(v));
+  const auto readers = g.readers();
+  std::vector<NodeComm> out(size_t(g.size()));
+  for (int v = 0; v < g.size(); ++v) {
+    const int b = index[size_t(v)];
+    // Data entering the graph without a strategy of its own is loaded as its readers read it
+    // and needs no gradient.
+    if (b < 0) continue;
+    NodeComm& c = out[size_t(v)];
+    c.inside = space.inside(v, b);
+    c.step_sync = space.step_sync(v, b);
+    const auto& inputs = g.node(v).inputs;
+    for (size_t k = 0; k < inputs.size(); ++k)
+      if (const int a = index[size_t(inputs[k])]; a >= 0)
+        c.forward_edges += space.edge(inputs[k], a, v, k, b).forward;
+    if (g.node(v).kind == OpKind::input) continue;
+    std::set<std::string> seen;
+    for (const auto& [r, k] : readers[size_t(v)])
+      if (seen.insert(space.gradient_key(r, index[size_t(r)], k)).second)
+        c.backward_edges += space.gradient_change(v, b, r, index[size_t(r)], k);
   }
   return out;
 }

@@ -36,7 +36,23 @@ class StrategySpace {
   virtual double gradient_change(int u, int a, int v, int b, size_t k) const = 0;
   // Whether a tied reader's strategy b holds its owner's weights as the owner's strategy a does.
   virtual bool same_weights(int owner, int a, int reader, int b) const = 0;
+  // The parts of node_cost the step prediction puts on passes (graph_costs.h): one run of the
+  // strategy's own collectives (it runs them forward and backward), and its weight-gradient
+  // all-reduces, once per step.
+  virtual double inside(int v, int s) const = 0;
+  virtual double step_sync(int v, int s) const = 0;
 };
+
+// A chosen plan's communication per node (index: per node its strategy): its own collectives
+// (one run), its weight-gradient sync per step, the forward layout changes into its inputs, and
+// the backward layout changes into its output's gradient (its readers' gradients summed where
+// they share a layout, each distinct layout changed once). An input node may have none (-1): it
+// is loaded as its readers read it. Throws InvalidArgumentError when any other node has none.
+struct NodeComm {
+  double inside = 0, step_sync = 0, forward_edges = 0, backward_edges = 0;
+};
+std::vector<NodeComm> node_comm(const OpGraph& graph, const StrategySpace& space,
+                                const std::vector<int>& index);
 
 struct Programme {
   IlpStatus status = IlpStatus::no_solution;

@@ -103,6 +103,7 @@ struct PlanService::Impl {
     r.stages = int(number_param(req, "stages", 1, 1, 4096));
     r.balance = number_param(req, "balance", 0.1, 0, 100);
     r.dp = int(number_param(req, "dp", 1, 1, 1 << 20));
+    r.outer = int(number_param(req, "outer", 1, 1, 4096));
     r.micro_batches = int(number_param(req, "micro_batches", 1, 1, 1 << 20));
     if (req.has_param("schedule")) r.schedule = req.get_param_value("schedule");
     r.ilp = options.ilp;

@@ -3,7 +3,8 @@
 //
 //   POST
 //   /v1/plan?tp=4&stages=2&cluster=dgx-a100&precision=bf16&balance=0.1&dim=batch:8&dim=seq:1024
-//           &dp=2&micro_batches=8&schedule=1f1b
+//           &dp=2&micro_batches=8&schedule=1f1b&outer=2
+//        (outer: a 2-axis mesh of outer x tp devices per stage, graph_plan.h)
 //        body: the ONNX model (application/octet-stream)
 //     200 {"tp", "stages", "status", "time_s", "step", "operators": [...], "cut", "warnings",
 //          ...}

@@ -58,6 +58,18 @@ TEST_F(PlanServiceTest, PlansAPostedModel) {
   EXPECT_GT(doc["step"]["dp_s"].get<double>(), 0);
   EXPECT_EQ(doc["step"]["stages"].size(), 2u);
 
+  // On a 2 x 2 mesh: a strategy per axis for every operator.
+  res = post("?tp=2&outer=2&dim=batch:8&micro_batches=4", model);
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  ASSERT_EQ(res->status, 200) << res->body;
+  const auto meshed = nlohmann::json::parse(res->body);
+  EXPECT_EQ(meshed["mesh"], nlohmann::json::array({2, 2}));
+  EXPECT_EQ(meshed["status"], "optimal");
+  for (const auto& op : meshed["operators"])
+    if (op["kind"] != "input") {
+      EXPECT_NE(op["strategy"].get<std::string>().find(" x "), std::string::npos) << op.dump();
+    }
+
   httplib::Client c("127.0.0.1", port_);
   auto health = c.Get("/v1/health");
   ASSERT_TRUE(health);

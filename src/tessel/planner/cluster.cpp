@@ -43,6 +43,13 @@ double EfficiencyCurve::efficiency(double flops, double peak_flops) const {
   return max_efficiency * flops / (flops + peak_flops * half_time_s);
 }
 
+double DeviceSpec::gemm_seconds(const GemmShape& s, Precision p) const {
+  if (s.flops() <= 0) return 0;
+  if (shape.defined() && p != Precision::fp32 && memory_bandwidth > 0)
+    return shape.time(s, peak(p), memory_bandwidth, element_bytes(p));
+  return gemm.gemm_time(s.flops(), peak(p));
+}
+
 double EfficiencyCurve::gemm_time(double flops, double peak_flops) const {
   if (flops <= 0) return 0;
   return flops / (peak_flops * max_efficiency) + half_time_s / max_efficiency;
@@ -64,6 +71,7 @@ ClusterSpec dgx(std::string name, std::string device, double fp32, double half, 
   c.device.reserved_bytes = int64_t(2 * kGiB);
   c.device.memory_bandwidth = hbm;
   c.device.gemm = EfficiencyCurve{0.7, 10e-6};
+  c.device.shape = gemm_model_for(c.device.name);
   // NCCL's all-reduce bus bandwidth reaches ~80% of the NVLink rate and ~90% of the NIC rate;
   // latencies are NCCL's small-message figures.
   c.intra_host = LinkSpec{nvlink_each_way, 5e-6, 0.8 * nvlink_each_way, 15e-6};
@@ -170,7 +178,9 @@ void read_bytes(Section& s, const char* gib_key, const char* bytes_key, int64_t&
 }
 
 void read_device(Section s, DeviceSpec& d, const std::string& source) {
-  s.read("name", d.name);
+  // A device named anew has the shape model of that name, if any.
+  if (const std::string before = d.name; s.read("name", d.name) && d.name != before)
+    d.shape = gemm_model_for(d.name);
   read_bytes(s, "memory_gib", "memory_bytes", d.memory_bytes, source);
   read_bytes(s, "reserved_gib", "reserved_bytes", d.reserved_bytes, source);
   s.read_scaled("memory_bandwidth_GBps", 1e9, d.memory_bandwidth);
@@ -180,8 +190,10 @@ void read_device(Section s, DeviceSpec& d, const std::string& source) {
       peak.read_scaled(std::string(precision_name(p)).c_str(), 1e12, d.peak_flops[size_t(p)]);
     peak.finish();
   }
-  s.read_scaled("gemm_efficiency", 1.0, d.gemm.max_efficiency);
-  s.read_scaled("gemm_half_time_us", 1e-6, d.gemm.half_time_s);
+  // A curve asked for by its parameters is the curve used.
+  if (s.read_scaled("gemm_efficiency", 1.0, d.gemm.max_efficiency) |
+      s.read_scaled("gemm_half_time_us", 1e-6, d.gemm.half_time_s))
+    d.shape = GemmModel{};
   s.finish();
 }
 

@@ -27,6 +27,7 @@
 //     peak_tflops: {fp32: 19.5, bf16: 312, fp16: 312}
 //     gemm_efficiency: 0.7      # fraction of peak a large GEMM reaches (see EfficiencyCurve)
 //     gemm_half_time_us: 10     # a GEMM this long at peak reaches half of gemm_efficiency
+//                               (either of the two: the curve, not the A100/H100 shape model)
 //   intra_host: {bandwidth_GBps: 300, latency_us: 5}
 //   inter_host: {bandwidth_GBps: 25, latency_us: 10,
 //                collective_bandwidth_GBps: 23, collective_latency_us: 30}   # optional
@@ -43,6 +44,8 @@
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include "tessel/planner/gemm_model.h"
 
 namespace tessel::planner {
 
@@ -79,6 +82,10 @@ struct DeviceSpec {
   int64_t reserved_bytes = 0;   // not available to the model (context, buffers, fragmentation)
   double memory_bandwidth = 0;  // bytes/s; 0 = elementwise and optimizer time not modelled
   EfficiencyCurve gemm;
+  // A GEMM's time by its shape (gemm_model.h), for the 16-bit precisions on the devices whose
+  // kernels were measured (the presets' A100 and H100; a YAML device named so, unless it sets
+  // gemm_efficiency or gemm_half_time_us). Undefined: the curve above, by FLOPs alone.
+  GemmModel shape;
 
   double peak(Precision p) const { return peak_flops[size_t(p)]; }
   // What a plan trains in unless told: bf16 where the device has it, else fp32.
@@ -86,6 +93,9 @@ struct DeviceSpec {
     return peak(Precision::bf16) > 0 ? Precision::bf16 : Precision::fp32;
   }
   int64_t usable_bytes() const { return memory_bytes - reserved_bytes; }
+  // Seconds for one GEMM call: by its shape where the device has a shape model for `p` (fp32 has
+  // no measurements behind it), else the curve on its FLOPs.
+  double gemm_seconds(const GemmShape& s, Precision p) const;
 };
 
 struct LinkSpec {

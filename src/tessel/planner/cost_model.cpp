@@ -47,6 +47,21 @@ ForwardFlops block_forward_flops(const model::ModelConfig& m, int64_t micro_batc
   return f;
 }
 
+BlockGemms block_gemms(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp) {
+  const double n = double(micro_batch) * seq, h = m.n_embd, F = m.ffn_hidden, t = tp;
+  BlockGemms g;
+  if (m.family == model::Family::gpt2) {
+    g.linear = {{n, 3 * h / t, h}, {n, h, h / t}, {n, F / t, h}, {n, h, F / t}};
+  } else {
+    const double kv = kv_dim_per_rank(m, tp);
+    g.linear = {{n, h / t, h},     {n, kv, h},      {n, kv, h}, {n, h, h / t},
+                {n, F / t, h},     {n, F / t, h},   {n, h, F / t}};
+  }
+  const double heads = double(micro_batch) * m.n_head / t, d = m.head_dim();
+  g.attention = {{double(seq), double(seq), d, heads}, {double(seq), d, double(seq), heads}};
+  return g;
+}
+
 ForwardFlops head_forward_flops(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp) {
   ForwardFlops f;
   f.gemm = 2.0 * double(micro_batch) * seq * m.n_embd * double(m.padded_vocab()) / tp;
@@ -185,23 +200,26 @@ double CostModel::stream(double elements, int bytes_per_element) const {
 }
 
 PassTimes CostModel::block_compute(int64_t micro_batch, int seq, int tp) const {
-  const auto& curve = cluster_.device.gemm;
-  const ForwardFlops f = block_forward_flops(model_, micro_batch, seq, tp);
-  // gemm_time is linear in the FLOPs, so a layer's calls cost their total FLOPs at the saturated
-  // rate plus one overhead each.
-  auto gemms = [&](double flops, int calls) {
-    return calls * curve.gemm_time(flops / calls, peak_);
-  };
+  // Each GEMM call by its shape (the device's shape model), or on its FLOPs (the curve).
+  auto gemm = [&](const GemmShape& g) { return cluster_.device.gemm_seconds(g, options_.precision); };
+  const BlockGemms g = block_gemms(model_, micro_batch, seq, tp);
   const double n = double(micro_batch) * seq, h = model_.n_embd;
   const double act_passes = model_.family == model::Family::gpt2 ? 2 : 3;
   const double elementwise = 10 * n * h + act_passes * n * model_.ffn_hidden / tp +
                              2 * n * seq * double(model_.n_head) / tp;
   PassTimes t;
-  t.forward = gemms(f.gemm, f.gemm_calls) + gemms(f.attention, f.attention_calls) +
-              stream(elementwise, act_bytes_);
-  t.backward_input = gemms(f.gemm, f.gemm_calls) + gemms(2 * f.attention, 2 * f.attention_calls) +
-                     stream(2 * elementwise, act_bytes_);
-  t.backward_weight = gemms(f.gemm, f.gemm_calls);
+  // dX: each linear layer's input gradient and both of attention's operands; dW: the weights'.
+  for (const GemmShape& s : g.linear) {
+    t.forward += gemm(s);
+    t.backward_input += gemm(input_gradient_gemm(s));
+    t.backward_weight += gemm(weight_gradient_gemm(s));
+  }
+  for (const GemmShape& s : g.attention) {
+    t.forward += gemm(s);
+    t.backward_input += gemm(input_gradient_gemm(s)) + gemm(weight_gradient_gemm(s));
+  }
+  t.forward += stream(elementwise, act_bytes_);
+  t.backward_input += stream(2 * elementwise, act_bytes_);
   t.recompute = t.forward;
   return t;
 }
@@ -216,15 +234,18 @@ PassTimes CostModel::embedding_compute(int64_t micro_batch, int seq, int tp) con
 }
 
 PassTimes CostModel::head_compute(int64_t micro_batch, int seq, int tp) const {
-  const auto& curve = cluster_.device.gemm;
-  const ForwardFlops f = head_forward_flops(model_, micro_batch, seq, tp);
   const double n = double(micro_batch) * seq;
   const double logits = 2 * n * double(model_.padded_vocab()) / tp;
   const double norm = 2 * n * model_.n_embd;
+  // The vocabulary projection of this rank's share of the (padded) vocabulary.
+  const GemmShape head{n, double(model_.padded_vocab()) / tp, double(model_.n_embd)};
+  const auto& d = cluster_.device;
   PassTimes t;
-  t.forward = curve.gemm_time(f.gemm, peak_) + stream(norm, act_bytes_) + stream(logits, 4);
-  t.backward_input = curve.gemm_time(f.gemm, peak_) + stream(norm, act_bytes_) + stream(logits, 4);
-  t.backward_weight = curve.gemm_time(f.gemm, peak_);
+  t.forward = d.gemm_seconds(head, options_.precision) + stream(norm, act_bytes_) +
+              stream(logits, 4);
+  t.backward_input = d.gemm_seconds(input_gradient_gemm(head), options_.precision) +
+                     stream(norm, act_bytes_) + stream(logits, 4);
+  t.backward_weight = d.gemm_seconds(weight_gradient_gemm(head), options_.precision);
   return t;
 }
 

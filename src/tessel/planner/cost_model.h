@@ -86,6 +86,17 @@ struct ForwardFlops {
 };
 ForwardFlops block_forward_flops(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp);
 ForwardFlops head_forward_flops(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp);
+// The same GEMMs by shape, on one tp rank, as the runtime calls them: the linear layers (GPT-2:
+// the fused qkv, proj, fc, fc2; LLaMA: q, k, v, o, gate, up, down), then attention's two batched
+// GEMMs over the rank's heads (Q K^T, P V). Their FLOPs are block_forward_flops'.
+struct BlockGemms {
+  std::vector<GemmShape> linear, attention;
+};
+BlockGemms block_gemms(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp);
+// A GEMM C[m, n] = A[m, k] B[k, n]'s gradients: of A, dC B^T (m x k, over n); of B, A^T dC
+// (k x n, over m).
+inline GemmShape input_gradient_gemm(const GemmShape& g) { return {g.m, g.k, g.n, g.batch}; }
+inline GemmShape weight_gradient_gemm(const GemmShape& g) { return {g.k, g.n, g.m, g.batch}; }
 // FLOPs of one training sample (forward + backward, no recompute) through the whole model on all
 // tp ranks together: 3x the forward. The numerator of MFU.
 double model_flops_per_sample(const model::ModelConfig& m, int seq);

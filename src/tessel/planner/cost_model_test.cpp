@@ -79,6 +79,48 @@ TEST(CostModel, BlockTimesFromTheEfficiencyCurve) {
   EXPECT_EQ(cm.embedding_compute(2, 64, 1).step(false), 0);
 }
 
+// The GEMMs by shape are the FLOPs counted above, call by call: GPT-2's four linear layers, and
+// LLaMA's seven with grouped kv heads, at tp 1, 2 and 16 (replicated kv heads), plus attention's
+// two batched GEMMs. (Sums of a handful of exact products of integers below 2^53: equal.)
+TEST(CostModel, BlockGemmsByShapeAreTheCountedFlops) {
+  for (const auto& m : {gpt2_124m(), model::ModelConfig::preset("llama3-8b")}) {
+    for (int tp : {1, 2, 16}) {
+      if (m.n_head % tp != 0) continue;
+      const auto f = block_forward_flops(m, 2, 128, tp);
+      const auto g = block_gemms(m, 2, 128, tp);
+      double linear = 0, attention = 0;
+      for (const auto& s : g.linear) linear += s.flops();
+      for (const auto& s : g.attention) attention += s.flops();
+      EXPECT_EQ(int(g.linear.size()), f.gemm_calls) << m.name << " tp " << tp;
+      EXPECT_EQ(int(g.attention.size()), f.attention_calls);
+      EXPECT_DOUBLE_EQ(linear, f.gemm) << m.name << " tp " << tp;
+      EXPECT_DOUBLE_EQ(attention, f.attention) << m.name << " tp " << tp;
+    }
+  }
+}
+
+// On an A100 in bf16 each call is timed by its shape (gemm_model.h), the passes being the forward
+// GEMMs, their input gradients (attention: both operands'), and the weights' gradients; fp32 has
+// no measurements behind the shape model and keeps the curve.
+TEST(CostModel, TheA100TimesEachGemmByItsShape) {
+  const auto cluster = ClusterSpec::preset("dgx-a100");
+  ASSERT_TRUE(cluster.device.shape.defined());
+  const auto m = gpt2_124m();
+  const CostModel cm(m, cluster, CostOptions{Precision::bf16});
+  const auto g = block_gemms(m, 4, 1024, 2);
+  double bw = 0;
+  for (const auto& s : g.linear)
+    bw += cluster.device.gemm_seconds(weight_gradient_gemm(s), Precision::bf16);
+  EXPECT_DOUBLE_EQ(cm.block_compute(4, 1024, 2).backward_weight, bw);
+  // A shape the curve cannot tell apart: the same FLOPs as one square GEMM, but 64 columns wide.
+  const auto& d = cluster.device;
+  const double square = d.gemm_seconds({4096, 4096, 4096}, Precision::bf16);
+  const double skinny = d.gemm_seconds({4096 * 64, 64, 4096}, Precision::bf16);
+  EXPECT_GT(skinny, 1.5 * square);
+  EXPECT_DOUBLE_EQ(d.gemm_seconds({4096, 4096, 4096}, Precision::fp32),
+                   d.gemm.gemm_time(2.0 * 4096 * 4096 * 4096, d.peak(Precision::fp32)));
+}
+
 TEST(CostModel, LargerGemmsRunCloserToPeak) {
   const CostModel cm(gpt2_124m(), simple_cluster(), CostOptions{Precision::fp32});
   // Time per sample falls as the micro-batch grows: the per-call overhead is shared.

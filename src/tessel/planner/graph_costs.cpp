@@ -58,6 +58,24 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const std::vector<NodeWo
     };
     switch (node.kind) {
       case OpKind::matmul:
+        if (w.out_shape.size() >= 2 && w.flops > 0) {
+          const bool weighted = !g.weights_used_by(v).empty();
+          GemmShape s{1, w.out_shape.back(), 0, 1};
+          // With weights every leading dimension is a row; between activations the one before
+          // the last is, and those before it are the batch.
+          const size_t lead = w.out_shape.size() - 1;
+          const size_t rows_from = weighted ? 0 : lead - 1;
+          for (size_t d = 0; d < lead; ++d) (d >= rows_from ? s.m : s.batch) *= w.out_shape[d];
+          s.k = std::max(1.0, w.flops / (2 * s.m * s.n * s.batch));
+          const auto& d = cluster.device;
+          p.forward = d.gemm_seconds(s, precision);
+          const double input = d.gemm_seconds(input_gradient_gemm(s), precision);
+          const double other = d.gemm_seconds(weight_gradient_gemm(s), precision);
+          p.backward_input = weighted ? input : input + other;
+          p.backward_weight = weighted ? other : 0;
+          break;
+        }
+        [[fallthrough]];
       case OpKind::conv:
         p.forward = gemm(w.flops);
         if (!g.weights_used_by(v).empty() || node.kind == OpKind::conv) {
@@ -129,6 +147,10 @@ std::vector<NodeWork> node_work(const OpGraph& g, const ShardingSolution& shardi
     const OpNode& node = g.node(v);
     out[size_t(v)].flops = s.flops;
     out[size_t(v)].out_elements = on_device(node.shape, s.out, t);
+    for (const int64_t d : node.shape) out[size_t(v)].out_shape.push_back(double(d));
+    if (s.out.kind == Shard::Kind::split && s.out.dim >= 0 &&
+        size_t(s.out.dim) < node.shape.size())
+      out[size_t(v)].out_shape[size_t(s.out.dim)] /= t;
     if (!node.inputs.empty() && !s.in.empty())
       out[size_t(v)].in_elements = on_device(g.node(node.inputs[0]).shape, s.in[0], t);
   }
@@ -155,6 +177,12 @@ std::vector<NodeWork> node_work(const OpGraph& g, const MeshSolution& sharding, 
       continue;
     }
     out[size_t(v)].out_elements = held(node.shape, s.out());
+    for (const int64_t d : node.shape) out[size_t(v)].out_shape.push_back(double(d));
+    const MeshLayout layout = s.out();
+    for (size_t a = 0; a < layout.size() && a < mesh.sizes.size(); ++a)
+      if (layout[a].kind == Shard::Kind::split && layout[a].dim >= 0 &&
+          size_t(layout[a].dim) < node.shape.size())
+        out[size_t(v)].out_shape[size_t(layout[a].dim)] /= mesh.sizes[a];
     if (!node.inputs.empty() && !s.axis[0].in.empty())
       out[size_t(v)].in_elements = held(g.node(node.inputs[0]).shape, s.in(0));
   }

@@ -3,10 +3,14 @@
 // simulator runs (issue 20: the graph planner's step prediction, graph_plan.h). The rates and the
 // rules are the layer planner's (cost_model.h), applied per operator, so that a transformer's graph
 // and its layers predict the same step:
-//   matmul with weights, conv   F, Bi and Bw one GEMM of the strategy's FLOPs each
-//                               (EfficiencyCurve::gemm_time at the device's peak in the precision)
-//   matmul of two activations   F one GEMM, Bi two (both operands' gradients), no Bw
-//   (attention's q k^T, p v)
+//   matmul with weights         F, Bi and Bw one GEMM each: the forward's, over the output on one
+//                               device (the leading dimensions as rows, the last as columns, the
+//                               contraction from the FLOPs), and its two gradients'
+//                               (DeviceSpec::gemm_seconds: by shape on the A100 and H100,
+//                               gemm_model.h, else the efficiency curve on the FLOPs)
+//   conv                        F, Bi and Bw one GEMM of the strategy's FLOPs each (the curve)
+//   matmul of two activations   F one batched GEMM (the dimensions before the last two as the
+//   (attention's q k^T, p v)    batch), Bi both operands' gradients, no Bw
 //   memory-bound operators      stream elements through the device's memory bandwidth, in the
 //                               precision's element size, forward; Bi twice that (read the
 //                               gradient and the saved input, write the input's gradient):
@@ -52,6 +56,7 @@ ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision);
 // device and the elements each device holds of its output and of its first input.
 struct NodeWork {
   double flops = 0, out_elements = 0, in_elements = 0;
+  std::vector<double> out_shape;  // the output's extent on one device, per dimension
 };
 std::vector<NodeWork> node_work(const OpGraph& graph, const ShardingSolution& sharding, int t);
 std::vector<NodeWork> node_work(const OpGraph& graph, const MeshSolution& sharding,

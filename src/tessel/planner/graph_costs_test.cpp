@@ -31,8 +31,8 @@ class LlamaTp2 : public ::testing::Test {
     times = operator_times(g, s, kT, cluster, Precision::bf16);
   }
   const PassTimes& at(const std::string& name) { return times[size_t(id_of(g, name))]; }
-  double gemm(double flops) const {
-    return cluster.device.gemm.gemm_time(flops, cluster.device.peak(Precision::bf16));
+  double gemm(const GemmShape& shape) const {
+    return cluster.device.gemm_seconds(shape, Precision::bf16);
   }
   double stream(double elements) const { return elements * 2 / cluster.device.memory_bandwidth; }
   // One all-reduce of the residual stream (2048 x 4096 bf16) over the 2 devices, as the
@@ -52,14 +52,19 @@ class LlamaTp2 : public ::testing::Test {
 };
 
 TEST_F(LlamaTp2, MatmulsTakeOneGemmPerPassAndAttentionTwoInItsBackward) {
-  const double q_flops = 2 * kTokens * 4096 * 4096 / kT;  // column: half the output per device
+  // Column-parallel q_proj: 2048 tokens x half of 4096 outputs over 4096 inputs; its input
+  // gradient (2048 x 4096 over 2048) and weight gradient (4096 x 2048 over the tokens), each by
+  // its shape (the A100's model, gemm_model.h).
   EXPECT_EQ(s.of(g, "h.0.self_attn.q_proj").name, "column");
-  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").forward, gemm(q_flops));
-  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_input, gemm(q_flops));
-  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_weight, gemm(q_flops));
-  const double qk_flops = 2 * kTokens * kSeq * 4096 / kT;  // half the heads
-  EXPECT_DOUBLE_EQ(at("h.0.qk").forward, gemm(qk_flops));
-  EXPECT_DOUBLE_EQ(at("h.0.qk").backward_input, 2 * gemm(qk_flops));
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").forward, gemm({kTokens, 4096 / kT, 4096}));
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_input, gemm({kTokens, 4096, 4096 / kT}));
+  EXPECT_DOUBLE_EQ(at("h.0.self_attn.q_proj").backward_weight, gemm({4096, 4096 / kT, kTokens}));
+  // Q K^T over half of the 32 heads: a batch of 16 GEMMs of 2048 x 2048 over 128; its backward
+  // both operands' gradients.
+  const GemmShape qk{kSeq, kSeq, 128, 32 / kT};
+  EXPECT_DOUBLE_EQ(at("h.0.qk").forward, gemm(qk));
+  EXPECT_DOUBLE_EQ(at("h.0.qk").backward_input,
+                   gemm({kSeq, 128, kSeq, 32 / kT}) + gemm({128, kSeq, kSeq, 32 / kT}));
   EXPECT_EQ(at("h.0.qk").backward_weight, 0);
   // The scale by 1/sqrt(d) is fused into the softmax; the softmax streams half the scores.
   EXPECT_EQ(at("h.0.scale").forward, 0);

@@ -160,9 +160,10 @@ double megatron_table(bool shape_model) {
     const double tflops = flops / c.step_s / r.gpus / 1e12;
     const double ratio = tflops / r.tflops;
     if (r.billions < 20) worst_small = std::max(worst_small, ratio);
-    fmt::print("   {:6.1f}B tp {} pp {:2} on {:4} GPUs: predicted {:5.1f} TFLOP/s per GPU, measured "
-               "{:5.1f}: {:.2f}x\n",
-               r.billions, r.tp, r.pp, r.gpus, tflops, r.tflops, ratio);
+    fmt::print(
+        "   {:6.1f}B tp {} pp {:2} on {:4} GPUs: predicted {:5.1f} TFLOP/s per GPU, measured "
+        "{:5.1f}: {:.2f}x\n",
+        r.billions, r.tp, r.pp, r.gpus, tflops, r.tflops, ratio);
   }
   return worst_small;
 }

@@ -43,6 +43,18 @@ double EfficiencyCurve::efficiency(double flops, double peak_flops) const {
   return max_efficiency * flops / (flops + peak_flops * half_time_s);
 }
 
+double bus_bandwidth(const BusCurve& curve, double message) {
+  TESSEL_CHECK(!curve.empty(), InvalidArgumentError, "bus_bandwidth: an empty curve");
+  if (message <= curve.front()[0]) return curve.front()[1];
+  if (message >= curve.back()[0]) return curve.back()[1];
+  size_t hi = 1;
+  while (curve[hi][0] < message) ++hi;
+  const auto& a = curve[hi - 1];
+  const auto& b = curve[hi];
+  const double w = std::log(message / a[0]) / std::log(b[0] / a[0]);
+  return std::exp(std::log(a[1]) + w * (std::log(b[1]) - std::log(a[1])));
+}
+
 double DeviceSpec::gemm_seconds(const GemmShape& s, Precision p) const {
   if (s.flops() <= 0) return 0;
   if (shape.defined() && p != Precision::fp32 && memory_bandwidth > 0)
@@ -74,16 +86,37 @@ ClusterSpec dgx(std::string name, std::string device, double fp32, double half, 
   c.device.shape = gemm_model_for(c.device.name);
   // NCCL's all-reduce bus bandwidth reaches ~80% of the NVLink rate and ~90% of the NIC rate;
   // latencies are NCCL's small-message figures.
-  c.intra_host = LinkSpec{nvlink_each_way, 5e-6, 0.8 * nvlink_each_way, 15e-6};
-  c.inter_host = LinkSpec{ib_each_way, 10e-6, 0.9 * ib_each_way, 30e-6};
+  c.intra_host = LinkSpec{nvlink_each_way, 5e-6, 0.8 * nvlink_each_way, 15e-6, {}};
+  c.inter_host = LinkSpec{ib_each_way, 10e-6, 0.9 * ib_each_way, 30e-6, {}};
+  return c;
+}
+
+// nccl-tests all_reduce_perf on one host's 8 GPUs (-b 8 -e 8G -f 2 -g 8, float, in-place busbw),
+// ND A100 v4 (A100-SXM4-80GB) and ND H100 v5: Azure/AI-benchmarking-guide, Azure_Results/
+// ND_A100_v4_results.md and ND_H100_v5_results.md at commit 8fd0c6e1. GB/s by message size.
+ClusterSpec with_nvlink_curve(ClusterSpec c, int which) {
+  constexpr double kKiB = 1024, kMiB = kKiB * 1024;
+  constexpr std::array<double, 17> sizes = {
+      kKiB,       32 * kKiB,   256 * kKiB,  kMiB,        2 * kMiB,   4 * kMiB,
+      8 * kMiB,   16 * kMiB,   32 * kMiB,   64 * kMiB,   128 * kMiB, 256 * kMiB,
+      512 * kMiB, 1024 * kMiB, 2048 * kMiB, 4096 * kMiB, 8192 * kMiB};
+  constexpr std::array<std::array<double, 17>, 2> busbw = {
+      {{0.04, 1.37, 10.11, 36.22, 53.54, 71.43, 89.99, 109.22, 132.77, 166.63, 174.18, 213.87,
+        221.58, 228.10, 230.22, 230.48, 231.58},
+       {0.07, 1.71, 10.86, 43.70, 81.93, 128.73, 172.13, 234.45, 295.53, 361.78, 400.61, 423.38,
+        438.46, 466.35, 472.36, 475.54, 478.87}}};
+  for (size_t i = 0; i < sizes.size(); ++i)
+    c.intra_host.bus_curve.push_back({sizes[i], busbw[size_t(which)][i] * 1e9});
   return c;
 }
 
 ClusterSpec make_preset(std::string_view name) {
   if (name == "dgx-a100")
-    return dgx("dgx-a100", "A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 300e9, 25e9);
+    return with_nvlink_curve(
+        dgx("dgx-a100", "A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 300e9, 25e9), 0);
   if (name == "dgx-h100")
-    return dgx("dgx-h100", "H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 450e9, 50e9);
+    return with_nvlink_curve(dgx("dgx-h100", "H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 450e9, 50e9),
+                             1);
   TESSEL_THROW(ConfigError,
                "unknown cluster preset '{}' (known: dgx-a100, dgx-h100, or a YAML file)", name);
 }
@@ -158,10 +191,12 @@ class Section {
 };
 
 void read_link(Section s, LinkSpec& link) {
-  s.read_scaled("bandwidth_GBps", 1e9, link.bandwidth);
-  s.read_scaled("latency_us", 1e-6, link.latency);
-  s.read_scaled("collective_bandwidth_GBps", 1e9, link.collective_bandwidth);
-  s.read_scaled("collective_latency_us", 1e-6, link.collective_latency);
+  // A link described by its rates is that link: the preset's measured curve no longer applies.
+  if (s.read_scaled("bandwidth_GBps", 1e9, link.bandwidth) |
+      s.read_scaled("latency_us", 1e-6, link.latency) |
+      s.read_scaled("collective_bandwidth_GBps", 1e9, link.collective_bandwidth) |
+      s.read_scaled("collective_latency_us", 1e-6, link.collective_latency))
+    link.bus_curve.clear();
   s.finish();
 }
 

@@ -98,11 +98,24 @@ struct DeviceSpec {
   double gemm_seconds(const GemmShape& s, Precision p) const;
 };
 
+// A collective's measured bus bandwidth by message size (nccl-tests' busbw: a ring all-reduce of
+// S bytes over n devices moves 2 (n - 1) / n S per device, and busbw is that over the time), as
+// (message bytes, bytes/s) ascending. Small messages run far below the link's rate: latency and
+// the protocols NCCL switches between, which no latency-plus-bandwidth line follows.
+using BusCurve = std::vector<std::array<double, 2>>;
+// The curve's bus bandwidth at a message size: interpolated log-log between its points, the end
+// points' beyond them.
+double bus_bandwidth(const BusCurve& curve, double message_bytes);
+
 struct LinkSpec {
   double bandwidth = 0;             // bytes/s per device per direction, point to point
   double latency = 0;               // seconds per message
   double collective_bandwidth = 0;  // bus bandwidth of collectives; 0 = bandwidth
   double collective_latency = 0;    // seconds per collective call; 0 = latency
+  // Collectives by message size where measured (the presets' NVLink: nccl-tests all-reduce on
+  // 8 GPUs; a YAML link that sets any of its rates drops it). Empty: latency + bytes /
+  // collective bandwidth.
+  BusCurve bus_curve = {};
 
   double coll_bandwidth() const {
     return collective_bandwidth > 0 ? collective_bandwidth : bandwidth;

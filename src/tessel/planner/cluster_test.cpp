@@ -2,10 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "tessel/core/error.h"
+#include "tessel/planner/cost_model.h"
 #include "tessel/testing/testing.h"
 
 namespace tessel::planner {
@@ -102,6 +104,37 @@ TEST(Cluster, YamlPresetWithOverrides) {
   EXPECT_EQ(c.num_devices(), 32);
   EXPECT_EQ(c.device.memory_bytes, int64_t(94 * GiB));
   EXPECT_DOUBLE_EQ(c.device.peak(Precision::bf16), 989e12);  // kept from the preset
+}
+
+// Collectives on the presets' NVLink follow nccl-tests' measured all-reduce bus bandwidth by
+// message size, interpolated log-log; a YAML that describes the link by its rates drops the
+// curve, and so does one naming another device for the GEMM model.
+TEST(Cluster, NvlinkCollectivesFollowTheMeasuredCurve) {
+  const auto a100 = ClusterSpec::preset("dgx-a100");
+  const BusCurve& curve = a100.intra_host.bus_curve;
+  ASSERT_EQ(curve.size(), 17u);
+  EXPECT_TRUE(a100.inter_host.bus_curve.empty());
+  constexpr double kMiB = 1024 * 1024;
+  EXPECT_DOUBLE_EQ(bus_bandwidth(curve, 16 * kMiB), 109.22e9);  // a measured point
+  // Halfway between 1 and 2 MiB in log size: the geometric mean of their rates (two logs and an
+  // exp, each within an ulp or two: far inside 1e-12).
+  EXPECT_NEAR(bus_bandwidth(curve, std::sqrt(2.0) * kMiB), std::sqrt(36.22e9 * 53.54e9),
+              1e-12 * 44e9);
+  EXPECT_DOUBLE_EQ(bus_bandwidth(curve, 1.0), 0.04e9);                 // below: the first point's
+  EXPECT_DOUBLE_EQ(bus_bandwidth(curve, 64 * 1024 * kMiB), 231.58e9);  // above: the last's
+  EXPECT_THROW(bus_bandwidth({}, 1.0), InvalidArgumentError);
+  // An all-reduce of 16 MiB over 8 GPUs: 2 x 7/8 of it over 109.22 GB/s, no separate latency.
+  const GroupLink link{a100.intra_host.coll_bandwidth(), a100.intra_host.coll_latency(), false,
+                       curve};
+  EXPECT_DOUBLE_EQ(CostModel::all_reduce_time(16 * kMiB, 8, link),
+                   2.0 * 7 / 8 * 16 * kMiB / 109.22e9);
+  EXPECT_TRUE(ClusterSpec::from_yaml("preset: dgx-a100\nintra_host: {bandwidth_GBps: 100}\n")
+                  .intra_host.bus_curve.empty());
+  EXPECT_EQ(ClusterSpec::from_yaml("preset: dgx-a100\nhosts: 2\n").intra_host.bus_curve.size(),
+            17u);
+  EXPECT_TRUE(ClusterSpec::preset("dgx-a100").device.shape.defined());
+  EXPECT_FALSE(ClusterSpec::from_yaml("preset: dgx-a100\ndevice: {gemm_efficiency: 0.6}\n")
+                   .device.shape.defined());
 }
 
 TEST(Cluster, YamlIsStrict) {

@@ -54,8 +54,8 @@ BlockGemms block_gemms(const model::ModelConfig& m, int64_t micro_batch, int seq
     g.linear = {{n, 3 * h / t, h}, {n, h, h / t}, {n, F / t, h}, {n, h, F / t}};
   } else {
     const double kv = kv_dim_per_rank(m, tp);
-    g.linear = {{n, h / t, h},     {n, kv, h},      {n, kv, h}, {n, h, h / t},
-                {n, F / t, h},     {n, F / t, h},   {n, h, F / t}};
+    g.linear = {{n, h / t, h}, {n, kv, h},    {n, kv, h},   {n, h, h / t},
+                {n, F / t, h}, {n, F / t, h}, {n, h, F / t}};
   }
   const double heads = double(micro_batch) * m.n_head / t, d = m.head_dim();
   g.attention = {{double(seq), double(seq), d, heads}, {double(seq), d, double(seq), heads}};
@@ -201,7 +201,9 @@ double CostModel::stream(double elements, int bytes_per_element) const {
 
 PassTimes CostModel::block_compute(int64_t micro_batch, int seq, int tp) const {
   // Each GEMM call by its shape (the device's shape model), or on its FLOPs (the curve).
-  auto gemm = [&](const GemmShape& g) { return cluster_.device.gemm_seconds(g, options_.precision); };
+  auto gemm = [&](const GemmShape& g) {
+    return cluster_.device.gemm_seconds(g, options_.precision);
+  };
   const BlockGemms g = block_gemms(model_, micro_batch, seq, tp);
   const double n = double(micro_batch) * seq, h = model_.n_embd;
   const double act_passes = model_.family == model::Family::gpt2 ? 2 : 3;
@@ -241,8 +243,8 @@ PassTimes CostModel::head_compute(int64_t micro_batch, int seq, int tp) const {
   const GemmShape head{n, double(model_.padded_vocab()) / tp, double(model_.n_embd)};
   const auto& d = cluster_.device;
   PassTimes t;
-  t.forward = d.gemm_seconds(head, options_.precision) + stream(norm, act_bytes_) +
-              stream(logits, 4);
+  t.forward =
+      d.gemm_seconds(head, options_.precision) + stream(norm, act_bytes_) + stream(logits, 4);
   t.backward_input = d.gemm_seconds(input_gradient_gemm(head), options_.precision) +
                      stream(norm, act_bytes_) + stream(logits, 4);
   t.backward_weight = d.gemm_seconds(weight_gradient_gemm(head), options_.precision);
@@ -308,12 +310,18 @@ PassTimes CostModel::unit(int u, int64_t micro_batch, int seq, int tp) const {
 
 double CostModel::all_reduce_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  return 2.0 * (ranks - 1) / ranks * bytes / link.bandwidth + link.latency;
+  const double wire = 2.0 * (ranks - 1) / ranks * bytes;
+  if (!link.bus_curve.empty()) return wire / bus_bandwidth(link.bus_curve, bytes);
+  return wire / link.bandwidth + link.latency;
 }
 
 double CostModel::reduce_scatter_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  return double(ranks - 1) / ranks * bytes / link.bandwidth + link.latency;
+  // Half a ring all-reduce's passes, at the all-reduce's bus bandwidth for the message (the
+  // curves measured are all-reduce's).
+  const double wire = double(ranks - 1) / ranks * bytes;
+  if (!link.bus_curve.empty()) return wire / bus_bandwidth(link.bus_curve, bytes);
+  return wire / link.bandwidth + link.latency;
 }
 
 double CostModel::all_gather_time(double bytes, int ranks, const GroupLink& link) {
@@ -323,10 +331,13 @@ double CostModel::all_gather_time(double bytes, int ranks, const GroupLink& link
 GroupLink CostModel::tp_link(int tp) const {
   const auto& c = cluster_;
   if (tp <= c.devices_per_host)
-    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false};
+    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false,
+                     c.intra_host.bus_curve};
   return GroupLink{
       std::min(c.intra_host.coll_bandwidth(), c.devices_per_host * c.inter_host.coll_bandwidth()),
-      c.inter_host.coll_latency(), true};
+      c.inter_host.coll_latency(),
+      true,
+      {}};
 }
 
 GroupLink CostModel::dp_link(int dp, int tp) const {
@@ -334,19 +345,22 @@ GroupLink CostModel::dp_link(int dp, int tp) const {
   const int per_host = c.devices_per_host;
   const int64_t block = int64_t(dp) * tp;  // the ranks of one pipeline rank, consecutive
   if (c.hosts == 1 || (block <= per_host && per_host % block == 0))
-    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false};
+    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false,
+                     c.intra_host.bus_curve};
   // Hosts hold per_host / tp members each when the block is host-aligned; otherwise assume the
   // worst, one member per host.
   const int k = (block % per_host == 0 && per_host % tp == 0) ? per_host / tp : 1;
   return GroupLink{std::min(c.intra_host.coll_bandwidth(), k * c.inter_host.coll_bandwidth()),
-                   c.inter_host.coll_latency(), true};
+                   c.inter_host.coll_latency(),
+                   true,
+                   {}};
 }
 
 GroupLink CostModel::pp_link(int world) const {
   const auto& c = cluster_;
   if (world <= c.devices_per_host)
-    return GroupLink{c.intra_host.bandwidth, c.intra_host.latency, false};
-  return GroupLink{c.inter_host.bandwidth, c.inter_host.latency, true};
+    return GroupLink{c.intra_host.bandwidth, c.intra_host.latency, false, {}};
+  return GroupLink{c.inter_host.bandwidth, c.inter_host.latency, true, {}};
 }
 
 double CostModel::tp_all_reduce(int64_t micro_batch, int seq, int tp) const {

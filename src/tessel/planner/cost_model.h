@@ -95,8 +95,12 @@ struct BlockGemms {
 BlockGemms block_gemms(const model::ModelConfig& m, int64_t micro_batch, int seq, int tp);
 // A GEMM C[m, n] = A[m, k] B[k, n]'s gradients: of A, dC B^T (m x k, over n); of B, A^T dC
 // (k x n, over m).
-inline GemmShape input_gradient_gemm(const GemmShape& g) { return {g.m, g.k, g.n, g.batch}; }
-inline GemmShape weight_gradient_gemm(const GemmShape& g) { return {g.k, g.n, g.m, g.batch}; }
+inline GemmShape input_gradient_gemm(const GemmShape& g) {
+  return {g.m, g.k, g.n, g.batch};
+}
+inline GemmShape weight_gradient_gemm(const GemmShape& g) {
+  return {g.k, g.n, g.m, g.batch};
+}
 // FLOPs of one training sample (forward + backward, no recompute) through the whole model on all
 // tp ranks together: 3x the forward. The numerator of MFU.
 double model_flops_per_sample(const model::ModelConfig& m, int seq);
@@ -139,6 +143,7 @@ struct GroupLink {
   double bandwidth = 0;  // bus bandwidth for collectives, bytes/s
   double latency = 0;    // per collective call, s
   bool cross_host = false;
+  BusCurve bus_curve = {};  // measured by message size (cluster.h); empty: latency + bandwidth
 };
 
 class CostModel {

@@ -19,8 +19,8 @@ ClusterSpec simple_cluster(int hosts = 1, int per_host = 8) {
   c.device.peak_flops = {1e12, 1e12, 1e12};
   c.device.memory_bytes = int64_t(1) << 34;
   c.device.gemm = EfficiencyCurve{0.5, 1e-5};
-  c.intra_host = LinkSpec{100e9, 1e-5, 0, 0};
-  c.inter_host = LinkSpec{10e9, 2e-5, 0, 0};
+  c.intra_host = LinkSpec{100e9, 1e-5, 0, 0, {}};
+  c.inter_host = LinkSpec{10e9, 2e-5, 0, 0, {}};
   return c;
 }
 
@@ -156,7 +156,7 @@ TEST(CostModel, MemoryBoundTerms) {
 }
 
 TEST(CostModel, RingCollectives) {
-  const GroupLink link{100e9, 1e-5, false};
+  const GroupLink link{100e9, 1e-5, false, {}};
   EXPECT_NEAR(CostModel::all_reduce_time(1e9, 8, link), 2.0 * 7 / 8 * 1e9 / 100e9 + 1e-5, 1e-15);
   EXPECT_NEAR(CostModel::reduce_scatter_time(1e9, 8, link), 7.0 / 8 * 1e9 / 100e9 + 1e-5, 1e-15);
   EXPECT_EQ(CostModel::all_reduce_time(1e9, 1, link), 0);

@@ -22,6 +22,7 @@ ShardingCosts sharding_costs(const ClusterSpec& cluster, Precision precision) {
   c.flops_per_s = peak * cluster.device.gemm.max_efficiency;
   c.bandwidth = cluster.intra_host.coll_bandwidth();
   c.latency_s = cluster.intra_host.coll_latency();
+  c.bus_curve = cluster.intra_host.bus_curve;
   c.bytes_per_element = element_bytes(precision);
   // Parameter, gradient, Adam m and v (and the fp32 master copy in mixed precision).
   c.state_bytes_per_weight = precision == Precision::fp32 ? 16 : 2 + 2 + 12;
@@ -148,8 +149,7 @@ std::vector<NodeWork> node_work(const OpGraph& g, const ShardingSolution& shardi
     out[size_t(v)].flops = s.flops;
     out[size_t(v)].out_elements = on_device(node.shape, s.out, t);
     for (const int64_t d : node.shape) out[size_t(v)].out_shape.push_back(double(d));
-    if (s.out.kind == Shard::Kind::split && s.out.dim >= 0 &&
-        size_t(s.out.dim) < node.shape.size())
+    if (s.out.kind == Shard::Kind::split && s.out.dim >= 0 && size_t(s.out.dim) < node.shape.size())
       out[size_t(v)].out_shape[size_t(s.out.dim)] /= t;
     if (!node.inputs.empty() && !s.in.empty())
       out[size_t(v)].in_elements = on_device(g.node(node.inputs[0]).shape, s.in[0], t);

@@ -35,11 +35,12 @@ class LlamaTp2 : public ::testing::Test {
     return cluster.device.gemm_seconds(shape, Precision::bf16);
   }
   double stream(double elements) const { return elements * 2 / cluster.device.memory_bandwidth; }
-  // One all-reduce of the residual stream (2048 x 4096 bf16) over the 2 devices, as the
-  // programme's rates cost it: latency + 2 (t - 1) / t of the bytes over the collective bandwidth.
+  // One all-reduce of the residual stream (2048 x 4096 bf16, 16 MiB) over the 2 devices, as the
+  // programme's rates cost it: 2 (t - 1) / t of the bytes over the NVLink's measured bus bandwidth
+  // for a message of that size (cluster.h).
   double all_reduce() const {
-    const ShardingCosts c = sharding_costs(cluster, Precision::bf16);
-    return c.latency_s + 2.0 * (kT - 1) / kT * kTokens * 4096 * 2 / c.bandwidth;
+    const double bytes = kTokens * 4096 * 2;
+    return 2.0 * (kT - 1) / kT * bytes / bus_bandwidth(cluster.intra_host.bus_curve, bytes);
   }
 
   static constexpr int kT = 2, kSeq = 2048;

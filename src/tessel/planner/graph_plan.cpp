@@ -100,6 +100,7 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
     if (mesh_devices > cluster.devices_per_host) {
       across.bandwidth = cluster.inter_host.coll_bandwidth();
       across.latency_s = cluster.inter_host.coll_latency();
+      across.bus_curve.clear();
     }
     // The programme prices one micro-batch's passes, and the weight-gradient sync runs once a
     // step: on a mesh, whose outer axis is data parallelism when the programme chooses so, each
@@ -247,8 +248,9 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   if (request.dp > 1) {
     const bool cross = request.dp * mesh_devices > cluster.devices_per_host;
     const LinkSpec& dpl = cross ? cluster.inter_host : cluster.intra_host;
-    plan.dp_s = CostModel::all_reduce_time(
-        *fullest * bytes, request.dp, GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(), cross});
+    plan.dp_s = CostModel::all_reduce_time(*fullest * bytes, request.dp,
+                                           GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(),
+                                                     cross, cross ? BusCurve{} : dpl.bus_curve});
   }
   plan.optimizer_s = CostModel::adam_step_time(*fullest, bytes, cluster.device.memory_bandwidth);
   plan.step_s = plan.pipeline_s + plan.tp_sync_s + plan.dp_s + plan.optimizer_s;

@@ -41,7 +41,8 @@ class MeshSpace : public StrategySpace {
     for (size_t a = 0; a < axes(); ++a) {
       const OpStrategy& s_a = m.axis[a];
       const double other = split_by_other(a, s_a.in.empty() ? m.out() : m.in(0));
-      if (s_a.comm_bytes > 0) cost += collective(c_.axes[a], s_a.comm_bytes / other);
+      if (s_a.comm_bytes > 0)
+        cost += collective(c_.axes[a], s_a.comm_bytes / other, s_a.comm_bytes / other / 2);
     }
     return cost;
   }
@@ -57,9 +58,11 @@ class MeshSpace : public StrategySpace {
       if (d > 1 && s_a.name.starts_with("batch"))
         for (size_t w = 0; w < weights.size(); ++w)
           if (s_a.weights[w].kind == Shard::Kind::replicated)
-            cost += collective(c_.axes[a], 2.0 * (d - 1) / d * double(elements(weights[w])) /
-                                               split_by_other(a, m.weight(w)) *
-                                               c_.axes[0].bytes_per_element);
+            cost += collective(c_.axes[a],
+                               2.0 * (d - 1) / d * double(elements(weights[w])) /
+                                   split_by_other(a, m.weight(w)) * c_.axes[0].bytes_per_element,
+                               double(elements(weights[w])) / split_by_other(a, m.weight(w)) *
+                                   c_.axes[0].bytes_per_element);
     }
     return cost;
   }
@@ -114,7 +117,7 @@ class MeshSpace : public StrategySpace {
       double t = 0;
       for (size_t x = 0; x < per_axis.size(); ++x)
         if (!per_axis[x].collective.empty())
-          t += collective(c_.axes[x], per_axis[x].bytes_per_device);
+          t += collective(c_.axes[x], per_axis[x].bytes_per_device, per_axis[x].message_bytes);
       best = std::min(best, t);
     }
     return best;

@@ -281,10 +281,11 @@ Reshard reshard(const Shard& from, const Shard& to, double bytes, int t) {
   using K = Shard::Kind;
   if (from == to || t == 1 || to.kind == K::partial || (from.kind == K::replicated)) return {};
   const double f = double(t - 1) / t;
-  if (from.kind == K::split && to.kind == K::replicated) return {"all-gather", f * bytes};
-  if (from.kind == K::partial && to.kind == K::split) return {"reduce-scatter", f * bytes};
-  if (from.kind == K::partial && to.kind == K::replicated) return {"all-reduce", 2 * f * bytes};
-  return {"all-to-all", f * bytes / t};  // S(d) -> S(e)
+  if (from.kind == K::split && to.kind == K::replicated) return {"all-gather", f * bytes, bytes};
+  if (from.kind == K::partial && to.kind == K::split) return {"reduce-scatter", f * bytes, bytes};
+  if (from.kind == K::partial && to.kind == K::replicated)
+    return {"all-reduce", 2 * f * bytes, bytes};
+  return {"all-to-all", f * bytes / t, bytes};  // S(d) -> S(e)
 }
 
 }  // namespace tessel::planner

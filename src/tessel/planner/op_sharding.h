@@ -77,6 +77,7 @@ std::vector<OpStrategy> op_strategies(const OpGraph& graph, int id, int t);
 struct Reshard {
   std::string collective;  // "" for none
   double bytes_per_device = 0;
+  double message_bytes = 0;  // the tensor the group's collective works on (nccl-tests' size)
 };
 Reshard reshard(const Shard& from, const Shard& to, double bytes, int t);
 

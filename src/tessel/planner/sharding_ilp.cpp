@@ -45,7 +45,8 @@ Shard output_gradient(const OpStrategy& s) {
   return s.out.kind == Shard::Kind::partial ? Shard::R() : s.out;
 }
 
-double collective(const ShardingCosts& c, double bytes) {
+double collective(const ShardingCosts& c, double bytes, double message) {
+  if (!c.bus_curve.empty()) return bytes / bus_bandwidth(c.bus_curve, message);
   return c.latency_s + bytes / c.bandwidth;
 }
 
@@ -62,11 +63,12 @@ EdgeCosts edge_costs(const OpGraph& g, int u, const OpStrategy& from, int v, siz
   const double bytes = double(elements(g.node(u).shape)) * c.bytes_per_element;
   EdgeCosts e;
   const Reshard fwd = reshard(from.out, to.in[k], bytes, t);
-  if (!fwd.collective.empty()) e.forward = collective(c, fwd.bytes_per_device);
+  if (!fwd.collective.empty()) e.forward = collective(c, fwd.bytes_per_device, fwd.message_bytes);
   // Data entering the graph needs no gradient.
   if (g.node(u).kind != OpKind::input) {
     const Reshard bwd = reshard(input_gradient(to, k, g.node(v)), output_gradient(from), bytes, t);
-    if (!bwd.collective.empty()) e.backward = collective(c, bwd.bytes_per_device);
+    if (!bwd.collective.empty())
+      e.backward = collective(c, bwd.bytes_per_device, bwd.message_bytes);
   }
   return e;
 }
@@ -89,13 +91,14 @@ double backward_gradient_cost(const OpGraph& g, int u, const std::vector<OpGraph
     const Shard layout = input_gradient(chosen[size_t(v)], k, g.node(v));
     if (!seen.insert(to_string(layout)).second) continue;
     const Reshard r = reshard(layout, need, bytes, t);
-    if (!r.collective.empty()) cost += collective(c, r.bytes_per_device);
+    if (!r.collective.empty()) cost += collective(c, r.bytes_per_device, r.message_bytes);
   }
   return cost;
 }
 
 double inside_cost(const OpStrategy& s, const ShardingCosts& c) {
-  return s.comm_bytes > 0 ? collective(c, s.comm_bytes) : 0;
+  // The strategy's own all-reduces (the loss's): messages of half what each device sends.
+  return s.comm_bytes > 0 ? collective(c, s.comm_bytes, s.comm_bytes / 2) : 0;
 }
 
 double weight_sync_cost(const OpGraph& g, int v, const OpStrategy& s, int t,
@@ -106,7 +109,8 @@ double weight_sync_cost(const OpGraph& g, int v, const OpStrategy& s, int t,
     for (size_t w = 0; w < weights.size(); ++w)
       if (s.weights[w].kind == Shard::Kind::replicated)
         cost +=
-            collective(c, 2.0 * (t - 1) / t * double(elements(weights[w])) * c.bytes_per_element);
+            collective(c, 2.0 * (t - 1) / t * double(elements(weights[w])) * c.bytes_per_element,
+                       double(elements(weights[w])) * c.bytes_per_element);
   return cost;
 }
 
@@ -145,7 +149,7 @@ class OneAxis : public StrategySpace {
     const double bytes = double(elements(g_.node(u).shape)) * c_.bytes_per_element;
     const Reshard r =
         reshard(input_gradient(at(v, b), k, g_.node(v)), output_gradient(at(u, a)), bytes, t_);
-    return r.collective.empty() ? 0 : collective(c_, r.bytes_per_device);
+    return r.collective.empty() ? 0 : collective(c_, r.bytes_per_device, r.message_bytes);
   }
   bool same_weights(int owner, int a, int reader, int b) const override {
     return at(owner, a).weights.front() == at(reader, b).weights.front();

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "tessel/planner/cluster.h"
 #include "tessel/planner/ilp.h"
 #include "tessel/planner/op_graph.h"
 #include "tessel/planner/op_sharding.h"
@@ -55,6 +56,9 @@ struct ShardingCosts {
   // The share of a step's weight-gradient sync each programme's objective (one micro-batch's
   // passes) carries: 1 / the micro-batches per step, whose passes share one sync.
   double sync_share = 1;
+  // The link's collectives by message size where measured (cluster.h's BusCurve); empty:
+  // latency + bytes / bandwidth.
+  BusCurve bus_curve = {};
 };
 
 struct ShardingSolution {
@@ -115,7 +119,9 @@ double inside_cost(const OpStrategy& s, const ShardingCosts& costs);
 // latency + bytes sent per device / bandwidth.
 Shard input_gradient(const OpStrategy& s, size_t input, const OpNode& node);
 Shard output_gradient(const OpStrategy& s);
-double collective(const ShardingCosts& costs, double bytes_per_device);
+// With a bus curve, the time is the bytes sent per device over the curve's bus bandwidth at the
+// message's size (nccl-tests' busbw is exactly that ratio).
+double collective(const ShardingCosts& costs, double bytes_per_device, double message_bytes);
 // The backward layout changes into node u's output gradient under the chosen strategies (one per
 // node): the gradients its readers leave, summed locally where they share a layout, each distinct
 // layout changed once to what u's backward needs -- so the q, k and v projections of one norm's

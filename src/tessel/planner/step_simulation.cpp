@@ -28,8 +28,9 @@ bool is_backward(schedule::Op op) {
 // The link of a collective over `ranks` of a world of `world` devices (one host or not).
 GroupLink collective_link(const ClusterSpec& c, int world) {
   if (world <= c.devices_per_host)
-    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false};
-  return GroupLink{c.inter_host.coll_bandwidth(), c.inter_host.coll_latency(), true};
+    return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false,
+                     c.intra_host.bus_curve};
+  return GroupLink{c.inter_host.coll_bandwidth(), c.inter_host.coll_latency(), true, {}};
 }
 
 // Activations in flight per stage of interleaved 1F1B (schedule/generators.h), the greedy
@@ -42,7 +43,8 @@ int interleaved_in_flight(int p, int s, int v, int64_t m) {
 GroupLink measured(const SimulateRequest& rq, int ranks, GroupLink fallback) {
   const auto it = rq.collectives.find(ranks);
   if (it == rq.collectives.end()) return fallback;
-  return GroupLink{it->second.bandwidth, it->second.latency, fallback.cross_host};
+  // What was measured on this machine replaces the preset's curve.
+  return GroupLink{it->second.bandwidth, it->second.latency, fallback.cross_host, {}};
 }
 
 // Checks the request and its plan; returns the cluster resized to the plan's world.

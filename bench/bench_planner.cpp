@@ -129,7 +129,9 @@ double megatron_table(bool shape_model) {
                       {145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148},
                       {310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155}};
   fmt::print("== held out: Megatron-LM Table 1 on DGX A100 ({})\n",
-             shape_model ? "GEMMs by shape, gemm_model.h" : "the efficiency curve on FLOPs");
+             shape_model ? "GEMMs by shape, gemm_model.h"
+                         : "GEMMs on the efficiency curve by FLOPs; collectives by message size "
+                           "in both");
   double worst_small = 0;
   for (const Row& r : rows) {
     model::ModelConfig m = model::ModelConfig::preset("gpt3-175b");

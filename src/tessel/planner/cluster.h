@@ -13,6 +13,8 @@
 //   dgx-h100  8 x H100 SXM 80GB per host; NVLink 900 GB/s per GPU (450 each way); 8 x 400 Gb/s NDR
 //             InfiniBand (50 GB/s per GPU each way). Peak 67 TFLOP/s fp32, 989 bf16/fp16, 3.35
 //             TB/s.
+//   Both: 16-bit GEMMs timed by shape (gemm_model.h) and NVLink collectives by message size
+//   (BusCurve below), each from published kernel-level measurements.
 //
 // YAML (every key optional except where a preset does not supply it; unknown keys are errors):
 //   preset: dgx-a100            # start from a preset and override what follows

@@ -128,11 +128,14 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
   comm::testing::EtcdServer etcd(*etcd_binary);
   TempDir dir;
   const auto corpus = config::testing::make_corpus(dir);
-  // Long enough never to end by itself: the test stops it.
+  // Long enough never to end by itself: the test stops it. Leases (3 s) and heartbeats (6 s) with
+  // room for a loaded machine: at 1 s and 2 s a renewal stalled behind other tests' processes on
+  // two cores could count a live host or worker lost, a recovery the checks below take for one
+  // the clock jump or the unsigned record caused (the test failed once so under ctest -j2).
   const auto cfg = config::testing::write_config(
       dir, corpus,
       "training: {steps: 100000, global_batch: 12, micro_batch: 2, threads: 1}\n"
-      "parallel: {dp: 2, timeout_s: 20}\nelastic: {heartbeat_timeout_s: 2}\n"
+      "parallel: {dp: 2, timeout_s: 20}\nelastic: {heartbeat_timeout_s: 6}\n"
       "output: {metrics: metrics.jsonl, events: events.jsonl}\n"
       "checkpoint: {dir: ck, every: 1000}\n");
   std::string out;
@@ -162,7 +165,7 @@ TEST(ClusterErrors, WrongClusterSecondJobHandRemovedHostAndInterruptedSubmitter)
     agents.push_back(std::make_unique<Background>(
         fmt::format("LD_PRELOAD={} TESSEL_FAKE_CLOCK_FILE={} "
                     "ASAN_OPTIONS={}verify_asan_link_order=0 OMP_NUM_THREADS=1 {} agent --store {} "
-                    "--slots 1 --lease-ttl 1 --name a{} --work-dir {} --token-file {} "
+                    "--slots 1 --lease-ttl 3 --name a{} --work-dir {} --token-file {} "
                     "--checkpoint-dir {}",
                     fake_clock.string(), clock_file(i).string(),
                     asan ? std::string(asan) + ":" : std::string(), tessel(), etcd.endpoint(), i,

@@ -195,10 +195,7 @@ int run_plan_graph(const PlanArgs& a) {
     apply_mesh(a.mesh, cluster, req);
   }
   const auto plan = planner::plan_graph(g, cluster, req);
-  auto strategy = [&](int id) -> const std::string& {
-    return plan.mesh ? plan.mesh->chosen.at(size_t(id)).name
-                     : plan.sharding.chosen.at(size_t(id)).name;
-  };
+
   nlohmann::json doc = planner::graph_plan_json(g, plan);
   doc["model"] = a.graph ? a.model : a.onnx;
   if (!a.graph) {
@@ -230,18 +227,17 @@ int run_plan_graph(const PlanArgs& a) {
   std::cout << fmt::format(
       "sharding: {} ({} segments, {} programmes of which {} proven optimal, {} reused, {} pairs "
       "pruned, {:.2f} s); {:.4g} s per pass on the {}\n",
-      planner::ilp_status_name(plan.mesh ? plan.mesh->status : plan.sharding.status),
-      plan.stats.segments, plan.stats.programmes, plan.stats.optimal_programmes, plan.stats.reused,
-      plan.stats.pruned, plan.stats.seconds, plan.mesh ? plan.mesh->time_s : plan.sharding.time_s,
-      plan.mesh ? "mesh" : "tp axis");
+      planner::ilp_status_name(plan.sharding_status()), plan.stats.segments, plan.stats.programmes,
+      plan.stats.optimal_programmes, plan.stats.reused, plan.stats.pruned, plan.stats.seconds,
+      plan.sharding_time_s(), plan.mesh ? "mesh" : "tp axis");
   // The operators with weights, the ones whose choice matters, then a count of the rest.
   std::map<std::string, int> others;
   for (int id = 0; id < g.size(); ++id) {
     const auto& n = g.node(id);
     if (!n.weights.empty())
-      std::cout << fmt::format("  {:<40} {:<10} {}\n", n.name, n.op_type, strategy(id));
+      std::cout << fmt::format("  {:<40} {:<10} {}\n", n.name, n.op_type, plan.strategy(id));
     else
-      ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), strategy(id))];
+      ++others[fmt::format("{} {}", planner::op_kind_name(n.kind), plan.strategy(id))];
   }
   for (const auto& [what, count] : others) std::cout << fmt::format("  {:>5} x {}\n", count, what);
   if (plan.cut) {

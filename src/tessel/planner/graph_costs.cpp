@@ -126,14 +126,10 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const std::vector<NodeWo
 
 namespace {
 
-std::vector<PassTimes> with_sync(const std::vector<PassTimes>& times,
-                                 const std::vector<NodeComm>& comm,
-                                 std::vector<double>* step_sync) {
-  if (step_sync != nullptr) {
-    step_sync->clear();
-    for (const NodeComm& c : comm) step_sync->push_back(c.step_sync);
-  }
-  return times;
+void copy_sync(const std::vector<NodeComm>& comm, std::vector<double>* step_sync) {
+  if (step_sync == nullptr) return;
+  step_sync->clear();
+  for (const NodeComm& c : comm) step_sync->push_back(c.step_sync);
 }
 
 }  // namespace
@@ -195,7 +191,8 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const ShardingSolution& 
   const auto work = node_work(g, sharding, t);
   const auto comm =
       node_comm(g, *one_axis_space(g, t, sharding_costs(cluster, precision)), sharding.index);
-  return with_sync(operator_times(g, work, comm, cluster, precision), comm, step_sync);
+  copy_sync(comm, step_sync);
+  return operator_times(g, work, comm, cluster, precision);
 }
 
 std::vector<PassTimes> operator_times(const OpGraph& g, const MeshSolution& sharding,
@@ -203,7 +200,8 @@ std::vector<PassTimes> operator_times(const OpGraph& g, const MeshSolution& shar
                                       Precision precision, std::vector<double>* step_sync) {
   const auto work = node_work(g, sharding, costs.mesh);
   const auto comm = node_comm(g, *mesh_space(g, costs), sharding.index);
-  return with_sync(operator_times(g, work, comm, cluster, precision), comm, step_sync);
+  copy_sync(comm, step_sync);
+  return operator_times(g, work, comm, cluster, precision);
 }
 
 std::vector<StageCosts> graph_stage_costs(const OpGraph& g, const std::vector<NodeWork>& work,

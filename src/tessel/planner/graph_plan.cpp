@@ -164,17 +164,14 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
                fullest - rank_weights.begin(), fullest_state / kGiB, cluster.device.name,
                device_bytes / kGiB);
   std::vector<double> sync;
-  if (plan.mesh) {
-    plan.stage_costs = graph_stage_costs(
-        graph, node_work(graph, *plan.mesh, mesh_costs->mesh),
-        operator_times(graph, *plan.mesh, *mesh_costs, cluster, request.precision, &sync), stage_of,
-        n_vs, request.precision);
-  } else {
-    plan.stage_costs = graph_stage_costs(
-        graph, plan.sharding,
-        operator_times(graph, plan.sharding, request.tp, cluster, request.precision, &sync),
-        stage_of, n_vs, request.tp, request.precision);
-  }
+  const auto times =
+      plan.mesh
+          ? operator_times(graph, *plan.mesh, *mesh_costs, cluster, request.precision, &sync)
+          : operator_times(graph, plan.sharding, request.tp, cluster, request.precision, &sync);
+  plan.stage_costs = graph_stage_costs(graph,
+                                       plan.mesh ? node_work(graph, *plan.mesh, mesh_costs->mesh)
+                                                 : node_work(graph, plan.sharding, request.tp),
+                                       times, stage_of, n_vs, request.precision);
   // The sharding's own weight-gradient all-reduces (a batch split on the tp axis, or on either
   // axis of a mesh), once per step on each pipeline rank, after its backward: the slowest
   // rank's.
@@ -257,14 +254,21 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   return plan;
 }
 
+const std::string& GraphPlan::strategy(int v) const {
+  static const std::string none;
+  if (v < 0) return none;
+  if (mesh) return size_t(v) < mesh->chosen.size() ? mesh->chosen[size_t(v)].name : none;
+  return size_t(v) < sharding.chosen.size() ? sharding.chosen[size_t(v)].name : none;
+}
+
 nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
   nlohmann::json j;
   j["tp"] = plan.tp;
   if (plan.mesh) j["mesh"] = {plan.outer, plan.tp};
   j["stages"] = plan.stages;
-  j["status"] = ilp_status_name(plan.mesh ? plan.mesh->status : plan.sharding.status);
-  j["time_s"] = plan.mesh ? plan.mesh->time_s : plan.sharding.time_s;
-  j["bound_s"] = plan.mesh ? plan.mesh->bound_s : plan.sharding.bound_s;
+  j["status"] = ilp_status_name(plan.sharding_status());
+  j["time_s"] = plan.sharding_time_s();
+  j["bound_s"] = plan.sharding_bound_s();
   j["segments"] = plan.stats.segments;
   j["programmes"] = plan.stats.programmes;
   j["optimal_programmes"] = plan.stats.optimal_programmes;
@@ -278,10 +282,8 @@ nlohmann::json graph_plan_json(const OpGraph& graph, const GraphPlan& plan) {
                         {"op", n.op_type},
                         {"kind", std::string(op_kind_name(n.kind))},
                         {"shape", n.shape}};
-    if (plan.mesh && size_t(id) < plan.mesh->chosen.size())
-      o["strategy"] = plan.mesh->chosen[size_t(id)].name;
-    else if (size_t(id) < plan.sharding.chosen.size())
-      o["strategy"] = plan.sharding.chosen[size_t(id)].name;
+    const size_t planned = plan.mesh ? plan.mesh->chosen.size() : plan.sharding.chosen.size();
+    if (size_t(id) < planned) o["strategy"] = plan.strategy(id);
     if (plan.cut && size_t(id) < plan.cut->stage.size()) o["stage"] = plan.cut->stage[size_t(id)];
     ops.push_back(std::move(o));
   }

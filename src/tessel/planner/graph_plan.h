@@ -82,6 +82,13 @@ struct GraphPlan {
   std::optional<layout::Plan> layout;
   // Why the runtime cannot train with this plan (empty when it can).
   std::string not_runnable;
+
+  // The sharding's result, whichever kind it is (the mesh's or the tp axis's): its status, its
+  // objective and bound, and node v's strategy ("" for none).
+  IlpStatus sharding_status() const { return mesh ? mesh->status : sharding.status; }
+  double sharding_time_s() const { return mesh ? mesh->time_s : sharding.time_s; }
+  double sharding_bound_s() const { return mesh ? mesh->bound_s : sharding.bound_s; }
+  const std::string& strategy(int v) const;
 };
 
 // Throws InvalidArgumentError for tp above the cluster's devices per host or below 1, stages,

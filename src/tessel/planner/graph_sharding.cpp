@@ -15,20 +15,13 @@ ShardingSolution shard_graph(const OpGraph& g, int t, const ShardingCosts& costs
   };
   const Programme r = shard_by_segments(g, space_at, fmt::format("t{}", t), costs.memory_bytes,
                                         options, stats != nullptr ? *stats : local, whole_up_to);
-  ShardingSolution out;
-  out.status = r.status;
-  out.variables = r.variables;
-  out.constraints = r.constraints;
-  out.solve_s = r.solve_s;
-  out.bound_s = r.bound_s;
-  if (r.index.empty()) return out;
-  out.time_s = r.time_s;
-  out.index = r.index;
-  out.chosen.resize(size_t(g.size()));
-  for (int v = 0; v < g.size(); ++v)
-    if (r.index[size_t(v)] >= 0)
-      out.chosen[size_t(v)] = op_strategies(g, v, t)[size_t(r.index[size_t(v)])];
-  return out;
+  // The strategies the programmes' indices refer to (the space's, enumerated again per node).
+  struct Strategies {
+    const OpGraph& g;
+    int t;
+    std::vector<OpStrategy> of(int v) const { return op_strategies(g, v, t); }
+  };
+  return solution_of<ShardingSolution>(r, Strategies{g, t}, g.size());
 }
 
 }  // namespace tessel::planner

@@ -287,6 +287,9 @@ TEST(PlanOnnx, BadInputIsOneClearError) {
             std::string::npos);
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2xfour").find("HOSTSx"),
             std::string::npos);
+  EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --dim batch=8 --mesh 2x4 --tp 4")
+                .find("leave out --tp"),
+            std::string::npos);
   EXPECT_NE(error_of("plan --onnx " + gpt_block() + " --model gpt2-124m").find("leave out"),
             std::string::npos);
 }

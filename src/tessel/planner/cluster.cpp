@@ -110,13 +110,37 @@ ClusterSpec with_nvlink_curve(ClusterSpec c, int which) {
   return c;
 }
 
+// Collectives across a DGX's InfiniBand by NCCL's model (collective_model.h), on what each rail
+// (one NIC per GPU) is measured to reach:
+//   A100, 8 x HDR 200 Gb/s: 24 GB/s per rail -- "On an Nvidia DGX-A100 system we have 8x200Gbit/s
+//     IB cards and we measure 192GB/s AllReduce BusBW" (NVIDIA's NCCL team, NVIDIA/nccl issue 812,
+//     quoted in issue 1576); three HGX A100 hosts with 4 HDR rails each reach 96 GB/s, 24 a rail
+//     (NVIDIA/nccl-tests issue 119);
+//   H100, 8 x NDR 400 Gb/s: 48 GB/s per rail -- "CX-7 NICs at NDR rate (400Gbps) should achieve up
+//     to 48-49GB/s per NIC" (NVIDIA/nccl-tests issue 267); a DGX H100 reaches ~380 GB/s busbw
+//     across hosts (NVIDIA's chart in nccl-tests issue 309).
+// launch_s is what nccl-tests measures on the same 8 GPUs beyond NCCL's modelled latency at the
+// smallest sizes (with_nvlink_curve's data: A100 at 1, 32 and 256 KiB 44.8, 41.9 and 45.4 us
+// against a modelled 15.0, 15.7 and 20.2: 27 us; H100 at 1 and 32 KiB 25.6 and 33.5 us against
+// 15.0 and 15.4: 14 us). A DGX A100's CPUs are AMD EPYC, a DGX H100's Intel Xeon: NCCL's network
+// overhead and LL caps by vendor.
+ClusterSpec with_rails(ClusterSpec c, double rail_bus_bandwidth, NcclModel model) {
+  c.inter_host.collective_bandwidth = rail_bus_bandwidth;
+  c.inter_host.nccl = model;
+  return c;
+}
+
 ClusterSpec make_preset(std::string_view name) {
   if (name == "dgx-a100")
-    return with_nvlink_curve(
-        dgx("dgx-a100", "A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 300e9, 25e9), 0);
+    return with_rails(
+        with_nvlink_curve(dgx("dgx-a100", "A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 300e9, 25e9),
+                          0),
+        24e9, NcclModel{27e-6, 2e-6, 87.7e9, 22.5e9, 19e9});
   if (name == "dgx-h100")
-    return with_nvlink_curve(dgx("dgx-h100", "H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 450e9, 50e9),
-                             1);
+    return with_rails(
+        with_nvlink_curve(dgx("dgx-h100", "H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 450e9, 50e9),
+                          1),
+        48e9, NcclModel{14e-6, 1e-6, 141e9, 39e9, 20.4e9});
   TESSEL_THROW(ConfigError,
                "unknown cluster preset '{}' (known: dgx-a100, dgx-h100, or a YAML file)", name);
 }
@@ -191,12 +215,15 @@ class Section {
 };
 
 void read_link(Section s, LinkSpec& link) {
-  // A link described by its rates is that link: the preset's measured curve no longer applies.
+  // A link described by its rates is that link: the preset's measured curve and model no longer
+  // apply.
   if (s.read_scaled("bandwidth_GBps", 1e9, link.bandwidth) |
       s.read_scaled("latency_us", 1e-6, link.latency) |
       s.read_scaled("collective_bandwidth_GBps", 1e9, link.collective_bandwidth) |
-      s.read_scaled("collective_latency_us", 1e-6, link.collective_latency))
+      s.read_scaled("collective_latency_us", 1e-6, link.collective_latency)) {
     link.bus_curve.clear();
+    link.nccl = {};
+  }
   s.finish();
 }
 

@@ -47,6 +47,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "tessel/planner/collective_model.h"
 #include "tessel/planner/gemm_model.h"
 
 namespace tessel::planner {
@@ -118,6 +119,10 @@ struct LinkSpec {
   // 8 GPUs; a YAML link that sets any of its rates drops it). Empty: latency + bytes /
   // collective bandwidth.
   BusCurve bus_curve = {};
+  // Collectives across hosts by message and group size (the presets' InfiniBand: NCCL's model,
+  // collective_model.h, on collective_bandwidth per rail; dropped like bus_curve). Undefined:
+  // latency + bytes / collective bandwidth.
+  NcclModel nccl = {};
 
   double coll_bandwidth() const {
     return collective_bandwidth > 0 ? collective_bandwidth : bandwidth;

@@ -132,6 +132,11 @@ TEST(Cluster, NvlinkCollectivesFollowTheMeasuredCurve) {
                   .intra_host.bus_curve.empty());
   EXPECT_EQ(ClusterSpec::from_yaml("preset: dgx-a100\nhosts: 2\n").intra_host.bus_curve.size(),
             17u);
+  // Likewise the InfiniBand's model (collective_model.h).
+  EXPECT_TRUE(ClusterSpec::from_yaml("preset: dgx-a100\nhosts: 2\n").inter_host.nccl.defined());
+  EXPECT_FALSE(
+      ClusterSpec::from_yaml("preset: dgx-a100\nhosts: 2\ninter_host: {bandwidth_GBps: 12}\n")
+          .inter_host.nccl.defined());
   EXPECT_TRUE(ClusterSpec::preset("dgx-a100").device.shape.defined());
   EXPECT_FALSE(ClusterSpec::from_yaml("preset: dgx-a100\ndevice: {gemm_efficiency: 0.6}\n")
                    .device.shape.defined());

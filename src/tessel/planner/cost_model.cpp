@@ -308,8 +308,27 @@ PassTimes CostModel::unit(int u, int64_t micro_batch, int seq, int tp) const {
   return block(micro_batch, seq, tp);
 }
 
+GroupLink GroupLink::across(const LinkSpec& inter, double bandwidth, int ranks, int per_host) {
+  GroupLink l{bandwidth, inter.coll_latency(), true, {}};
+  l.hosts = per_host >= 1 && ranks % per_host == 0 ? ranks / per_host : ranks;
+  l.nccl = inter.nccl;
+  return l;
+}
+
+namespace {
+
+bool nccl_modelled(const GroupLink& link, int ranks) {
+  return link.nccl.defined() && link.hosts > 1 && ranks % link.hosts == 0;
+}
+
+}  // namespace
+
 double CostModel::all_reduce_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
+  if (nccl_modelled(link, ranks))
+    return nccl_collective(Collective::all_reduce, bytes, ranks, link.hosts, link.bandwidth,
+                           link.nccl)
+        .seconds;
   const double wire = 2.0 * (ranks - 1) / ranks * bytes;
   if (!link.bus_curve.empty()) return wire / bus_bandwidth(link.bus_curve, bytes);
   return wire / link.bandwidth + link.latency;
@@ -317,6 +336,10 @@ double CostModel::all_reduce_time(double bytes, int ranks, const GroupLink& link
 
 double CostModel::reduce_scatter_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
+  if (nccl_modelled(link, ranks))
+    return nccl_collective(Collective::reduce_scatter, bytes, ranks, link.hosts, link.bandwidth,
+                           link.nccl)
+        .seconds;
   // Half a ring all-reduce's passes, at the all-reduce's bus bandwidth for the message (the
   // curves measured are all-reduce's).
   const double wire = double(ranks - 1) / ranks * bytes;
@@ -325,6 +348,10 @@ double CostModel::reduce_scatter_time(double bytes, int ranks, const GroupLink& 
 }
 
 double CostModel::all_gather_time(double bytes, int ranks, const GroupLink& link) {
+  if (nccl_modelled(link, ranks) && bytes > 0)
+    return nccl_collective(Collective::all_gather, bytes, ranks, link.hosts, link.bandwidth,
+                           link.nccl)
+        .seconds;
   return reduce_scatter_time(bytes, ranks, link);
 }
 
@@ -333,11 +360,10 @@ GroupLink CostModel::tp_link(int tp) const {
   if (tp <= c.devices_per_host)
     return GroupLink{c.intra_host.coll_bandwidth(), c.intra_host.coll_latency(), false,
                      c.intra_host.bus_curve};
-  return GroupLink{
+  return GroupLink::across(
+      c.inter_host,
       std::min(c.intra_host.coll_bandwidth(), c.devices_per_host * c.inter_host.coll_bandwidth()),
-      c.inter_host.coll_latency(),
-      true,
-      {}};
+      tp, c.devices_per_host);
 }
 
 GroupLink CostModel::dp_link(int dp, int tp) const {
@@ -350,10 +376,9 @@ GroupLink CostModel::dp_link(int dp, int tp) const {
   // Hosts hold per_host / tp members each when the block is host-aligned; otherwise assume the
   // worst, one member per host.
   const int k = (block % per_host == 0 && per_host % tp == 0) ? per_host / tp : 1;
-  return GroupLink{std::min(c.intra_host.coll_bandwidth(), k * c.inter_host.coll_bandwidth()),
-                   c.inter_host.coll_latency(),
-                   true,
-                   {}};
+  return GroupLink::across(
+      c.inter_host, std::min(c.intra_host.coll_bandwidth(), k * c.inter_host.coll_bandwidth()), dp,
+      k);
 }
 
 GroupLink CostModel::pp_link(int world) const {

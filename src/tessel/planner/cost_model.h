@@ -144,6 +144,14 @@ struct GroupLink {
   double latency = 0;    // per collective call, s
   bool cross_host = false;
   BusCurve bus_curve = {};  // measured by message size (cluster.h); empty: latency + bandwidth
+  // Across hosts: the hosts a group's ranks spread over, and NCCL's model of its collectives
+  // (collective_model.h) on `bandwidth`, where the link has one.
+  int hosts = 1;
+  NcclModel nccl = {};
+
+  // A group of `ranks` across hosts, `per_host` of them on each (when that divides; else one a
+  // host, the worst), whose collectives run at `bandwidth` on `inter`'s latency or model.
+  static GroupLink across(const LinkSpec& inter, double bandwidth, int ranks, int per_host);
 };
 
 class CostModel {

@@ -101,6 +101,11 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
       across.bandwidth = cluster.inter_host.coll_bandwidth();
       across.latency_s = cluster.inter_host.coll_latency();
       across.bus_curve.clear();
+      // The outer axis's members on a host: as many as the host holds tp groups.
+      const int per_host = std::max(1, cluster.devices_per_host / request.tp);
+      across.nccl = cluster.inter_host.nccl;
+      across.ranks = request.outer;
+      across.hosts = request.outer % per_host == 0 ? request.outer / per_host : request.outer;
     }
     // The programme prices one micro-batch's passes, and the weight-gradient sync runs once a
     // step: on a mesh, whose outer axis is data parallelism when the programme chooses so, each
@@ -244,10 +249,13 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
   const int bytes = element_bytes(request.precision);
   if (request.dp > 1) {
     const bool cross = request.dp * mesh_devices > cluster.devices_per_host;
-    const LinkSpec& dpl = cross ? cluster.inter_host : cluster.intra_host;
-    plan.dp_s = CostModel::all_reduce_time(*fullest * bytes, request.dp,
-                                           GroupLink{dpl.coll_bandwidth(), dpl.coll_latency(),
-                                                     cross, cross ? BusCurve{} : dpl.bus_curve});
+    const LinkSpec& in = cluster.intra_host;
+    // Replicas side by side on a host where they fit in one; each group on one rail.
+    const GroupLink link =
+        cross ? GroupLink::across(cluster.inter_host, cluster.inter_host.coll_bandwidth(),
+                                  request.dp, std::max(1, cluster.devices_per_host / mesh_devices))
+              : GroupLink{in.coll_bandwidth(), in.coll_latency(), false, in.bus_curve};
+    plan.dp_s = CostModel::all_reduce_time(*fullest * bytes, request.dp, link);
   }
   plan.optimizer_s = CostModel::adam_step_time(*fullest, bytes, cluster.device.memory_bandwidth);
   plan.step_s = plan.pipeline_s + plan.tp_sync_s + plan.dp_s + plan.optimizer_s;

@@ -46,6 +46,8 @@ Shard output_gradient(const OpStrategy& s) {
 }
 
 double collective(const ShardingCosts& c, double bytes, double message) {
+  if (c.nccl.defined() && c.hosts > 1 && message > 0)
+    return bytes / nccl_bus_bandwidth(message, c.ranks, c.hosts, c.bandwidth, c.nccl);
   if (!c.bus_curve.empty()) return bytes / bus_bandwidth(c.bus_curve, message);
   return c.latency_s + bytes / c.bandwidth;
 }

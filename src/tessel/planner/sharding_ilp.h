@@ -59,6 +59,10 @@ struct ShardingCosts {
   // The link's collectives by message size where measured (cluster.h's BusCurve); empty:
   // latency + bytes / bandwidth.
   BusCurve bus_curve = {};
+  // An axis across hosts: its `ranks` over `hosts`, priced by NCCL's model on `bandwidth`
+  // (collective_model.h) where defined.
+  NcclModel nccl = {};
+  int ranks = 1, hosts = 1;
 };
 
 struct ShardingSolution {

@@ -34,6 +34,7 @@
 #include "tessel/core/error.h"
 #include "tessel/kernels/backend.h"
 #include "tessel/kernels/gemm.h"
+#include "tessel/kernels/gemm_bf16.h"
 #include "tessel/model/model_config.h"
 #include "tessel/model/transformer.h"
 
@@ -284,6 +285,8 @@ std::vector<GemmShape> model_gemm_shapes(const tessel::model::ModelConfig& c, in
 
 struct GemmPeak {
   double gflops = 0;
+  // gemm_bf16's rate over the faster fp32 provider's, geometric mean over the shapes.
+  double bf16_vs_fp32 = 0;
   std::string provider, shape;
   nlohmann::ordered_json table = nlohmann::ordered_json::array();
 };
@@ -304,12 +307,32 @@ GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
   std::vector<float> A(a_max), B(b_max), Cm(c_max, 0.0f);
   for (float& x : A) x = nd(rng);
   for (float& x : B) x = nd(rng);
+  // The same operands in bf16 for gemm_bf16 (kernels/gemm_bf16.h), float accumulation and output.
+  std::vector<tessel::bf16> A16(a_max), B16(b_max);
+  for (size_t i = 0; i < a_max; ++i) A16[i] = tessel::f32_to_bf16(A[i]);
+  for (size_t i = 0; i < b_max; ++i) B16[i] = tessel::f32_to_bf16(B[i]);
+  // Best-of-repeats GFLOP/s of one call; >= 3 runs and >= 60 ms after a warm-up (packing
+  // buffers, thread start).
+  auto best_gflops = [](double flop, const auto& run) {
+    run();
+    double best = 1e30, spent = 0;
+    for (int rep = 0; rep < 3 || spent < 60.0; ++rep) {
+      const auto t0 = Clock::now();
+      run();
+      const double ms = ms_since(t0);
+      best = std::min(best, ms);
+      spent += ms;
+      if (rep >= 1000) break;
+    }
+    return flop / (best * 1e6);
+  };
+  double log_bf16_ratio = 0;
 
   GemmPeak peak;
   std::fprintf(stderr, "  sgemm on the model's shapes (best of repeats, GFLOP/s):\n");
   std::fprintf(stderr, "    %-12s %-3s %6s %6s %6s", "layer", "op", "M", "N", "K");
   for (const auto& p : k::gemm_providers()) std::fprintf(stderr, " %9s", p.c_str());
-  std::fprintf(stderr, "\n");
+  std::fprintf(stderr, " %9s\n", k::gemm_bf16_native() ? "bf16" : "bf16(fb)");
   for (const auto& s : shapes) {
     const int lda = s.ta ? s.M : s.K, ldb = s.tb ? s.K : s.N, ldc = s.N;
     const double flop = 2.0 * s.M * s.N * double(s.K);
@@ -317,23 +340,14 @@ GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
     std::fprintf(stderr, "    %-12s %-3s %6d %6d %6d", s.what, form, s.M, s.N, s.K);
     nlohmann::ordered_json row = {
         {"layer", s.what}, {"form", form}, {"M", s.M}, {"N", s.N}, {"K", s.K}};
+    double best_fp32 = 0;
     for (const auto& p : k::gemm_providers()) {
       k::set_gemm_provider(p);
-      auto run = [&] {
+      const double gf = best_gflops(flop, [&] {
         k::sgemm(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), lda, B.data(), ldb, s.beta, Cm.data(),
                  ldc);
-      };
-      run();  // warm-up (packing buffers, thread start)
-      double best = 1e30, spent = 0;
-      for (int rep = 0; rep < 3 || spent < 60.0; ++rep) {
-        const auto t0 = Clock::now();
-        run();
-        const double ms = ms_since(t0);
-        best = std::min(best, ms);
-        spent += ms;
-        if (rep >= 1000) break;
-      }
-      const double gf = flop / (best * 1e6);
+      });
+      best_fp32 = std::max(best_fp32, gf);
       std::fprintf(stderr, " %9.1f", gf);
       row[p] = gf;
       if (gf > peak.gflops) {
@@ -343,9 +357,16 @@ GemmPeak measure_gemm_peak(const tessel::model::ModelConfig& cfg, int rows) {
                      std::to_string(s.N) + "x" + std::to_string(s.K);
       }
     }
-    std::fprintf(stderr, "\n");
+    const double bf = best_gflops(flop, [&] {
+      k::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), lda, B16.data(), ldb, s.beta,
+                   Cm.data(), ldc);
+    });
+    std::fprintf(stderr, " %9.1f\n", bf);
+    row["bf16"] = bf;
+    log_bf16_ratio += std::log(bf / best_fp32);
     peak.table.push_back(row);
   }
+  peak.bf16_vs_fp32 = std::exp(log_bf16_ratio / double(shapes.size()));
   k::set_gemm_provider(original);
   return peak;
 }
@@ -607,6 +628,8 @@ void add_gemm_peak(const tessel::model::ModelConfig& cfg, const BenchArgs& a, do
   out["gemm_peak_gflops"] = gp.gflops;
   out["gemm_peak_provider"] = gp.provider;
   out["gemm_peak_shape"] = gp.shape;
+  out["gemm_bf16_vs_fp32"] = gp.bf16_vs_fp32;
+  out["gemm_bf16_native"] = tessel::kernels::gemm_bf16_native();
   out["gemm_table"] = gp.table;
   std::fprintf(stderr, "  sgemm peak %.1f GFLOP/s (%s, %s); tessel's step runs at %.0f%% of it\n",
                gp.gflops, gp.provider.c_str(), gp.shape.c_str(),

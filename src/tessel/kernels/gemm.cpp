@@ -57,35 +57,35 @@ Provider current_provider() {
   return Provider(g_provider.load(std::memory_order_acquire));
 }
 
-void check_operands(bool trans_a, bool trans_b, int M, int N, int K, int lda, int ldb, int ldc) {
-  TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, InvalidArgumentError,
-               "sgemm: negative size M={} N={} K={}", M, N, K);
+}  // namespace
+
+void check_gemm_operands(const char* name, bool trans_a, bool trans_b, int M, int N, int K, int lda,
+                         int ldb, int ldc) {
+  TESSEL_CHECK(M >= 0 && N >= 0 && K >= 0, InvalidArgumentError, "{}: negative size M={} N={} K={}",
+               name, M, N, K);
   // Row-major: the leading dimension is the stored row length.
   const int a_cols = trans_a ? M : K;
   const int b_cols = trans_b ? K : N;
   TESSEL_CHECK(lda >= std::max(1, a_cols) && ldb >= std::max(1, b_cols) && ldc >= std::max(1, N),
                InvalidArgumentError,
-               "sgemm: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs "
+               "{}: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs "
                "{})",
-               lda, a_cols, ldb, b_cols, ldc, N);
+               name, lda, a_cols, ldb, b_cols, ldc, N);
 }
 
-// C = beta * C for the K == 0 case; beta == 0 overwrites (C may hold garbage, even NaN).
-void scale_c(int M, int N, float beta, float* C, int ldc) {
+void scale_gemm_output(int M, int N, float beta, float* C, int ldc) {
   for (int m = 0; m < M; ++m) {
     float* row = C + int64_t(m) * ldc;
     for (int n = 0; n < N; ++n) row[n] = beta == 0.0f ? 0.0f : beta * row[n];
   }
 }
 
-}  // namespace
-
 void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
            const float* B, int ldb, float beta, float* C, int ldc) {
-  check_operands(trans_a, trans_b, M, N, K, lda, ldb, ldc);
+  check_gemm_operands("sgemm", trans_a, trans_b, M, N, K, lda, ldb, ldc);
   if (M == 0 || N == 0) return;
   if (K == 0) {
-    scale_c(M, N, beta, C, ldc);
+    scale_gemm_output(M, N, beta, C, ldc);
     return;
   }
   switch (current_provider()) {
@@ -124,7 +124,7 @@ namespace ref {
 
 void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
            const float* B, int ldb, float beta, float* C, int ldc) {
-  check_operands(trans_a, trans_b, M, N, K, lda, ldb, ldc);
+  check_gemm_operands("sgemm", trans_a, trans_b, M, N, K, lda, ldb, ldc);
   for (int m = 0; m < M; ++m) {
     for (int n = 0; n < N; ++n) {
       double acc = 0;

@@ -2,6 +2,7 @@
 #include <cstdint>
 
 #include "tessel/kernels/linear.h"
+#include "tessel/kernels/linear_bf16.h"
 
 namespace tessel::kernels::ref {
 
@@ -51,6 +52,62 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int N, int IC, int OC) {
   if (dinp != nullptr) linear_backward_input(dinp, dout, weight, N, IC, OC);
   linear_backward_weight(dweight, dbias, dout, inp, N, IC, OC);
+}
+
+// ---- bf16 operands: the same loops on the operands rounded to bf16 ----
+
+namespace {
+
+double rounded(float x) {
+  return bf16_to_f32(f32_to_bf16(x));
+}
+
+}  // namespace
+
+void to_bf16(bf16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+void linear_forward_bf16(float* out, const float* inp, const bf16* weight, const float* bias, int N,
+                         int IC, int OC) {
+  for (int n = 0; n < N; ++n) {
+    const float* x = inp + int64_t(n) * IC;
+    for (int o = 0; o < OC; ++o) {
+      const bf16* w = weight + int64_t(o) * IC;
+      double acc = bias != nullptr ? bias[o] : 0.0;
+      for (int i = 0; i < IC; ++i) acc += rounded(x[i]) * bf16_to_f32(w[i]);
+      out[int64_t(n) * OC + o] = float(acc);
+    }
+  }
+}
+
+void linear_backward_input_bf16(float* dinp, const float* dout, const bf16* weight, int N, int IC,
+                                int OC) {
+  for (int n = 0; n < N; ++n) {
+    for (int i = 0; i < IC; ++i) {
+      double acc = 0;
+      for (int o = 0; o < OC; ++o)
+        acc += rounded(dout[int64_t(n) * OC + o]) * bf16_to_f32(weight[int64_t(o) * IC + i]);
+      dinp[int64_t(n) * IC + i] += float(acc);
+    }
+  }
+}
+
+void linear_backward_weight_bf16(float* dweight, float* dbias, const float* dout, const float* inp,
+                                 int N, int IC, int OC) {
+  for (int o = 0; o < OC; ++o) {
+    for (int i = 0; i < IC; ++i) {
+      double acc = 0;
+      for (int n = 0; n < N; ++n)
+        acc += rounded(dout[int64_t(n) * OC + o]) * rounded(inp[int64_t(n) * IC + i]);
+      dweight[int64_t(o) * IC + i] += float(acc);
+    }
+    if (dbias != nullptr) {
+      double acc = 0;
+      for (int n = 0; n < N; ++n) acc += dout[int64_t(n) * OC + o];
+      dbias[o] += float(acc);
+    }
+  }
 }
 
 }  // namespace tessel::kernels::ref

@@ -142,6 +142,27 @@ class TimedBackend final : public Backend {
         linear_label("linear_bwd_weight", IC, OC),
         [&] { in_.linear_backward_weight(dw, db, dout, inp, N, IC, OC); }, 2.0 * N * IC * OC);
   }
+  void to_bf16(tessel::bf16* dst, const float* src, int64_t n) override {
+    timed("to_bf16", [&] { in_.to_bf16(dst, src, n); });
+  }
+  void linear_forward_bf16(float* out, const float* inp, const tessel::bf16* w, const float* b,
+                           int N, int IC, int OC) override {
+    timed(
+        linear_label("linear_fwd_bf16", IC, OC),
+        [&] { in_.linear_forward_bf16(out, inp, w, b, N, IC, OC); }, 2.0 * N * IC * OC);
+  }
+  void linear_backward_input_bf16(float* dinp, const float* dout, const tessel::bf16* w, int N,
+                                  int IC, int OC) override {
+    timed(
+        linear_label("linear_bwd_input_bf16", IC, OC),
+        [&] { in_.linear_backward_input_bf16(dinp, dout, w, N, IC, OC); }, 2.0 * N * IC * OC);
+  }
+  void linear_backward_weight_bf16(float* dw, float* db, const float* dout, const float* inp, int N,
+                                   int IC, int OC) override {
+    timed(
+        linear_label("linear_bwd_weight_bf16", IC, OC),
+        [&] { in_.linear_backward_weight_bf16(dw, db, dout, inp, N, IC, OC); }, 2.0 * N * IC * OC);
+  }
   void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
                          int B, int T, int Hq, int Hkv, int D, int64_t qs, int64_t kvs) override {
     timed("attention_fwd",

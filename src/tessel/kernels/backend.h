@@ -24,6 +24,7 @@
 #include "tessel/kernels/cross_entropy.h"
 #include "tessel/kernels/optimizer.h"
 #include "tessel/kernels/vocab_parallel_ce.h"
+#include "tessel/tensor/dtype.h"
 
 namespace tessel::kernels {
 
@@ -34,6 +35,7 @@ enum class Op {
   layernorm,
   rmsnorm,
   linear,
+  linear_bf16,  // the linear layer with bf16 operands (linear_bf16.h), and to_bf16
   attention,
   rope,
   gelu,
@@ -95,6 +97,13 @@ class Backend {
                                      int IC, int OC) = 0;
   virtual void linear_backward_weight(float* dweight, float* dbias, const float* dout,
                                       const float* inp, int N, int IC, int OC) = 0;
+  virtual void to_bf16(bf16* dst, const float* src, int64_t n) = 0;
+  virtual void linear_forward_bf16(float* out, const float* inp, const bf16* weight,
+                                   const float* bias, int N, int IC, int OC) = 0;
+  virtual void linear_backward_input_bf16(float* dinp, const float* dout, const bf16* weight, int N,
+                                          int IC, int OC) = 0;
+  virtual void linear_backward_weight_bf16(float* dweight, float* dbias, const float* dout,
+                                           const float* inp, int N, int IC, int OC) = 0;
   virtual void attention_forward(float* out, float* probs, const float* q, const float* k,
                                  const float* v, int B, int T, int Hq, int Hkv, int D,
                                  int64_t q_stride, int64_t kv_stride) = 0;

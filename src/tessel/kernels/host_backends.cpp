@@ -11,6 +11,7 @@
 #include "tessel/kernels/embedding.h"
 #include "tessel/kernels/layernorm.h"
 #include "tessel/kernels/linear.h"
+#include "tessel/kernels/linear_bf16.h"
 #include "tessel/kernels/rmsnorm.h"
 #include "tessel/kernels/rope.h"
 #include "tessel/tensor/allocator.h"
@@ -27,6 +28,8 @@ std::string_view op_name(Op op) {
       return "rmsnorm";
     case Op::linear:
       return "linear";
+    case Op::linear_bf16:
+      return "linear_bf16";
     case Op::attention:
       return "attention";
     case Op::rope:
@@ -84,6 +87,10 @@ struct KernelTable {
   decltype(&cpu::linear_forward) linear_forward;
   decltype(&cpu::linear_backward_input) linear_backward_input;
   decltype(&cpu::linear_backward_weight) linear_backward_weight;
+  decltype(&cpu::to_bf16) to_bf16;
+  decltype(&cpu::linear_forward_bf16) linear_forward_bf16;
+  decltype(&cpu::linear_backward_input_bf16) linear_backward_input_bf16;
+  decltype(&cpu::linear_backward_weight_bf16) linear_backward_weight_bf16;
   decltype(&cpu::attention_forward) attention_forward;
   decltype(&cpu::attention_backward) attention_backward;
   decltype(&cpu::rope_forward) rope_forward;
@@ -104,35 +111,69 @@ struct KernelTable {
 };
 
 constexpr KernelTable kCpuKernels = {
-    &cpu::embedding_forward,      &cpu::embedding_backward,
-    &cpu::layernorm_forward,      &cpu::layernorm_backward,
-    &cpu::rmsnorm_forward,        &cpu::rmsnorm_backward,
-    &cpu::linear_forward,         &cpu::linear_backward_input,
-    &cpu::linear_backward_weight, &cpu::attention_forward,
-    &cpu::attention_backward,     &cpu::rope_forward,
-    &cpu::rope_backward,          &cpu::gelu_forward,
-    &cpu::gelu_backward,          &cpu::swiglu_forward,
-    &cpu::swiglu_backward,        &cpu::residual_forward,
-    &cpu::residual_backward,      &cpu::cross_entropy,
-    &cpu::vp_ce_local_max,        &cpu::vp_ce_local_sums,
-    &cpu::vp_ce_finish,           &cpu::adamw_update,
-    &cpu::sum_of_squares,         &cpu::scale,
+    &cpu::embedding_forward,
+    &cpu::embedding_backward,
+    &cpu::layernorm_forward,
+    &cpu::layernorm_backward,
+    &cpu::rmsnorm_forward,
+    &cpu::rmsnorm_backward,
+    &cpu::linear_forward,
+    &cpu::linear_backward_input,
+    &cpu::linear_backward_weight,
+    &cpu::to_bf16,
+    &cpu::linear_forward_bf16,
+    &cpu::linear_backward_input_bf16,
+    &cpu::linear_backward_weight_bf16,
+    &cpu::attention_forward,
+    &cpu::attention_backward,
+    &cpu::rope_forward,
+    &cpu::rope_backward,
+    &cpu::gelu_forward,
+    &cpu::gelu_backward,
+    &cpu::swiglu_forward,
+    &cpu::swiglu_backward,
+    &cpu::residual_forward,
+    &cpu::residual_backward,
+    &cpu::cross_entropy,
+    &cpu::vp_ce_local_max,
+    &cpu::vp_ce_local_sums,
+    &cpu::vp_ce_finish,
+    &cpu::adamw_update,
+    &cpu::sum_of_squares,
+    &cpu::scale,
 };
 
 constexpr KernelTable kRefKernels = {
-    &ref::embedding_forward,      &ref::embedding_backward,
-    &ref::layernorm_forward,      &ref::layernorm_backward,
-    &ref::rmsnorm_forward,        &ref::rmsnorm_backward,
-    &ref::linear_forward,         &ref::linear_backward_input,
-    &ref::linear_backward_weight, &ref::attention_forward,
-    &ref::attention_backward,     &ref::rope_forward,
-    &ref::rope_backward,          &ref::gelu_forward,
-    &ref::gelu_backward,          &ref::swiglu_forward,
-    &ref::swiglu_backward,        &ref::residual_forward,
-    &ref::residual_backward,      &ref::cross_entropy,
-    &ref::vp_ce_local_max,        &ref::vp_ce_local_sums,
-    &ref::vp_ce_finish,           &ref::adamw_update,
-    &ref::sum_of_squares,         &ref::scale,
+    &ref::embedding_forward,
+    &ref::embedding_backward,
+    &ref::layernorm_forward,
+    &ref::layernorm_backward,
+    &ref::rmsnorm_forward,
+    &ref::rmsnorm_backward,
+    &ref::linear_forward,
+    &ref::linear_backward_input,
+    &ref::linear_backward_weight,
+    &ref::to_bf16,
+    &ref::linear_forward_bf16,
+    &ref::linear_backward_input_bf16,
+    &ref::linear_backward_weight_bf16,
+    &ref::attention_forward,
+    &ref::attention_backward,
+    &ref::rope_forward,
+    &ref::rope_backward,
+    &ref::gelu_forward,
+    &ref::gelu_backward,
+    &ref::swiglu_forward,
+    &ref::swiglu_backward,
+    &ref::residual_forward,
+    &ref::residual_backward,
+    &ref::cross_entropy,
+    &ref::vp_ce_local_max,
+    &ref::vp_ce_local_sums,
+    &ref::vp_ce_finish,
+    &ref::adamw_update,
+    &ref::sum_of_squares,
+    &ref::scale,
 };
 
 // Host memory from the caching allocator; ops run synchronously on the calling thread.
@@ -187,6 +228,19 @@ class HostBackend final : public Backend {
   void linear_backward_weight(float* dw, float* db, const float* dout, const float* inp, int N,
                               int IC, int OC) override {
     k_.linear_backward_weight(dw, db, dout, inp, N, IC, OC);
+  }
+  void to_bf16(bf16* dst, const float* src, int64_t n) override { k_.to_bf16(dst, src, n); }
+  void linear_forward_bf16(float* out, const float* inp, const bf16* w, const float* b, int N,
+                           int IC, int OC) override {
+    k_.linear_forward_bf16(out, inp, w, b, N, IC, OC);
+  }
+  void linear_backward_input_bf16(float* dinp, const float* dout, const bf16* w, int N, int IC,
+                                  int OC) override {
+    k_.linear_backward_input_bf16(dinp, dout, w, N, IC, OC);
+  }
+  void linear_backward_weight_bf16(float* dw, float* db, const float* dout, const float* inp, int N,
+                                   int IC, int OC) override {
+    k_.linear_backward_weight_bf16(dw, db, dout, inp, N, IC, OC);
   }
   void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
                          int B, int T, int Hq, int Hkv, int D, int64_t qs, int64_t kvs) override {

@@ -393,6 +393,7 @@ const std::vector<OpCase>& op_cases() {
     cases::add_layernorm(all);
     cases::add_rmsnorm(all);
     cases::add_linear(all);
+    cases::add_linear_bf16(all);
     cases::add_attention(all);
     cases::add_rope(all);
     cases::add_activations(all);

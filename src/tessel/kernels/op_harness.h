@@ -208,6 +208,19 @@ class ForwardingBackend : public Backend {
                               int IC, int OC) override {
     inner_->linear_backward_weight(dw, db, dout, inp, N, IC, OC);
   }
+  void to_bf16(bf16* dst, const float* src, int64_t n) override { inner_->to_bf16(dst, src, n); }
+  void linear_forward_bf16(float* out, const float* inp, const bf16* w, const float* b, int N,
+                           int IC, int OC) override {
+    inner_->linear_forward_bf16(out, inp, w, b, N, IC, OC);
+  }
+  void linear_backward_input_bf16(float* dinp, const float* dout, const bf16* w, int N, int IC,
+                                  int OC) override {
+    inner_->linear_backward_input_bf16(dinp, dout, w, N, IC, OC);
+  }
+  void linear_backward_weight_bf16(float* dw, float* db, const float* dout, const float* inp, int N,
+                                   int IC, int OC) override {
+    inner_->linear_backward_weight_bf16(dw, db, dout, inp, N, IC, OC);
+  }
   void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
                          int B, int T, int Hq, int Hkv, int D, int64_t qs, int64_t kvs) override {
     inner_->attention_forward(out, probs, q, k, v, B, T, Hq, Hkv, D, qs, kvs);

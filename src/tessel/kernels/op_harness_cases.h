@@ -33,6 +33,7 @@ void add_embedding(std::vector<OpCase>& out);
 void add_layernorm(std::vector<OpCase>& out);
 void add_rmsnorm(std::vector<OpCase>& out);
 void add_linear(std::vector<OpCase>& out);
+void add_linear_bf16(std::vector<OpCase>& out);  // and to_bf16
 void add_attention(std::vector<OpCase>& out);
 void add_rope(std::vector<OpCase>& out);
 void add_activations(std::vector<OpCase>& out);  // gelu, swiglu, residual

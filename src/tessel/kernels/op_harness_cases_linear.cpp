@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "tessel/kernels/linear.h"
+#include "tessel/kernels/linear_bf16.h"
 #include "tessel/kernels/op_harness_cases.h"
 #include "tessel/testing/rounding.h"
 #include "tessel/testing/testing.h"
@@ -112,7 +113,104 @@ Deps linear_dependents(const LinearCfg& d, std::string_view param, size_t i) {
   return deps;
 }
 
+// ---- bf16 operands (linear_bf16.h) ----
+
+// The weight rounded by the backend's own to_bf16, into w16 in its memory.
+void round_weight(Backend& b, const Tensors& in, Buffer<bf16>& w16) {
+  FBuf weight(b, in.f("weight"));
+  b.to_bf16(w16.get(), weight.get(), int64_t(in.f("weight").size()));
+}
+
+// Forward, with the rounded weight widened back as an output: to_bf16 is exact (bound 0).
+Outputs linear16_fwd(Backend& b, const Tensors& in, const LinearCfg& d) {
+  FBuf inp(b, in.f("inp")), bias(b, in.f("bias"));
+  Buffer<bf16> w16(b, in.f("weight").size());
+  round_weight(b, in, w16);
+  FBuf out(b, nans(size_t(d.N) * d.OC));
+  b.linear_forward_bf16(out.get(), inp.get(), w16.get(), d.bias ? bias.get() : nullptr, d.N, d.IC,
+                        d.OC);
+  std::vector<float> widened;
+  for (bf16 x : w16.host()) widened.push_back(bf16_to_f32(x));
+  return {out_of("out", out.host()), out_of("weight_bf16", widened)};
+}
+
+Outputs linear16_bwd_input(Backend& b, const Tensors& in, const LinearCfg& d) {
+  FBuf dout(b, in.f("dout")), dinp(b, in.f("dinp"));
+  Buffer<bf16> w16(b, in.f("weight").size());
+  round_weight(b, in, w16);
+  b.linear_backward_input_bf16(dinp.get(), dout.get(), w16.get(), d.N, d.IC, d.OC);
+  return {out_of("dinp", dinp.host())};
+}
+
+Outputs linear16_bwd_weight(Backend& b, const Tensors& in, const LinearCfg& d) {
+  FBuf dout(b, in.f("dout")), inp(b, in.f("inp"));
+  FBuf dweight(b, in.f("dweight")), dbias(b, in.f("dbias"));
+  b.linear_backward_weight_bf16(dweight.get(), d.bias ? dbias.get() : nullptr, dout.get(),
+                                inp.get(), d.N, d.IC, d.OC);
+  Outputs o{out_of("dweight", dweight.host())};
+  if (d.bias) o.push_back(out_of("dbias", dbias.host()));
+  return o;
+}
+
+// The float layer's bounds on the operands rounded to bf16 (every product of two bf16s is exact in
+// float, so the arithmetic is the float layer's on those operands; linear_bf16_test.cpp), plus
+// what flushing subnormals loses in native bf16 instructions: up to 2^-126 for each of an
+// element's K + 2 operations. The bias gradient sums the float dout, unrounded.
+Tensors rounded_operands(const Tensors& in) {
+  Tensors r = in;
+  for (const char* name : {"inp", "weight", "dout"})
+    for (float& x : r.f(name)) x = bf16_to_f32(f32_to_bf16(x));
+  return r;
+}
+
+void add_flush(Output& o, int64_t K) {
+  for (double& b : o.values) b += double(K + 2) * 0x1p-126;
+}
+
+Outputs linear16_fwd_bounds(const Tensors& in, const Outputs& outs, const LinearCfg& d) {
+  Outputs o = linear_fwd_bounds(rounded_operands(in), outs, d);
+  add_flush(o[0], d.IC);
+  o.push_back({"weight_bf16", std::vector<double>(in.f("weight").size(), 0.0)});
+  return o;
+}
+
+Outputs linear16_bwd_input_bounds(const Tensors& in, const Outputs& outs, const LinearCfg& d) {
+  Outputs o = linear_bwd_input_bounds(rounded_operands(in), outs, d);
+  add_flush(o[0], d.OC);
+  return o;
+}
+
+Outputs linear16_bwd_weight_bounds(const Tensors& in, const Outputs& outs, const LinearCfg& d) {
+  Outputs o = linear_bwd_weight_bounds(rounded_operands(in), outs, d);
+  add_flush(o[0], d.N);
+  o[1] = linear_bwd_weight_bounds(in, outs, d)[1];  // dbias: from the float dout
+  return o;
+}
+
 }  // namespace
+
+void add_linear_bf16(std::vector<OpCase>& out) {
+  // The float layer's shapes but N = 0's (the rounding is deterministic, so the reference is
+  // exact on the rounded operands: no gradient mode, whose finite differences would step across
+  // bf16's rounding).
+  const LinearCfg cfgs[] = {{1, 1, 1, true, false},      {3, 7, 33, true, false},
+                            {17, 5, 67, false, false},   {7, 129, 3, true, false},
+                            {33, 33, 129, false, false}, {130, 96, 300, true, false},
+                            {256, 768, 64, true, false}};
+  for (const LinearCfg& d : cfgs) {
+    Label label("linear_bf16", "fwd");
+    label.dim("N", d.N).dim("IC", d.IC).dim("OC", d.OC).flag(d.bias ? "bias" : "nobias");
+    const auto inputs = inputs_of(d, linear_inputs);
+    out.push_back(make_case(Op::linear_bf16, Pass::forward, label, false, inputs,
+                            pass_fns(d, linear16_fwd, linear16_fwd_bounds)));
+    label.what = "bwd_input";
+    out.push_back(make_case(Op::linear_bf16, Pass::backward, label, false, inputs,
+                            pass_fns(d, linear16_bwd_input, linear16_bwd_input_bounds)));
+    label.what = "bwd_weight";
+    out.push_back(make_case(Op::linear_bf16, Pass::backward, label, false, inputs,
+                            pass_fns(d, linear16_bwd_weight, linear16_bwd_weight_bounds)));
+  }
+}
 
 void add_linear(std::vector<OpCase>& out) {
   // Odd sizes, sizes with several GEMM blocks and dbias column blocks, and N = 0 (the weight

@@ -246,6 +246,7 @@ TrainConfig from_yaml(const YAML::Node& root, const std::string& path) {
   t.read("log_every", c.training.log_every);
   t.read("backend", c.training.backend);
   t.read_choice("gemm", c.training.gemm, {"auto", "onednn", "openblas"});
+  t.read_choice("precision", c.training.precision, {"fp32", "bf16"});
   t.read("huge_pages", c.training.huge_pages);
   t.read("threads", c.training.threads);
   t.read("stop_at", c.training.stop_at);

@@ -71,6 +71,12 @@ struct TrainingConfig {
   // training.gemm: the CPU backend's GEMM provider, "onednn" or "openblas" (kernels/gemm.h);
   // "auto": $TESSEL_GEMM if set (the test matrix runs the suite under each), else onednn.
   std::string gemm = "auto";
+  // training.precision: "fp32", or "bf16" -- the linear layers multiply bf16 operands with float
+  // accumulation, as torch.autocast does (model/transformer.h, set_bf16_matmuls); the training
+  // state (parameters, gradients, Adam moments) and every other op stay fp32, so checkpoints and
+  // re-partitions are the fp32 model's and a run may resume under either precision.
+  std::string precision = "fp32";
+  bool bf16() const { return precision == "bf16"; }
   // training.huge_pages: back buffers of 2 MiB and more with transparent huge pages
   // (tensor/allocator.h): fewer TLB misses, but a slow first touch on VMs whose host backs
   // memory lazily (bench/README.md, elastic).

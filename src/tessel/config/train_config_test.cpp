@@ -52,6 +52,21 @@ TEST(TrainConfig, ReadsSectionsAndResolvesPathsAgainstTheConfigFile) {
   EXPECT_EQ(cfg.training.eval_batch_size(), 4);
 }
 
+// training.precision: fp32 unless set; bf16 turns on the model's bf16 linear layers; anything
+// else (fp16 is not there yet) is one message naming the key and the choices.
+TEST(TrainConfig, PrecisionIsFp32OrBf16) {
+  TempDir dir;
+  const std::string base = "model: {preset: gpt2-tiny}\ndata: {path: x.tok}\n";
+  auto cfg = TrainConfig::load(write(dir, base));
+  EXPECT_EQ(cfg.training.precision, "fp32");
+  EXPECT_FALSE(cfg.training.bf16());
+  cfg = TrainConfig::load(write(dir, base + "training: {precision: bf16}\n"));
+  EXPECT_TRUE(cfg.training.bf16());
+  const auto msg = error_of<ConfigError>(write(dir, base + "training: {precision: fp16}\n"));
+  EXPECT_NE(msg.find("'training.precision'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bf16"), std::string::npos) << msg;
+}
+
 // What used to be environment variables (TESSEL_GEMM for a run, TESSEL_HUGEPAGES,
 // TESSEL_RESHARD_DIRECT, TESSEL_DUMP_PARAMS) is config a user can see.
 TEST(TrainConfig, HostSettingsAndOutputsAreConfigKeys) {

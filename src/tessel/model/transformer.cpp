@@ -174,10 +174,61 @@ void Transformer::select_slot(int s) {
   tokens_ = sl.tokens;
 }
 
+void Transformer::set_bf16_matmuls(bool on) {
+  TESSEL_CHECK(!released_, InvalidArgumentError,
+               "set_bf16_matmuls: the model's training buffers were released");
+  if (on == bf16_matmuls()) return;
+  bf16_owned_.clear();
+  params16_ = nullptr;
+  params16_fresh_ = false;
+  if (on)
+    params16_ = static_cast<bf16*>(
+        allocate(size_t(std::max<int64_t>(num_params_, 1)) * sizeof(bf16), bf16_owned_));
+}
+
+void Transformer::refresh_compute_weights() {
+  if (params16_ == nullptr) return;
+  backend_.to_bf16(params16_, params_, num_params_);
+  params16_fresh_ = true;
+}
+
+const bf16* Transformer::compute_weight(const float* weight) const {
+  TESSEL_CHECK(params16_fresh_, InvalidArgumentError,
+               "a bf16 pass before refresh_compute_weights() made the weights' bf16 copy");
+  return params16_ + (weight - params_);
+}
+
+void Transformer::linear_forward(float* out, const float* inp, const float* weight,
+                                 const float* bias, int N, int IC, int OC) {
+  if (params16_ != nullptr)
+    backend_.linear_forward_bf16(out, inp, compute_weight(weight), bias, N, IC, OC);
+  else
+    backend_.linear_forward(out, inp, weight, bias, N, IC, OC);
+}
+
+void Transformer::linear_backward_input(float* dinp, const float* dout, const float* weight, int N,
+                                        int IC, int OC) {
+  if (params16_ != nullptr)
+    backend_.linear_backward_input_bf16(dinp, dout, compute_weight(weight), N, IC, OC);
+  else
+    backend_.linear_backward_input(dinp, dout, weight, N, IC, OC);
+}
+
+void Transformer::linear_backward_weight(float* dweight, float* dbias, const float* dout,
+                                         const float* inp, int N, int IC, int OC) {
+  if (params16_ != nullptr)
+    backend_.linear_backward_weight_bf16(dweight, dbias, dout, inp, N, IC, OC);
+  else
+    backend_.linear_backward_weight(dweight, dbias, dout, inp, N, IC, OC);
+}
+
 void Transformer::release_training_buffers() {
   for (auto& p : owned_)
     if (p.get() != params_) p.reset();
   act_owned_.clear();
+  bf16_owned_.clear();
+  params16_ = nullptr;
+  params16_fresh_ = false;
   grads_ = nullptr;
   act_base_ = nullptr;
   targets_ = nullptr;
@@ -434,7 +485,7 @@ CrossEntropyResult Transformer::forward_stage(const int32_t* tokens, const int32
     } else {
       backend_.rmsnorm_forward(a_.lnf, a_.lnf_rstd, x, p(lnf_w_off_), N, C, config_.norm_eps);
     }
-    backend_.linear_forward(a_.logits, a_.lnf, p(head_off_), nullptr, N, C, Vp);
+    linear_forward(a_.logits, a_.lnf, p(head_off_), nullptr, N, C, Vp);
     if (loss) {
       backend_.copy_from_host(targets_, targets, size_t(N) * sizeof(int32_t));
       // With a grad_scale, dlogits overwrite the logits in place: backward needs no [N, Vp]
@@ -543,11 +594,11 @@ void Transformer::head_backward(Pass pass) {
     }
     backend_.memset_zero(a_.dln, nc_bytes);
     // The head is column-parallel over the vocabulary: its input gradient is summed over ranks.
-    backend_.linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
+    linear_backward_input(a_.dln, a_.logits, p(head_off_), N, C, Vp);
     tp_sum(a_.dln, int64_t(N) * C);
   }
   // dlogits stay in the slot's logits buffer until the slot's next forward.
-  if (weight) backend_.linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
+  if (weight) linear_backward_weight(g(head_off_), nullptr, a_.logits, a_.lnf, N, C, Vp);
   if (input) {
     backend_.memset_zero(a_.dres, nc_bytes);
     if (config_.family == Family::gpt2) {
@@ -727,20 +778,18 @@ void Transformer::gpt2_block_forward(int l, const float* x) {
   using LP = LayerParam;
   backend_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, w(LP::norm1_weight),
                              w(LP::norm1_bias), N, C, config_.norm_eps);
-  backend_.linear_forward(a.qkv, a.ln1, w(LP::qkv_weight), w(LP::qkv_bias), N, C, 3 * CH);
+  linear_forward(a.qkv, a.ln1, w(LP::qkv_weight), w(LP::qkv_bias), N, C, 3 * CH);
   // q, k and v are read straight out of the fused [N, 3 CH] buffer.
   backend_.attention_forward(a.atty, a.probs, a.qkv, a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D,
                              3 * CH, 3 * CH);
-  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), row_bias(LP::attn_out_bias), N,
-                          CH, C);
+  linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), row_bias(LP::attn_out_bias), N, CH, C);
   tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
   backend_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w(LP::norm2_weight),
                              w(LP::norm2_bias), N, C, config_.norm_eps);
-  backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), w(LP::mlp_in_bias), N, C, F);
+  linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), w(LP::mlp_in_bias), N, C, F);
   backend_.gelu_forward(a.act, a.fc, int64_t(N) * F);
-  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), row_bias(LP::mlp_out_bias), N, F,
-                          C);
+  linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), row_bias(LP::mlp_out_bias), N, F, C);
   tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
 }
@@ -775,22 +824,20 @@ void Transformer::gpt2_block_backward(int l, const float* x, Pass pass) {
       backend_.memset_zero(lg.dnorm, size_t(bg.norm[1] ? 4 : 2) * size_t(C) * sizeof(float));
     }
     backend_.memset_zero(dact, nf);
-    backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
+    linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), bg.dout, a.act, N,
-                                    F, C);
+    linear_backward_weight(dw(LP::mlp_out_weight), dw(LP::mlp_out_bias), bg.dout, a.act, N, F, C);
   }
   if (input) {
     backend_.memset_zero(dfc, nf);
     backend_.gelu_backward(dfc, a.fc, dact, int64_t(N) * F);
     backend_.memset_zero(a_.dln, nc);
-    backend_.linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
+    linear_backward_input(a_.dln, dfc, w(LP::mlp_in_weight), N, C, F);
     tp_sum(a_.dln, int64_t(N) * C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C,
-                                    F);
+    linear_backward_weight(dw(LP::mlp_in_weight), dw(LP::mlp_in_bias), dfc, a.ln2, N, C, F);
   }
   if (input) {
     backend_.layernorm_backward(a_.dres, bg.norm[2], bg.norm[3], a_.dln, a.res2,
@@ -804,23 +851,22 @@ void Transformer::gpt2_block_backward(int l, const float* x, Pass pass) {
                                  D, 3 * CH, 3 * CH);
     }
     backend_.memset_zero(a_.datty, size_t(N) * size_t(CH) * sizeof(float));
-    backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
+    linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, CH, C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), bg.dmid, a.atty,
-                                    N, CH, C);
+    linear_backward_weight(dw(LP::attn_out_weight), dw(LP::attn_out_bias), bg.dmid, a.atty, N, CH,
+                           C);
   }
   if (input) {
     backend_.memset_zero(dqkv, size_t(N) * 3 * size_t(CH) * sizeof(float));
     backend_.attention_backward(dqkv, dqkv + CH, dqkv + 2 * CH, a_.datty, a.probs, a.qkv,
                                 a.qkv + CH, a.qkv + 2 * CH, B_, T_, H, H, D, 3 * CH, 3 * CH);
     backend_.memset_zero(a_.dln, nc);
-    backend_.linear_backward_input(a_.dln, dqkv, w(LP::qkv_weight), N, C, 3 * CH);
+    linear_backward_input(a_.dln, dqkv, w(LP::qkv_weight), N, C, 3 * CH);
     tp_sum(a_.dln, int64_t(N) * C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), dqkv, a.ln1, N, C,
-                                    3 * CH);
+    linear_backward_weight(dw(LP::qkv_weight), dw(LP::qkv_bias), dqkv, a.ln1, N, C, 3 * CH);
   }
   if (input) {
     backend_.layernorm_backward(a_.dres, bg.norm[0], bg.norm[1], a_.dln, x, w(LP::norm1_weight),
@@ -854,9 +900,9 @@ void Transformer::llama_block_forward(int l, const float* x) {
   float* k = q + int64_t(N) * QD;
   float* v = k + int64_t(N) * KD;
   backend_.rmsnorm_forward(a.ln1, a.ln1_rstd, x, w(LP::norm1_weight), N, C, config_.norm_eps);
-  backend_.linear_forward(q, a.ln1, w(LP::q_weight), nullptr, N, C, QD);
-  backend_.linear_forward(k, a.ln1, w(LP::k_weight), nullptr, N, C, KD);
-  backend_.linear_forward(v, a.ln1, w(LP::v_weight), nullptr, N, C, KD);
+  linear_forward(q, a.ln1, w(LP::q_weight), nullptr, N, C, QD);
+  linear_forward(k, a.ln1, w(LP::k_weight), nullptr, N, C, KD);
+  linear_forward(v, a.ln1, w(LP::v_weight), nullptr, N, C, KD);
   // Rotated in place: backward needs the rotated q and k (attention's inputs), not the raw ones.
   backend_.rope_forward(q, B_, T_, Hq, D, QD, theta);
   backend_.rope_forward(k, B_, T_, Hkv, D, KD, theta);
@@ -864,14 +910,14 @@ void Transformer::llama_block_forward(int l, const float* x) {
   // kv heads both are contiguous blocks of the global heads; with a replicated kv head all of the
   // rank's query heads belong to that head's group.
   backend_.attention_forward(a.atty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
-  backend_.linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), nullptr, N, QD, C);
+  linear_forward(a_.proj, a.atty, w(LP::attn_out_weight), nullptr, N, QD, C);
   tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res2, x, a_.proj, int64_t(N) * C);
   backend_.rmsnorm_forward(a.ln2, a.ln2_rstd, a.res2, w(LP::norm2_weight), N, C, config_.norm_eps);
-  backend_.linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), nullptr, N, C, F);
-  backend_.linear_forward(a.up, a.ln2, w(LP::mlp_up_weight), nullptr, N, C, F);
+  linear_forward(a.fc, a.ln2, w(LP::mlp_in_weight), nullptr, N, C, F);
+  linear_forward(a.up, a.ln2, w(LP::mlp_up_weight), nullptr, N, C, F);
   backend_.swiglu_forward(a.act, a.fc, a.up, int64_t(N) * F);
-  backend_.linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), nullptr, N, F, C);
+  linear_forward(a_.proj, a.act, w(LP::mlp_out_weight), nullptr, N, F, C);
   tp_sum(a_.proj, int64_t(N) * C);
   backend_.residual_forward(a.res3, a.res2, a_.proj, int64_t(N) * C);
 }
@@ -908,23 +954,23 @@ void Transformer::llama_block_backward(int l, const float* x, Pass pass) {
       backend_.memset_zero(lg.dnorm, 2 * size_t(C) * sizeof(float));
     }
     backend_.memset_zero(dact, nf);
-    backend_.linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
+    linear_backward_input(dact, a_.dres, w(LP::mlp_out_weight), N, F, C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::mlp_out_weight), nullptr, bg.dout, a.act, N, F, C);
+    linear_backward_weight(dw(LP::mlp_out_weight), nullptr, bg.dout, a.act, N, F, C);
   }
   if (input) {
     backend_.memset_zero(dgate, nf);
     backend_.memset_zero(dup, nf);
     backend_.swiglu_backward(dgate, dup, dact, a.fc, a.up, int64_t(N) * F);
     backend_.memset_zero(a_.dln, nc);
-    backend_.linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
-    backend_.linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
+    linear_backward_input(a_.dln, dgate, w(LP::mlp_in_weight), N, C, F);
+    linear_backward_input(a_.dln, dup, w(LP::mlp_up_weight), N, C, F);
     tp_sum(a_.dln, int64_t(N) * C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
-    backend_.linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
+    linear_backward_weight(dw(LP::mlp_in_weight), nullptr, dgate, a.ln2, N, C, F);
+    linear_backward_weight(dw(LP::mlp_up_weight), nullptr, dup, a.ln2, N, C, F);
   }
   if (input) {
     backend_.rmsnorm_backward(a_.dres, bg.norm[2], a_.dln, a.res2, w(LP::norm2_weight), a.ln2_rstd,
@@ -935,10 +981,10 @@ void Transformer::llama_block_backward(int l, const float* x, Pass pass) {
       backend_.attention_forward(a_.datty, a.probs, q, k, v, B_, T_, Hq, Hkv, D, QD, KD);
     }
     backend_.memset_zero(a_.datty, size_t(N) * size_t(QD) * sizeof(float));
-    backend_.linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
+    linear_backward_input(a_.datty, a_.dres, w(LP::attn_out_weight), N, QD, C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::attn_out_weight), nullptr, bg.dmid, a.atty, N, QD, C);
+    linear_backward_weight(dw(LP::attn_out_weight), nullptr, bg.dmid, a.atty, N, QD, C);
   }
   if (input) {
     backend_.memset_zero(dq, size_t(N) * size_t(QD + 2 * KD) * sizeof(float));
@@ -949,13 +995,13 @@ void Transformer::llama_block_backward(int l, const float* x, Pass pass) {
     // when kv heads are split, and a part when a kv head is replicated -- in both cases the input
     // gradient through k and v is then a per-rank partial sum like the one through q.
     backend_.memset_zero(a_.dln, nc);
-    backend_.linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
-    backend_.linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
-    backend_.linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
+    linear_backward_input(a_.dln, dq, w(LP::q_weight), N, C, QD);
+    linear_backward_input(a_.dln, dk, w(LP::k_weight), N, C, KD);
+    linear_backward_input(a_.dln, dv, w(LP::v_weight), N, C, KD);
     tp_sum(a_.dln, int64_t(N) * C);
   }
   if (weight) {
-    backend_.linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
+    linear_backward_weight(dw(LP::q_weight), nullptr, dq, a.ln1, N, C, QD);
     if (local_.kv_replicated) {
       // A replicated kv head's weight gradient is the sum of the shares of the ranks holding it.
       // Each rank writes its share into its head's rows of a zeroed [Hkv D, C] staging buffer
@@ -969,16 +1015,16 @@ void Transformer::llama_block_backward(int l, const float* x, Pass pass) {
       float* stage_v = a_.kv_stage + head_rows;
       const int64_t mine = int64_t(local_.kv_begin) * D * C;
       backend_.memset_zero(a_.kv_stage, 2 * size_t(head_rows) * sizeof(float));
-      backend_.linear_backward_weight(stage_k + mine, nullptr, dk, a.ln1, N, C, KD);
-      backend_.linear_backward_weight(stage_v + mine, nullptr, dv, a.ln1, N, C, KD);
+      linear_backward_weight(stage_k + mine, nullptr, dk, a.ln1, N, C, KD);
+      linear_backward_weight(stage_v + mine, nullptr, dv, a.ln1, N, C, KD);
       tp_sum(a_.kv_stage, 2 * head_rows);
       backend_.residual_forward(dw(LP::k_weight), dw(LP::k_weight), stage_k + mine,
                                 int64_t(KD) * C);
       backend_.residual_forward(dw(LP::v_weight), dw(LP::v_weight), stage_v + mine,
                                 int64_t(KD) * C);
     } else {
-      backend_.linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
-      backend_.linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
+      linear_backward_weight(dw(LP::k_weight), nullptr, dk, a.ln1, N, C, KD);
+      linear_backward_weight(dw(LP::v_weight), nullptr, dv, a.ln1, N, C, KD);
     }
   }
   if (input) {

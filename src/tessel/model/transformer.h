@@ -169,6 +169,16 @@ class Transformer {
   // starts without it.
   void set_split_backward(bool split);
   bool split_backward() const { return split_; }
+  // Mixed precision (issue 21): the linear layers multiply bf16 operands with float accumulation
+  // (kernels/linear_bf16.h) -- torch.autocast's arithmetic -- reading a bf16 copy of the float
+  // weights that refresh_compute_weights() makes. Parameters, gradients, activations and every
+  // other op stay float, so the training state is the float model's. The caller refreshes the
+  // copy whenever the parameters changed before the next pass (each optimizer step, a load, an
+  // evaluation): the runtime does it at the start of every step and evaluation. A pass before the
+  // first refresh throws InvalidArgumentError. Off by default; the copy costs 2 bytes a parameter.
+  void set_bf16_matmuls(bool on);
+  bool bf16_matmuls() const { return params16_ != nullptr; }
+  void refresh_compute_weights();
   int tp_rank() const { return tp_ != nullptr ? tp_->rank() : 0; }
   int tp_size() const { return tp_ != nullptr ? tp_->size() : 1; }
 
@@ -332,6 +342,14 @@ class Transformer {
   void add_norm_grad(int64_t off, const float* partial);
   // An exact device-to-device copy of n floats.
   void copy_floats(float* dst, const float* src, int64_t n);
+  // The linear layers, in the float or the bf16 arithmetic (set_bf16_matmuls).
+  void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N,
+                      int IC, int OC);
+  void linear_backward_input(float* dinp, const float* dout, const float* weight, int N, int IC,
+                             int OC);
+  void linear_backward_weight(float* dweight, float* dbias, const float* dout, const float* inp,
+                              int N, int IC, int OC);
+  const bf16* compute_weight(const float* weight) const;
   void check_backward_ready(const char* what);
   void block_forward(int l, const float* x);
   void block_backward(int l, const float* x, Pass pass);
@@ -421,10 +439,13 @@ class Transformer {
     bool weight_pending = false;  // backward_input_stage ran, backward_weight_stage has not
   };
   std::vector<Slot> slots_;
-  int cur_ = 0;                   // selected slot
-  std::vector<Owned> owned_;      // parameters and gradients
-  std::vector<Owned> act_owned_;  // activations, token ids, targets (reshape() replaces them)
-  bool released_ = false;         // release_training_buffers()
+  int cur_ = 0;                    // selected slot
+  std::vector<Owned> owned_;       // parameters and gradients
+  std::vector<Owned> act_owned_;   // activations, token ids, targets (reshape() replaces them)
+  std::vector<Owned> bf16_owned_;  // the weights' bf16 copy (set_bf16_matmuls)
+  bf16* params16_ = nullptr;
+  bool params16_fresh_ = false;
+  bool released_ = false;  // release_training_buffers()
   LayerHook layer_hook_;
   std::vector<float> copy_staging_;  // copy_floats() on a device backend
 };

@@ -208,6 +208,9 @@ double RankTrainer::train_step(double* grad_norm) {
   }
   const float grad_scale = valid > 0 ? 1.0f / float(valid) : 0.0f;
 
+  // The bf16 copy of the weights the step's passes read (mixed precision; a no-op in fp32): the
+  // parameters changed at the last step's optimizer, a load or a switch.
+  for (auto& ch : stage.chunks()) ch.model->refresh_compute_weights();
   PipelineStepResult pipe;
   {
     TraceScope scope(&tracer, "pipeline", "pipeline");
@@ -261,6 +264,7 @@ void RankTrainer::end_trace_step() {
 }
 
 double RankTrainer::evaluate() {
+  for (auto& ch : stage.chunks()) ch.model->refresh_compute_weights();
   const auto samples = eval_samples(loader_->num_eval_samples(), cfg.training.eval_batches,
                                     cfg.training.eval_batch_size());
   const EvalSums mine = evaluate_stage(stage, *groups.pp, plan, groups.coord.pp, groups.coord.dp,

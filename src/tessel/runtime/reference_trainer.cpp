@@ -55,6 +55,7 @@ struct ReferenceTrainer::Impl {
                                                  cfg.data.eval_fraction);
     const int64_t mb = cfg.training.micro_batch, T = cfg.data.seq_len;
     model = std::make_unique<model::Transformer>(cfg.model, *backend, int(mb), int(T));
+    model->set_bf16_matmuls(cfg.training.bf16());
     adam_m = Tensor::zeros({model->num_params()});
     adam_v = Tensor::zeros({model->num_params()});
     inputs.resize(size_t(cfg.training.global_batch * T));
@@ -137,6 +138,7 @@ struct ReferenceTrainer::Impl {
 
     // Gradients are zero here: the model starts with zeroed gradients and every optimizer step
     // below zeroes them as it reads them (AdamWConfig::zero_grad), saving a pass over memory.
+    model->refresh_compute_weights();  // mixed precision: the weights changed at the last step
     double loss_sum = 0;
     for (int64_t i = 0; i < G / mb; ++i) {
       auto r = model->forward_backward(inputs.data() + i * mb * T, targets.data() + i * mb * T,
@@ -168,6 +170,7 @@ struct ReferenceTrainer::Impl {
     const auto samples = eval_samples(loader->num_eval_samples(), cfg.training.eval_batches,
                                       cfg.training.eval_batch_size());
     std::vector<int32_t> in(size_t(mb * T)), tg(in.size());
+    model->refresh_compute_weights();
     double loss_sum = 0;
     int64_t valid = 0;
     for (int64_t j = 0; j * mb < int64_t(samples.size()); ++j) {

@@ -70,6 +70,7 @@ Stage::Stage(const config::TrainConfig& cfg, std::shared_ptr<const layout::State
                                                       plan.recompute);
       if (plan.split_backward()) ch.model->set_split_backward(true);
     }
+    ch.model->set_bf16_matmuls(cfg.training.bf16());
     ch.slots = peak;
     ch.slot_of.assign(size_t(plan.micro_batches), -1);
     for (int i = peak - 1; i >= 0; --i) ch.free_slots.push_back(i);

@@ -426,6 +426,7 @@ struct BenchArgs {
   std::string backend_name = "cpu";
   int B = 4, T = 64, warmup = 3, steps = 10;
   bool gemm_peak = false;
+  std::string precision = "fp32";  // or bf16: the linear layers on bf16 operands (autocast)
   uint64_t seed = 1234;
 };
 
@@ -438,6 +439,8 @@ void add_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--seed", a.seed, "init and token seed");
   app.add_flag("--gemm-peak", a.gemm_peak, "also measure SGEMM on the model's shapes");
+  app.add_option("--precision", a.precision, "fp32, or bf16: linear layers on bf16 operands")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
 }
 
 // Random tokens and targets for every step.
@@ -500,6 +503,9 @@ StepResult train_step(int s, tessel::model::Transformer& net, TimedBackend& back
   // No zero_grad pass: the gradients start at zero and AdamW zeroes each one as it reads it
   // (AdamWConfig::zero_grad), as the trainer does.
   auto t0 = Clock::now();
+  // Mixed precision: the weights' bf16 copy, once a step as the trainer makes it (a no-op in fp32;
+  // timed with the forward).
+  net.refresh_compute_weights();
   const auto fwd = net.forward_stage(batch.tokens.data(), batch.targets.data(), grad_scale);
   backend.synchronize();
   r.phase_ms[kForward] = ms_since(t0);
@@ -589,6 +595,7 @@ nlohmann::ordered_json step_summary(const BenchArgs& a, const tessel::model::Mod
       {"gemm_provider", tessel::kernels::gemm_provider()},
       {"params", net.num_params()},
       {"B", a.B},
+      {"precision", a.precision},
       {"T", a.T},
       {"steps", a.steps},
       {"ms_median", ms_med},
@@ -670,6 +677,7 @@ int run(const BenchArgs& a) {
   TimedBackend backend(*inner);
   tessel::model::Transformer net(cfg, backend, a.B, a.T);
   net.init(a.seed);
+  net.set_bf16_matmuls(a.precision == "bf16");
   const Batch batch = random_batch(cfg, a.B * a.T, a.seed);
   Adam adam = make_adam(backend, net.num_params());
   StepStats stats;

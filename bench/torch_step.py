@@ -127,6 +127,9 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0,
                     help="clip_grad_norm_ max norm (<= 0: no clipping)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16), "
+                         "fp32 master weights and optimizer (what a PyTorch user writes)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -150,7 +153,8 @@ def main():
 
     def step():
         opt.zero_grad(set_to_none=args.set_to_none)
-        loss = model(tokens, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = model(tokens, targets)
         loss.backward()
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -174,6 +178,7 @@ def main():
     result = {
         "side": "torch",
         "model": args.model,
+        "precision": args.precision,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "params": n_params,

@@ -93,6 +93,50 @@ TEST(ReferenceTrainer, ResumeContinuesWithTheSameLosses) {
   }
 }
 
+// Mixed precision keeps the training state fp32 (the bf16 weights are a copy made each step), so
+// a bf16 run resumes bit-identically from its own checkpoints, and either precision resumes the
+// other's.
+TEST(ReferenceTrainer, Bf16ResumesExactlyAndEitherPrecisionResumesTheOther) {
+  TempDir dir;
+  auto corpus = make_corpus(dir);
+  const std::string train = "training: {steps: 8, global_batch: 4, micro_batch: 2, precision: ";
+  auto load = [&](const std::string& precision, const std::string& extra, const char* name) {
+    return TrainConfig::load(write_config(dir, corpus, train + precision + "}\n" + extra, name));
+  };
+  const auto fp32 = ReferenceTrainer(load("fp32", "", "f.yaml")).run();
+  const auto bf16 = ReferenceTrainer(load("bf16", "", "b.yaml")).run();
+  ASSERT_EQ(bf16.losses.size(), 8u);
+  EXPECT_NEAR(bf16.losses.front(), std::log(257.0), 0.3);
+  EXPECT_NE(bf16.losses.front(), fp32.losses.front());  // the bf16 arithmetic ran
+
+  for (const char* saved_as : {"bf16", "fp32"}) {
+    SCOPED_TRACE(saved_as);
+    const std::string ck = std::string("checkpoint: {dir: ck-") + saved_as + ", every: 5}\n";
+    auto first = load(saved_as, ck, "s.yaml");
+    first.training.steps = 5;
+    ReferenceTrainer(first).run();
+    for (const char* resumed_as : {"bf16", "fp32"}) {
+      // Each resume from its own copy of the step-5 save (a run saves again when it ends).
+      const std::string copy = std::string("ck-") + saved_as + "-" + resumed_as;
+      std::filesystem::copy(dir.path() / (std::string("ck-") + saved_as), dir.path() / copy,
+                            std::filesystem::copy_options::recursive);
+      ReferenceTrainer resumed(
+          load(resumed_as, "checkpoint: {dir: " + copy + ", every: 5}\n", "r.yaml"));
+      EXPECT_EQ(resumed.step(), 5) << resumed_as;
+      const auto rest = resumed.run();
+      ASSERT_EQ(rest.losses.size(), 3u);
+      const auto& straight = std::string(resumed_as) == "bf16" ? bf16 : fp32;
+      // The same state and the same arithmetic after the resume: the straight run's losses,
+      // exactly, when both halves ran in one precision.
+      if (std::string(saved_as) == resumed_as) {
+        for (size_t i = 0; i < 3; ++i)
+          EXPECT_EQ(rest.losses[i], straight.losses[5 + i]) << resumed_as << " step " << 6 + i;
+      }
+      for (double l : rest.losses) EXPECT_TRUE(std::isfinite(l)) << resumed_as;
+    }
+  }
+}
+
 TEST(ReferenceTrainer, ResumeRefusesACheckpointOfAnotherModel) {
   TempDir dir;
   auto corpus = make_corpus(dir);

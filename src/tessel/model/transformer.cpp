@@ -195,6 +195,8 @@ void Transformer::refresh_compute_weights() {
 const bf16* Transformer::compute_weight(const float* weight) const {
   TESSEL_CHECK(params16_fresh_, InvalidArgumentError,
                "a bf16 pass before refresh_compute_weights() made the weights' bf16 copy");
+  TESSEL_CHECK(weight >= params_ && weight < params_ + num_params_, InvalidArgumentError,
+               "internal: a linear layer's weight outside the model's parameters");
   return params16_ + (weight - params_);
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "tessel/core/check.h"
 
@@ -317,18 +318,17 @@ GroupLink GroupLink::across(const LinkSpec& inter, double bandwidth, int ranks, 
 
 namespace {
 
-bool nccl_modelled(const GroupLink& link, int ranks) {
-  return link.nccl.defined() && link.hosts > 1 && ranks % link.hosts == 0;
+// NCCL's model's time where the link has one and the group spans its hosts evenly.
+std::optional<double> nccl_time(Collective c, double bytes, int ranks, const GroupLink& link) {
+  if (!link.nccl.defined() || link.hosts <= 1 || ranks % link.hosts != 0) return std::nullopt;
+  return nccl_collective(c, bytes, ranks, link.hosts, link.bandwidth, link.nccl).seconds;
 }
 
 }  // namespace
 
 double CostModel::all_reduce_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  if (nccl_modelled(link, ranks))
-    return nccl_collective(Collective::all_reduce, bytes, ranks, link.hosts, link.bandwidth,
-                           link.nccl)
-        .seconds;
+  if (auto t = nccl_time(Collective::all_reduce, bytes, ranks, link)) return *t;
   const double wire = 2.0 * (ranks - 1) / ranks * bytes;
   if (!link.bus_curve.empty()) return wire / bus_bandwidth(link.bus_curve, bytes);
   return wire / link.bandwidth + link.latency;
@@ -336,10 +336,7 @@ double CostModel::all_reduce_time(double bytes, int ranks, const GroupLink& link
 
 double CostModel::reduce_scatter_time(double bytes, int ranks, const GroupLink& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  if (nccl_modelled(link, ranks))
-    return nccl_collective(Collective::reduce_scatter, bytes, ranks, link.hosts, link.bandwidth,
-                           link.nccl)
-        .seconds;
+  if (auto t = nccl_time(Collective::reduce_scatter, bytes, ranks, link)) return *t;
   // Half a ring all-reduce's passes, at the all-reduce's bus bandwidth for the message (the
   // curves measured are all-reduce's).
   const double wire = double(ranks - 1) / ranks * bytes;
@@ -348,10 +345,8 @@ double CostModel::reduce_scatter_time(double bytes, int ranks, const GroupLink& 
 }
 
 double CostModel::all_gather_time(double bytes, int ranks, const GroupLink& link) {
-  if (nccl_modelled(link, ranks) && bytes > 0)
-    return nccl_collective(Collective::all_gather, bytes, ranks, link.hosts, link.bandwidth,
-                           link.nccl)
-        .seconds;
+  if (ranks <= 1 || bytes <= 0) return 0;
+  if (auto t = nccl_time(Collective::all_gather, bytes, ranks, link)) return *t;
   return reduce_scatter_time(bytes, ranks, link);
 }
 

@@ -102,10 +102,11 @@ GraphPlan plan_graph(const OpGraph& graph, const ClusterSpec& cluster,
       across.latency_s = cluster.inter_host.coll_latency();
       across.bus_curve.clear();
       // The outer axis's members on a host: as many as the host holds tp groups.
-      const int per_host = std::max(1, cluster.devices_per_host / request.tp);
-      across.nccl = cluster.inter_host.nccl;
+      const GroupLink outer = GroupLink::across(cluster.inter_host, across.bandwidth, request.outer,
+                                                std::max(1, cluster.devices_per_host / request.tp));
+      across.nccl = outer.nccl;
       across.ranks = request.outer;
-      across.hosts = request.outer % per_host == 0 ? request.outer / per_host : request.outer;
+      across.hosts = outer.hosts;
     }
     // The programme prices one micro-batch's passes, and the weight-gradient sync runs once a
     // step: on a mesh, whose outer axis is data parallelism when the programme chooses so, each

@@ -44,18 +44,20 @@ bf16* scratch(std::vector<bf16>& buffer, int64_t n) {
 }
 thread_local std::vector<bf16> g_first, g_second;
 
+// Pre-filling the rows with the bias and letting the GEMM accumulate (beta = 1) costs one
+// streaming write instead of a second read-modify-write pass over out. Returns the GEMM's beta.
+float prefill_bias(float* out, const float* bias, int N, int OC) {
+  if (bias == nullptr) return 0.0f;
+#pragma omp parallel for schedule(static) if (int64_t(N) * OC > 32768)
+  for (int n = 0; n < N; ++n) std::copy_n(bias, OC, out + int64_t(n) * OC);
+  return 1.0f;
+}
+
 }  // namespace
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N,
                     int IC, int OC) {
-  float beta = 0.0f;
-  if (bias != nullptr) {
-    // Pre-filling the rows with the bias and letting the GEMM accumulate (beta = 1) costs one
-    // streaming write instead of a second read-modify-write pass over out.
-#pragma omp parallel for schedule(static) if (int64_t(N) * OC > 32768)
-    for (int n = 0; n < N; ++n) std::copy_n(bias, OC, out + int64_t(n) * OC);
-    beta = 1.0f;
-  }
+  const float beta = prefill_bias(out, bias, N, OC);
   sgemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, beta, out, OC);
 }
 
@@ -83,12 +85,7 @@ void to_bf16(bf16* dst, const float* src, int64_t n) {
 
 void linear_forward_bf16(float* out, const float* inp, const bf16* weight, const float* bias, int N,
                          int IC, int OC) {
-  float beta = 0.0f;
-  if (bias != nullptr) {
-#pragma omp parallel for schedule(static) if (int64_t(N) * OC > 32768)
-    for (int n = 0; n < N; ++n) std::copy_n(bias, OC, out + int64_t(n) * OC);
-    beta = 1.0f;
-  }
+  const float beta = prefill_bias(out, bias, N, OC);
   bf16* x = scratch(g_first, int64_t(N) * IC);
   to_bf16(x, inp, int64_t(N) * IC);
   gemm_bf16(false, true, N, OC, IC, 1.0f, x, IC, weight, IC, beta, out, OC);

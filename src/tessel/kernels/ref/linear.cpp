@@ -1,5 +1,7 @@
 // Reference linear layer: obvious loops with double accumulation, the oracle for cpu::linear.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "tessel/kernels/linear.h"
 #include "tessel/kernels/linear_bf16.h"
@@ -31,6 +33,19 @@ void linear_backward_input(float* dinp, const float* dout, const float* weight, 
   }
 }
 
+namespace {
+
+// dbias[o] += sum_n dout[n, o], each column summed in double.
+void bias_gradient(float* dbias, const float* dout, int N, int OC) {
+  for (int o = 0; o < OC; ++o) {
+    double acc = 0;
+    for (int n = 0; n < N; ++n) acc += dout[int64_t(n) * OC + o];
+    dbias[o] += float(acc);
+  }
+}
+
+}  // namespace
+
 void linear_backward_weight(float* dweight, float* dbias, const float* dout, const float* inp,
                             int N, int IC, int OC) {
   for (int o = 0; o < OC; ++o) {
@@ -40,12 +55,8 @@ void linear_backward_weight(float* dweight, float* dbias, const float* dout, con
         acc += double(dout[int64_t(n) * OC + o]) * inp[int64_t(n) * IC + i];
       dweight[int64_t(o) * IC + i] += float(acc);
     }
-    if (dbias != nullptr) {
-      double acc = 0;
-      for (int n = 0; n < N; ++n) acc += dout[int64_t(n) * OC + o];
-      dbias[o] += float(acc);
-    }
   }
+  if (dbias != nullptr) bias_gradient(dbias, dout, N, OC);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -54,12 +65,20 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
   linear_backward_weight(dweight, dbias, dout, inp, N, IC, OC);
 }
 
-// ---- bf16 operands: the same loops on the operands rounded to bf16 ----
+// ---- bf16 operands: the float loops on the operands rounded to bf16 and widened back ----
 
 namespace {
 
-double rounded(float x) {
-  return bf16_to_f32(f32_to_bf16(x));
+std::vector<float> widened(const bf16* x, int64_t n) {
+  std::vector<float> out(size_t(std::max<int64_t>(n, 0)));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_f32(x[i]);
+  return out;
+}
+
+std::vector<float> rounded(const float* x, int64_t n) {
+  std::vector<bf16> r(size_t(std::max<int64_t>(n, 0)));
+  to_bf16(r.data(), x, n);
+  return widened(r.data(), n);
 }
 
 }  // namespace
@@ -70,44 +89,21 @@ void to_bf16(bf16* dst, const float* src, int64_t n) {
 
 void linear_forward_bf16(float* out, const float* inp, const bf16* weight, const float* bias, int N,
                          int IC, int OC) {
-  for (int n = 0; n < N; ++n) {
-    const float* x = inp + int64_t(n) * IC;
-    for (int o = 0; o < OC; ++o) {
-      const bf16* w = weight + int64_t(o) * IC;
-      double acc = bias != nullptr ? bias[o] : 0.0;
-      for (int i = 0; i < IC; ++i) acc += rounded(x[i]) * bf16_to_f32(w[i]);
-      out[int64_t(n) * OC + o] = float(acc);
-    }
-  }
+  linear_forward(out, rounded(inp, int64_t(N) * IC).data(),
+                 widened(weight, int64_t(OC) * IC).data(), bias, N, IC, OC);
 }
 
 void linear_backward_input_bf16(float* dinp, const float* dout, const bf16* weight, int N, int IC,
                                 int OC) {
-  for (int n = 0; n < N; ++n) {
-    for (int i = 0; i < IC; ++i) {
-      double acc = 0;
-      for (int o = 0; o < OC; ++o)
-        acc += rounded(dout[int64_t(n) * OC + o]) * bf16_to_f32(weight[int64_t(o) * IC + i]);
-      dinp[int64_t(n) * IC + i] += float(acc);
-    }
-  }
+  linear_backward_input(dinp, rounded(dout, int64_t(N) * OC).data(),
+                        widened(weight, int64_t(OC) * IC).data(), N, IC, OC);
 }
 
 void linear_backward_weight_bf16(float* dweight, float* dbias, const float* dout, const float* inp,
                                  int N, int IC, int OC) {
-  for (int o = 0; o < OC; ++o) {
-    for (int i = 0; i < IC; ++i) {
-      double acc = 0;
-      for (int n = 0; n < N; ++n)
-        acc += rounded(dout[int64_t(n) * OC + o]) * rounded(inp[int64_t(n) * IC + i]);
-      dweight[int64_t(o) * IC + i] += float(acc);
-    }
-    if (dbias != nullptr) {
-      double acc = 0;
-      for (int n = 0; n < N; ++n) acc += dout[int64_t(n) * OC + o];
-      dbias[o] += float(acc);
-    }
-  }
+  linear_backward_weight(dweight, nullptr, rounded(dout, int64_t(N) * OC).data(),
+                         rounded(inp, int64_t(N) * IC).data(), N, IC, OC);
+  if (dbias != nullptr) bias_gradient(dbias, dout, N, OC);  // from the float dout, as autocast
 }
 
 }  // namespace tessel::kernels::ref
